@@ -1,0 +1,3 @@
+from dflash_train.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""Reading raw training rows: JSONL, JSON and Parquet files of conversations.
+
+Every row becomes a `Record`: a list of chat messages plus where it came from. Three row
+shapes are accepted:
+
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
+    {"prompt": "...", "response": "..."}          (also "completion"/"answer")
+    {"text": "..."}                               (plain text, no chat template)
+
+Other keys (ids, metadata) are kept in `Record.extra`. A malformed row raises
+`DataError` naming the file, the line (1-based, or the row index for Parquet/JSON
+arrays) and the field, so a user can fix it without guessing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+RESPONSE_KEYS = ("response", "completion", "answer")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names file, line/row and field."""
+
+    def __init__(self, file: str | Path, line: int | None, field_name: str | None, problem: str):
+        self.file, self.line, self.field, self.problem = str(file), line, field_name, problem
+        where = self.file + (f":{line}" if line is not None else "")
+        what = f" field '{field_name}'" if field_name else ""
+        super().__init__(f"{where}:{what} {problem}")
+
+
+@dataclass
+class Record:
+    """One training example. `messages` is None for plain-text rows (then `text` is set)."""
+
+    file: str
+    line: int
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _check_messages(value: Any, file: str, line: int) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataError(file, line, "messages", "must be a non-empty list of {role, content}")
+    out = []
+    for i, msg in enumerate(value):
+        name = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise DataError(file, line, name, f"must be an object, got {type(msg).__name__}")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in VALID_ROLES:
+            raise DataError(file, line, f"{name}.role", f"must be one of {list(VALID_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise DataError(file, line, f"{name}.content", f"must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(file, line, "messages", "has no assistant turn (nothing to learn from)")
+    return out
+
+
+def parse_row(obj: Any, file: str | Path, line: int) -> Record:
+    """Validate one decoded row and turn it into a Record."""
+    file = str(file)
+    if not isinstance(obj, dict):
+        raise DataError(file, line, None, f"row must be a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        extra = {k: v for k, v in obj.items() if k != "messages"}
+        return Record(file, line, messages=_check_messages(obj["messages"], file, line), extra=extra)
+    if "prompt" in obj:
+        resp_key = next((k for k in RESPONSE_KEYS if k in obj), None)
+        if resp_key is None:
+            raise DataError(file, line, "response", f"missing: a prompt row needs one of {list(RESPONSE_KEYS)}")
+        prompt, response = obj["prompt"], obj[resp_key]
+        if not isinstance(prompt, str):
+            raise DataError(file, line, "prompt", f"must be a string, got {type(prompt).__name__}")
+        if not isinstance(response, str):
+            raise DataError(file, line, resp_key, f"must be a string, got {type(response).__name__}")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        if isinstance(obj.get("system"), str):
+            messages.insert(0, {"role": "system", "content": obj["system"]})
+        extra = {k: v for k, v in obj.items() if k not in ("prompt", resp_key, "system")}
+        return Record(file, line, messages=messages, extra=extra)
+    if "text" in obj:
+        if not isinstance(obj["text"], str) or not obj["text"]:
+            raise DataError(file, line, "text", "must be a non-empty string")
+        return Record(file, line, text=obj["text"], extra={k: v for k, v in obj.items() if k != "text"})
+    raise DataError(file, line, None, "row has none of the fields 'messages', 'prompt', 'text'")
+
+
+def _iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line or row number, decoded object) for every row of one file.
+
+    An undecodable JSONL line is yielded as a DataError (not raised) so that callers
+    skipping bad rows can carry on with the next line."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open("r", encoding="utf-8") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    obj = DataError(path, lineno, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+                yield lineno, obj
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(path, exc.lineno, None, f"invalid JSON: {exc.msg}") from None
+        if isinstance(data, dict):
+            data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else [data]
+        if not isinstance(data, list):
+            raise DataError(path, None, None, "a .json file must hold a list of rows")
+        for i, obj in enumerate(data, start=1):
+            yield i, obj
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for obj in batch.to_pylist():
+                row += 1
+                yield row, obj
+    else:
+        raise DataError(path, None, None, f"unsupported file type {suffix!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
+
+
+def expand_inputs(paths: list[str | Path]) -> list[Path]:
+    """Files and directories (searched for supported files) -> sorted list of files."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(q for q in p.rglob("*") if q.suffix.lower() in SUPPORTED_SUFFIXES))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"input not found: {p}")
+    if not out:
+        raise FileNotFoundError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files in {', '.join(map(str, paths))}")
+    return out
+
+
+def iter_records(paths: list[str | Path], *, skip_bad: bool = False, bad: list[DataError] | None = None) -> Iterator[Record]:
+    """Records of all files in order. With skip_bad, malformed rows go to `bad` instead of raising."""
+    for path in expand_inputs(paths):
+        for line, obj in _iter_raw(path):
+            try:
+                if isinstance(obj, DataError):
+                    raise obj
+                yield parse_row(obj, path, line)
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                if bad is not None:
+                    bad.append(err)

