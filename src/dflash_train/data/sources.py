@@ -33,6 +33,13 @@ class DataError(ValueError):
         what = f" field '{field_name}'" if field_name else ""
         super().__init__(f"{where}:{what} {problem}")
 
+    def __reduce__(self):  # picklable, so worker processes can hand bad rows back
+        return (type(self), (self.file, self.line, self.field, self.problem))
+
+    def to_dict(self) -> dict:
+        where = self.file + (f":{self.line}" if self.line is not None else "")
+        return {"where": where, "field": self.field, "reason": self.problem}
+
 
 @dataclass
 class Record:

@@ -1,0 +1,367 @@
+"""`prepare`: raw rows -> tokenized Arrow shards + manifest.json.
+
+Output directory layout (format version 1):
+
+    manifest.json          tokenizer identity, counts, token statistics, shard list
+    shard-00000.arrow      Arrow IPC *file* format (random access, memory-mapped on read)
+    ...
+    bad_rows.jsonl         only with --skip-bad-rows and bad rows: every skipped row and why
+
+Shard schema, one row per training sample, written in record batches of 1,024 rows:
+
+    input_ids  list<int32>   token ids of the rendered conversation
+    loss_mask  list<uint8>   1 on assistant tokens (see data/render.py), 0 elsewhere;
+                             uint8 rather than bool so reads are zero-copy numpy views
+    length     int32         len(input_ids), read alone by the batch planner
+    source     string        "file:line" of the raw row, for debugging
+
+The run writes into a hidden temporary directory next to the output and renames it at
+the end, so a failed or interrupted run never leaves a half dataset that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+import numpy as np
+
+from dflash_train.data.render import ChatRenderer
+from dflash_train.data.sources import DataError, Record, expand_inputs, iter_records
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BATCH_ROWS = 1024  # rows per Arrow record batch: small enough to buffer, large enough to be cheap
+CHUNK_ROWS = 64  # rows per task sent to a worker process
+MAX_LISTED_BAD_ROWS = 1000  # bad rows listed in the manifest itself; bad_rows.jsonl has them all
+
+
+@dataclass
+class PrepareConfig:
+    target: str = "builtin"  # model dir / .gguf / "builtin" / tokenizer-only dir: whose tokenizer to use
+    inputs: list[str] = field(default_factory=list)
+    output: str = ""
+    max_length: int = 8192
+    overflow: Literal["truncate", "drop"] = "truncate"
+    skip_bad_rows: bool = False
+    workers: int = 0  # 0 = one per CPU core
+    shard_size: int = 100_000  # rows per shard file
+    overwrite: bool = False
+    chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
+    text_eos: bool = False  # append EOS to plain-text rows
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("no inputs given")
+        if not self.output:
+            raise ValueError("no output directory given")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.overflow not in ("truncate", "drop"):
+            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
+        if self.workers < 0 or self.shard_size < 1:
+            raise ValueError("workers must be >= 0 and shard_size >= 1")
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+
+def load_target_tokenizer(target: str):
+    """The tokenizer of `target`: anything `load_tokenizer` takes, or a directory holding
+    only tokenizer files (tokenizer.json / tokenizer_config.json)."""
+    from dflash_train.target.loading import load_tokenizer
+
+    path = Path(target).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return load_tokenizer(target)
+
+
+# -- per-row work (runs in worker processes) ---------------------------------------------------
+
+# One result per input row, in input order:
+#   ("ok", input_ids, loss_mask, source, truncated) | ("too_long", source, length)
+#   ("no_loss", source) | ("bad", DataError)
+Result = tuple
+
+_worker_state: dict[str, Any] = {}
+
+
+def _init_worker(renderer: ChatRenderer, max_length: int, overflow: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the parallelism is the processes
+    _worker_state.update(renderer=renderer, max_length=max_length, overflow=overflow)
+
+
+def _encode_one(renderer: ChatRenderer, rec: Record, max_length: int, overflow: str) -> Result:
+    try:
+        ids, mask = renderer.encode_record(rec)
+    except DataError as err:
+        return ("bad", err)
+    truncated = False
+    if len(ids) > max_length:
+        if overflow == "drop":
+            return ("too_long", rec.where, len(ids))
+        ids, mask, truncated = ids[:max_length], mask[:max_length], True
+    if not mask[1:].any():  # a loss token at position 0 can never be a label (nothing precedes it)
+        return ("no_loss", rec.where)
+    return ("ok", ids, mask.astype(np.uint8), rec.where, truncated)
+
+
+def _encode_chunk(chunk: list[Record]) -> list[Result]:
+    s = _worker_state
+    return [_encode_one(s["renderer"], rec, s["max_length"], s["overflow"]) for rec in chunk]
+
+
+def _chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
+    for rec in records:
+        # `extra` (ids, metadata) is not needed to tokenize: do not ship it to workers.
+        chunk.append(Record(rec.file, rec.line, messages=rec.messages, text=rec.text))
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_all(chunks: Iterator[list[Record]], workers: int, init_args: tuple) -> Iterator[list[Result]]:
+    """Chunk results in input order. A bounded number of chunks is in flight, so memory
+    does not grow with the input (Pool.imap would read the whole input ahead)."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield _encode_chunk(chunk)
+        return
+    # fork shares the already-loaded tokenizer with the workers for free; spawn elsewhere.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
+    try:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 4 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, shard_size: int):
+        import pyarrow as pa
+
+        self.pa = pa
+        self.schema = pa.schema(
+            [
+                ("input_ids", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(pa.uint8())),
+                ("length", pa.int32()),
+                ("source", pa.string()),
+            ]
+        )
+        self.directory, self.shard_size = directory, shard_size
+        self.shards: list[dict[str, Any]] = []
+        self._writer = None
+        self._rows_in_shard = 0
+        self._buf: list[tuple[np.ndarray, np.ndarray, str]] = []
+
+    def add(self, ids: np.ndarray, mask: np.ndarray, source: str) -> None:
+        self._buf.append((ids, mask, source))
+        if len(self._buf) == BATCH_ROWS or self._rows_in_shard + len(self._buf) == self.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        pa = self.pa
+        if self._writer is None:
+            name = f"shard-{len(self.shards):05d}.arrow"
+            self._writer = pa.ipc.new_file(str(self.directory / name), self.schema)
+            self.shards.append({"file": name, "rows": 0, "tokens": 0})
+        lengths = np.fromiter((len(b[0]) for b in self._buf), dtype=np.int32, count=len(self._buf))
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        batch = pa.record_batch(
+            [
+                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([b[0] for b in self._buf]))),
+                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([b[1] for b in self._buf]))),
+                pa.array(lengths),
+                pa.array([b[2] for b in self._buf], pa.string()),
+            ],
+            schema=self.schema,
+        )
+        self._writer.write_batch(batch)
+        self.shards[-1]["rows"] += len(self._buf)
+        self.shards[-1]["tokens"] += int(lengths.sum())
+        self._rows_in_shard += len(self._buf)
+        self._buf = []
+        if self._rows_in_shard >= self.shard_size:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer, self._rows_in_shard = None, 0
+
+    def close(self) -> list[dict[str, Any]]:
+        self._flush()
+        self._close_shard()
+        return self.shards
+
+
+def _count_rows(paths: list[Path]) -> int | None:
+    """Cheap row count for the progress bar (JSONL newlines, Parquet metadata); None if unknown."""
+    total = 0
+    for p in paths:
+        suffix = p.suffix.lower()
+        if suffix == ".jsonl":
+            with p.open("rb") as fh:
+                total += sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 22), b""))
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(p).metadata.num_rows
+        else:
+            return None
+    return total
+
+
+def _length_stats(lengths: np.ndarray) -> dict[str, float]:
+    if len(lengths) == 0:
+        return {}
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {"min": int(lengths.min()), "mean": round(float(lengths.mean()), 2), "p50": float(p50),
+            "p90": float(p90), "p99": float(p99), "max": int(lengths.max())}
+
+
+def _prepare_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+
+
+def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
+    """Run the whole prepare job; returns the manifest. `tokenizer` skips loading `cfg.target`.
+
+    Raises DataError on the first malformed row (unless cfg.skip_bad_rows) and
+    FileExistsError when the output exists (unless cfg.overwrite)."""
+    output = Path(cfg.output).expanduser().resolve()
+    _prepare_output(output, cfg.overwrite)  # fail before the expensive part
+    files = expand_inputs(cfg.inputs)
+    from dflash_train.target.loading import tokenizer_identity
+
+    tok = tokenizer if tokenizer is not None else load_target_tokenizer(cfg.target)
+    identity = tokenizer_identity(tok)  # of the tokenizer as the target ships it: the trainer compares this
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    renderer = ChatRenderer(tok, chat_template=template, text_eos=cfg.text_eos)
+
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        manifest = _run(cfg, files, renderer, tmp)
+        manifest.update(
+            tokenizer=identity,
+            chat_template={
+                "source": str(Path(cfg.chat_template).resolve()) if cfg.chat_template else "tokenizer",
+                "sha256": hashlib.sha256((renderer.chat_template or "").encode()).hexdigest()[:16],
+            },
+        )
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        _prepare_output(output, cfg.overwrite)  # someone may have created it meanwhile
+        if output.exists():
+            old = output.parent / f".{output.name}.old-{os.getpid()}"
+            output.rename(old)
+            tmp.rename(output)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Path) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    workers = cfg.workers or os.cpu_count() or 1
+    parse_bad: list[DataError] = []  # rows that fail to parse land here (skip mode) ...
+    render_bad: list[DataError] = []  # ... and rows the chat template rejects here
+    records = iter_records(files, skip_bad=cfg.skip_bad_rows, bad=parse_bad)
+    writer = _ShardWriter(out, cfg.shard_size)
+    counts = dict.fromkeys(["rows_read", "rows_kept", "truncated", "dropped_too_long", "dropped_no_loss"], 0)
+    lengths, loss_tokens = array("i"), 0
+    started = time.time()
+    total = _count_rows(files) if cfg.progress else None
+    bar = tqdm(total=total, unit="rows", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True,
+               desc="prepare")
+    seen_parse_bad = 0
+    for results in _encode_all(_chunks(records, CHUNK_ROWS), workers, (renderer, cfg.max_length, cfg.overflow)):
+        for res in results:
+            kind = res[0]
+            if kind == "ok":
+                _, ids, mask, source, truncated = res
+                writer.add(ids, mask, source)
+                lengths.append(len(ids))
+                loss_tokens += int(mask.sum())
+                counts["rows_kept"] += 1
+                counts["truncated"] += int(truncated)
+            elif kind == "too_long":
+                counts["dropped_too_long"] += 1
+            elif kind == "no_loss":
+                counts["dropped_no_loss"] += 1
+            elif not cfg.skip_bad_rows:
+                raise res[1]
+            else:
+                render_bad.append(res[1])
+        counts["rows_read"] += len(results)
+        bar.update(len(results) + len(parse_bad) - seen_parse_bad)
+        seen_parse_bad = len(parse_bad)
+    counts["rows_read"] += len(parse_bad)
+    bar.close()
+    shards = writer.close()
+    elapsed = time.time() - started
+
+    order = {str(f): i for i, f in enumerate(files)}
+    bad = sorted(parse_bad + render_bad, key=lambda e: (order.get(e.file, len(order)), e.line or 0))
+    bad_list = [e.to_dict() for e in bad]
+    if bad_list:
+        with (out / "bad_rows.jsonl").open("w") as fh:
+            fh.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in bad_list)
+    lens = np.frombuffer(lengths, dtype=np.int32) if len(lengths) else np.zeros(0, np.int32)
+    from dflash_train import __version__
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "dflash_train_version": __version__,
+        "inputs": [str(p.resolve()) for p in files],
+        "options": {"max_length": cfg.max_length, "overflow": cfg.overflow, "skip_bad_rows": cfg.skip_bad_rows,
+                    "text_eos": cfg.text_eos, "shard_size": cfg.shard_size},
+        "counts": {**counts, "bad_rows": len(bad_list)},
+        "bad_rows": bad_list[:MAX_LISTED_BAD_ROWS],
+        "bad_rows_file": "bad_rows.jsonl" if bad_list else None,
+        "tokens": {"total": int(lens.sum()), "loss": loss_tokens, "length": _length_stats(lens)},
+        "shards": shards,
+        "schema": {"input_ids": "list<int32>", "loss_mask": "list<uint8>", "length": "int32", "source": "string"},
+        "seconds": round(elapsed, 2),
+    }

@@ -1,0 +1,148 @@
+"""Conversation -> (input_ids, loss_mask) with any chat template.
+
+The loss mask marks exactly the tokens the assistant produces at inference time: each
+assistant message's content plus the template's end-of-turn marker (`<|im_end|>`,
+`<｜end▁of▁sentence｜>`, `<|eot_id|>`, ...). It never marks role headers, the system
+prompt, user turns, or the separator a template writes after the end-of-turn marker
+(ChatML's trailing newline: the model stops at `<|im_end|>` and never generates it).
+
+How the assistant spans are found, without knowing anything about the template:
+
+    P_i = render(messages[:i], add_generation_prompt=True)   # ... <|im_start|>assistant\n
+    F_i = render(messages[:i + 1])                           # ... <|im_start|>assistant\nHi<|im_end|>\n
+
+for every assistant message i. The generation prompt is what the serving engine feeds
+the model before it starts writing, so `F_i[len(P_i):]` is what the model itself writes
+for that turn, plus whatever separator the template appends after the turn. Trailing
+whitespace of that segment is that separator and is cut; the rest is the span. The full
+text is F_last (messages after the last assistant turn carry no loss and are dropped).
+Each F_i must be a prefix of the full text, and each P_i a prefix of F_i; a template
+that re-renders earlier turns once the conversation goes on (e.g. one that drops the
+reasoning of old turns) breaks this and the row is rejected with an error saying so.
+
+The full text is tokenized once, without extra special tokens (the template writes
+them, e.g. DeepSeek's BOS), and a token is in the mask iff its first character lies in
+a span. Templates that inject text (SmolLM2's default system prompt, a BOS) need no
+special care: injected text is outside every span.
+
+Plain-text rows: every token is in the loss mask; the tokenizer adds its own special
+tokens (e.g. a BOS) as it would for any text, and `text_eos=True` appends EOS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dflash_train.data.sources import DataError, Record
+
+
+class TemplateError(ValueError):
+    """The tokenizer cannot render conversations at all (e.g. it has no chat template)."""
+
+
+class RenderError(ValueError):
+    """One conversation cannot be rendered; `field` names the message at fault."""
+
+    def __init__(self, field: str | None, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field}: {problem}" if field else problem)
+
+
+class ChatRenderer:
+    """Turns Records into token ids and loss masks with one tokenizer and chat template.
+
+    Picklable (the Hugging Face tokenizer is), so it can be shipped to worker processes.
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None, text_eos: bool = False):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or None
+        self.text_eos = text_eos
+        # The Rust tokenizer gives ids and character offsets in one call, ~20% faster than
+        # going through the Python wrapper; slow (Python) tokenizers have no offsets at all.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self._backend is None:
+            raise TemplateError("a fast tokenizer (tokenizer.json) is needed: offsets locate the assistant tokens")
+
+    # -- rendering -------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool, upto: int) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                chat_template=self.chat_template,
+            )
+        except Exception as exc:  # jinja2 errors from `raise_exception(...)` in templates, and others
+            raise RenderError("messages", f"the chat template rejected the conversation up to messages[{upto}]: {exc}") from None
+        if not isinstance(text, str):
+            raise TemplateError(f"apply_chat_template returned {type(text).__name__}, expected text")
+        return text
+
+    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """Full rendered text and the character span [start, end) of every assistant turn."""
+        if not self.chat_template:
+            raise TemplateError(
+                "the tokenizer has no chat template, so chat rows cannot be rendered; "
+                "pass one with --chat-template FILE (a Jinja file) or use plain 'text' rows"
+            )
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            raise RenderError("messages", "has no assistant turn (nothing to learn from)")
+        full = self._render(messages[: turns[-1] + 1], False, turns[-1])
+        spans = []
+        for i in turns:
+            if i == 0:
+                # Hugging Face refuses to render an empty conversation, so there is no
+                # generation prompt to diff against (and templates inject a system prompt here).
+                raise RenderError("messages[0]", "the conversation must not open with an assistant turn")
+            prompt = self._render(messages[:i], True, i - 1)
+            done = full if i == turns[-1] else self._render(messages[: i + 1], False, i)
+            if not done.startswith(prompt):
+                raise RenderError(
+                    f"messages[{i}]",
+                    "the chat template's generation prompt is not a prefix of the rendered assistant turn; "
+                    "cannot tell where the assistant's tokens start",
+                )
+            if not full.startswith(done):
+                raise RenderError(
+                    f"messages[{i}]",
+                    "the chat template renders this assistant turn differently once the conversation goes on "
+                    "(e.g. it drops earlier reasoning); split the conversation into one row per assistant turn",
+                )
+            start = len(prompt)
+            end = start + len(done[start:].rstrip())  # trailing whitespace = the template's separator
+            spans.append((start, end))
+        return full, spans
+
+    # -- tokenization ----------------------------------------------------------------------
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask bool) of one conversation. Raises RenderError/TemplateError."""
+        text, spans = self.assistant_spans(messages)
+        enc = self._backend.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        starts = np.fromiter((o[0] for o in enc.offsets), dtype=np.int64, count=len(ids))
+        mask = np.zeros(len(ids), dtype=bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        return ids, mask
+
+    def encode_text(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = list(self._backend.encode(text, add_special_tokens=True).ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if self.text_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)
+
+    def encode_record(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of one Record; a row the template rejects raises DataError naming file:line."""
+        if record.messages is None:
+            return self.encode_text(record.text or "")
+        try:
+            return self.encode_messages(record.messages)
+        except RenderError as err:
+            raise DataError(record.file, record.line, err.field, err.problem) from None

@@ -1,0 +1,154 @@
+"""The inference checkpoint format (docs/dflash-spec.md, "Checkpoint format").
+
+A directory with `config.json` (Qwen3 fields + `block_size`, `num_target_layers`,
+`dflash_config`) and `model.safetensors` with the drafter's own tensors:
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`,
+`fc.weight`, `hidden_norm.weight`, `norm.weight`. This is what public DFlash inference
+code and serving engines load. Writes are atomic: a temporary directory renamed in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.model import DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": "sliding_attention" in cfg.layer_types,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "causal_in_block": {
+                "full_attention": cfg.causal_in_block_full,
+                "sliding_attention": cfg.causal_in_block_sliding,
+            },
+        },
+    }
+    if cfg.extra:
+        out["dflash_config"]["extra"] = cfg.extra
+    return out
+
+
+def from_hf_config(data: dict) -> DrafterConfig:
+    dflash = data.get("dflash_config") or {}
+    causal = dflash.get("causal_in_block") or {}
+    layer_types = data.get("layer_types")
+    return DrafterConfig(
+        hidden_size=data["hidden_size"],
+        num_attention_heads=data["num_attention_heads"],
+        num_key_value_heads=data.get("num_key_value_heads", data["num_attention_heads"]),
+        head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
+        intermediate_size=data["intermediate_size"],
+        vocab_size=data["vocab_size"],
+        target_layer_ids=dflash["target_layer_ids"],
+        num_target_layers=data["num_target_layers"],
+        mask_token_id=dflash["mask_token_id"],
+        num_hidden_layers=data["num_hidden_layers"],
+        block_size=data["block_size"],
+        rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+        rope_theta=data.get("rope_theta", 10000.0),
+        rope_scaling=data.get("rope_scaling"),
+        max_position_embeddings=data.get("max_position_embeddings", 32768),
+        layer_types=layer_types,
+        sliding_window=data.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None,
+        causal_in_block_full=causal.get("full_attention", False),
+        causal_in_block_sliding=causal.get("sliding_attention", True),
+        extra=dflash.get("extra", {}),
+    )
+
+
+def atomic_directory_write(final: Path, write_into) -> Path:
+    """Run `write_into(tmpdir)`, then move tmpdir to `final` (replacing an older one).
+
+    A crash at any moment leaves either the old directory or the new one, never a half
+    written directory under the final name.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write_into(tmp)
+        for f in tmp.iterdir():  # make the file contents durable before the rename
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the spec's inference checkpoint (config.json + model.safetensors) atomically."""
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_NAME).write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    return atomic_directory_write(Path(directory), write)
+
+
+def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    directory = Path(directory)
+    cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} is missing: not a DFlash drafter checkpoint")
+    data = json.loads(cfg_path.read_text())
+    if "DFlashDraftModel" not in (data.get("architectures") or []):
+        raise ValueError(f"{cfg_path}: architectures is {data.get('architectures')}, expected DFlashDraftModel")
+    model = DFlashDrafter(from_hf_config(data))
+    state = load_file(str(weights_path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights_path}: missing tensors {missing}, unexpected tensors {unexpected}")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device) if device is not None else model

@@ -1,0 +1,204 @@
+"""The drafter's configuration, validated at construction, and its derivation from a target.
+
+A DFlash drafter is a small Qwen3-style decoder whose hidden size equals the target's and
+which is conditioned on `n` tapped target layers (see docs/dflash-spec.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """`num_taps` decoder-layer ids spread evenly from 1 to L - 3 (0-based, distinct).
+
+    Rounds half up (not Python's banker's rounding) so the choice is easy to reproduce by
+    hand. Small targets get fewer taps when the range has fewer distinct layers.
+    """
+    if num_target_layers < 1:
+        raise ValueError(f"the target needs at least one decoder layer, got {num_target_layers}")
+    lo = min(1, num_target_layers - 1)
+    hi = max(lo, num_target_layers - 3)
+    if num_taps == 1:
+        return [(lo + hi) // 2]
+    ids = [int(math.floor(lo + i * (hi - lo) / (num_taps - 1) + 0.5)) for i in range(num_taps)]
+    return sorted(set(ids))
+
+
+@dataclass
+class DrafterConfig:
+    """Every shape and semantic choice of a drafter. Field names follow Hugging Face Qwen3."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    num_hidden_layers: int = 5
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Hugging Face rope scaling dict copied from the target (None = plain RoPE).
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    # One entry per layer: "full_attention" or "sliding_attention". None = all full.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # Whether block tokens see only earlier slots of their own block, per layer type.
+    # Spec defaults: full layers bidirectional, sliding layers causal (serving engines assume it).
+    causal_in_block_full: bool = False
+    causal_in_block_sliding: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        positive = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "intermediate_size", "vocab_size", "num_hidden_layers", "num_target_layers",
+                    "max_position_embeddings")
+        for name in positive:
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft slot), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside the target's decoder layers "
+                f"0..{self.num_target_layers - 1}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the embedding table (vocab_size {self.vocab_size})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unknown layer types {unknown}; use {list(LAYER_TYPES)}")
+        if SLIDING in self.layer_types:
+            if self.sliding_window is None or self.sliding_window < 1:
+                raise ValueError("sliding_attention layers need sliding_window >= 1")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def causal_in_block_of(self, layer: int) -> bool:
+        return self.causal_in_block_sliding if self.layer_types[layer] == SLIDING else self.causal_in_block_full
+
+    def mask_variants(self) -> list[tuple[int | None, bool]]:
+        """Distinct (window, causal_in_block) pairs: one attention mask is built per pair."""
+        seen: list[tuple[int | None, bool]] = []
+        for i in range(self.num_hidden_layers):
+            key = (self.window_of(i), self.causal_in_block_of(i))
+            if key not in seen:
+                seen.append(key)
+        return seen
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def rope_settings_of(target_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a Hugging Face config, across transformers 4.x and 5.x."""
+    params = getattr(target_config, "rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type rope (e.g. Gemma-style configs)
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", _get(target_config, "rope_theta", default=10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return theta, scaling
+    theta = float(_get(target_config, "rope_theta", default=10000.0))
+    scaling = getattr(target_config, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, (dict(scaling) if scaling else None)
+
+
+def drafter_config_from_target(
+    target_config: Any,
+    *,
+    mask_token_id: int,
+    num_hidden_layers: int = 5,
+    block_size: int = 16,
+    num_taps: int = 5,
+    target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    intermediate_size: int | None = None,
+    **overrides: Any,
+) -> DrafterConfig:
+    """Derive a drafter config from any Hugging Face causal-LM config.
+
+    Attention shapes, norm eps and RoPE come from the target (the drafter shares its
+    embedding space and position encoding); only depth, block size and taps are ours.
+    """
+    text_cfg = getattr(target_config, "text_config", None) or target_config
+    hidden = int(text_cfg.hidden_size)
+    heads = int(text_cfg.num_attention_heads)
+    kv_heads = int(_get(text_cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_get(text_cfg, "head_dim", default=hidden // heads))
+    n_layers = int(text_cfg.num_hidden_layers)
+    theta, scaling = rope_settings_of(text_cfg)
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n_layers, num_taps)
+    inter = intermediate_size or int(_get(text_cfg, "intermediate_size", default=4 * hidden))
+    if layer_types is None:
+        layer_types = [SLIDING if sliding_window else FULL] * num_hidden_layers
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=int(text_cfg.vocab_size),
+        target_layer_ids=list(target_layer_ids),
+        num_target_layers=n_layers,
+        mask_token_id=mask_token_id,
+        num_hidden_layers=num_hidden_layers,
+        block_size=block_size,
+        rms_norm_eps=float(_get(text_cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(_get(text_cfg, "max_position_embeddings", default=32768)),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        **overrides,
+    )

@@ -1,0 +1,107 @@
+"""Block labels: what slot k of the block at anchor a_j must predict.
+
+Slot k >= 1 predicts the token at a_j + k (no shift). The label is valid only if
+a_j + k < S, that position is in the anchor's document and its loss_mask is set; slot 0
+(the anchor itself) is never a label. A label never comes from the next document of a
+packed row.
+
+Label sources:
+* `data`:   the dataset token at a_j + k                      (`build_block_labels`)
+* `target`: argmax of the target logits at a_j + k - 1        (`target_block_labels`)
+* `distill`: the target distribution at a_j + k - 1            (`target_block_logits`)
+Target logits are computed only at a_j .. a_j + B - 2 for valid anchors, never for the
+whole sequence and vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100  # invalid label slots hold this so that any accidental use fails loudly
+
+
+def block_label_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, N] anchors -> [R, N, B] positions a_j + k (may exceed S - 1; see validity)."""
+    return anchors[..., None] + torch.arange(block_size, device=anchors.device)
+
+
+def block_label_validity(
+    document_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(label_valid [R, N, B], clamped positions [R, N, B]) per the spec's label rule."""
+    R, S = document_ids.shape
+    pos = block_label_positions(anchors, block_size)
+    in_row = pos < S
+    pos_c = pos.clamp(max=S - 1)
+    flat = pos_c.view(R, -1)
+    doc_at = torch.gather(document_ids, 1, flat).view_as(pos)
+    loss_at = torch.gather(loss_mask.bool(), 1, flat).view_as(pos)
+    anchor_doc = torch.gather(document_ids, 1, anchors)[..., None]
+    not_slot0 = torch.arange(block_size, device=anchors.device) >= 1
+    label_valid = valid[..., None] & in_row & (doc_at == anchor_doc) & loss_at & not_slot0
+    return label_valid, pos_c
+
+
+def build_block_labels(
+    input_ids: torch.Tensor,
+    document_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data` labels: (labels LongTensor[R, N, B], label_valid BoolTensor[R, N, B]).
+
+    Invalid slots hold IGNORE (-100).
+    """
+    R = input_ids.shape[0]
+    label_valid, pos_c = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
+    labels = torch.gather(input_ids, 1, pos_c.view(R, -1)).view_as(pos_c)
+    return torch.where(label_valid, labels, torch.full_like(labels, IGNORE)), label_valid
+
+
+def predecessor_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """Positions whose target logits give slot k's label: a_j + k - 1 for k = 1..B-1.
+
+    Returns [R, N, B-1], clamped into the row (clamped entries belong to invalid labels).
+    """
+    k = torch.arange(1, block_size, device=anchors.device)
+    return (anchors[..., None] + k - 1).clamp(max=seq_len - 1)
+
+
+def gather_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Target final-normed hidden states at a_j + k - 1: [R, S, H] -> [R, N, B-1, H]."""
+    R, S, H = final_hidden.shape
+    pos = predecessor_positions(anchors, block_size, S)
+    gathered = torch.gather(final_hidden, 1, pos.view(R, -1, 1).expand(-1, -1, H))
+    return gathered.view(R, *pos.shape[1:], H)
+
+
+@torch.no_grad()
+def target_block_labels(
+    final_hidden: torch.Tensor,  # [R, S, H] target hidden states after its final norm
+    lm_head_weight: torch.Tensor,  # [V, H]
+    document_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    *,
+    chunk_rows: int = 8192,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target` labels: the target's greedy token for each slot, same validity as `data`.
+
+    Logits are computed only at the R*N*(B-1) predecessor positions, in chunks, so the
+    [positions, V] matrix never exists at once.
+    """
+    label_valid, _ = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
+    states = gather_target_states(final_hidden, anchors, block_size)  # [R, N, B-1, H]
+    flat = states.reshape(-1, states.shape[-1])
+    greedy = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    w = lm_head_weight.to(flat.dtype)
+    for start in range(0, flat.shape[0], chunk_rows):
+        greedy[start:start + chunk_rows] = (flat[start:start + chunk_rows] @ w.T).argmax(dim=-1)
+    R, N = anchors.shape
+    labels = torch.full((R, N, block_size), IGNORE, dtype=torch.long, device=anchors.device)
+    labels[:, :, 1:] = greedy.view(R, N, block_size - 1)
+    return torch.where(label_valid, labels, torch.full_like(labels, IGNORE)), label_valid

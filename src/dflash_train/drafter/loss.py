@@ -1,0 +1,206 @@
+"""Loss and metrics of a drafter step (docs/dflash-spec.md, "Loss" and "Metrics").
+
+Per valid label: cross-entropy of lm_head(norm(h)) with the frozen target lm_head,
+weighted per slot by `decay` (exp(-(k-1)/gamma)), `cap` (the detached derivative of the
+expected acceptance length with respect to log c_k, floored at eps) or both.
+
+The step returns *sums* (weighted loss, weights, per-slot hit counts) rather than means:
+the trainer divides by the weight sum of the whole global batch (all micro-batches, all
+data-parallel ranks) so uneven token-budget batches do not bias the gradient, and it
+reads every scalar with one host sync per log step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.drafter.labels import IGNORE
+
+WEIGHTINGS = ("decay", "cap", "cap+decay", "uniform")
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay constant: 7 for B=16, 5 for B=10, 4 for B=8 (spec), ~0.45*B in between."""
+    return float(math.floor(0.45 * block_size + 0.5))
+
+
+@dataclass
+class LossConfig:
+    weighting: str = "decay"
+    gamma: float | None = None  # None: default_gamma(block_size)
+    cap_alpha: float = 0.5
+    cap_eps: float = 1e-2
+    chunk_rows: int = 4096  # rows of the [rows, vocab] logits computed at once
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"loss.weighting must be one of {list(WEIGHTINGS)}, got {self.weighting!r}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"loss.gamma must be positive, got {self.gamma}")
+        if not 0 < self.cap_alpha <= 1:
+            raise ValueError(f"loss.cap_alpha must be in (0, 1], got {self.cap_alpha}")
+        if not 0 < self.cap_eps < 1:
+            raise ValueError(f"loss.cap_eps must be in (0, 1), got {self.cap_eps}")
+        if self.chunk_rows < 1:
+            raise ValueError("loss.chunk_rows must be >= 1")
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of hidden @ W.T against hard labels or a soft target, chunked.
+
+    The [rows, V] logits exist only one chunk at a time. Because W is frozen, the gradient
+    with respect to the hidden states is (softmax - target) @ W per row, times the
+    incoming gradient of that row's loss: it is computed in the forward chunk loop while
+    the logits are at hand and saved as a [rows, H] tensor, so the backward pass is a
+    single multiply and the logits are never recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool):
+        rows = hidden.shape[0]
+        ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        w = weight.to(hidden.dtype)
+        for start in range(0, rows, chunk_rows):
+            sl = slice(start, start + chunk_rows)
+            logits = (hidden[sl] @ w.T).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            pred[sl] = logits.argmax(dim=-1)
+            if target_hidden is None:
+                ce[sl] = lse - logits.gather(1, labels[sl, None]).squeeze(1)
+            else:
+                soft = torch.softmax((target_hidden[sl] @ w.T).float(), dim=-1)
+                ce[sl] = lse - (soft * logits).sum(-1)
+            if need_grad:
+                probs = torch.exp(logits - lse[:, None])
+                if target_hidden is None:
+                    probs.scatter_add_(1, labels[sl, None], torch.full_like(lse[:, None], -1.0))
+                else:
+                    probs -= soft
+                grad_hidden[sl] = (probs.to(w.dtype) @ w).to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor,  # [M, H]
+    lm_head_weight: torch.Tensor,  # [V, H], frozen
+    labels: torch.Tensor | None,  # [M] (any value where invalid; masked by weights)
+    target_hidden: torch.Tensor | None = None,  # [M, H] for distillation
+    chunk_rows: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
+    if (labels is None) == (target_hidden is None):
+        raise ValueError("give exactly one of labels and target_hidden")
+    if labels is not None:
+        labels = labels.clamp(min=0)  # IGNORE slots carry weight 0; any id is fine there
+    return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows, hidden.requires_grad)
+
+
+def slot_weights(
+    cfg: LossConfig, block_size: int, label_valid: torch.Tensor, p_correct: torch.Tensor | None
+) -> torch.Tensor:
+    """Weights [R, N, B-1] for slots k = 1..B-1; zero where the label is invalid.
+
+    cap: c_i = p_i ** alpha (0 for invalid slots: they cannot be accepted),
+    P_m = prod_{i<=m} c_i, w_k = sum_{m>=k} P_m = dE/dlog c_k, floored at eps.
+    """
+    valid = label_valid.to(torch.float32)
+    k = torch.arange(1, block_size, device=label_valid.device, dtype=torch.float32)
+    w = torch.ones_like(valid)
+    if "decay" in cfg.weighting:
+        gamma = cfg.gamma if cfg.gamma is not None else default_gamma(block_size)
+        w = w * torch.exp(-(k - 1) / gamma)
+    if "cap" in cfg.weighting:
+        if p_correct is None:
+            raise ValueError("cap weighting needs the drafter's probabilities of the labels")
+        c = p_correct.detach().float().clamp(0, 1).pow(cfg.cap_alpha) * valid
+        prefix = torch.cumprod(c, dim=-1)
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        w = w * suffix.clamp(min=cfg.cap_eps)
+    return w * valid
+
+
+@dataclass
+class StepStats:
+    """Sums over one micro-batch (tensors on device: read them all at once when logging)."""
+
+    loss_sum: torch.Tensor  # differentiable: sum of weight * CE
+    weight_sum: torch.Tensor  # sum of weights (detached); the loss normaliser
+    ce_sum: torch.Tensor  # unweighted CE sum over valid labels (detached)
+    correct: torch.Tensor  # [B-1] hits per slot k = 1..B-1
+    counted: torch.Tensor  # [B-1] valid labels per slot
+    tau_sum: torch.Tensor  # sum over blocks with a valid label of 1 + leading hits
+    blocks: torch.Tensor  # number of such blocks
+
+    def detached(self) -> "StepStats":
+        return StepStats(self.loss_sum.detach(), *(getattr(self, f) for f in
+                         ("weight_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks")))
+
+
+def drafter_loss(
+    final_hidden: torch.Tensor,  # [R, N*B, H] drafter output (already normed)
+    lm_head_weight: torch.Tensor,  # [V, H]
+    labels: torch.Tensor,  # [R, N, B] (IGNORE where invalid)
+    label_valid: torch.Tensor,  # [R, N, B]
+    cfg: LossConfig,
+    *,
+    target_states: torch.Tensor | None = None,  # [R, N, B-1, H] for distillation
+) -> StepStats:
+    R, N, B = labels.shape
+    H = final_hidden.shape[-1]
+    hidden = final_hidden.view(R, N, B, H)[:, :, 1:].reshape(-1, H)  # slot 0 is never a label
+    lab = labels[:, :, 1:].reshape(-1)
+    valid = label_valid[:, :, 1:]
+    soft = target_states.reshape(-1, H) if target_states is not None else None
+    ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows)
+    ce = ce.view(R, N, B - 1)
+    p_correct = torch.exp(-ce.detach()) if "cap" in cfg.weighting else None
+    weights = slot_weights(cfg, B, valid, p_correct)
+    vf = valid.float()
+    hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
+    has_label = valid.any(dim=-1)
+    leading = torch.cumprod(hits.long(), dim=-1).sum(-1)
+    return StepStats(
+        loss_sum=(weights * ce).sum(),
+        weight_sum=weights.sum().detach(),
+        ce_sum=(ce.detach() * vf).sum(),
+        correct=hits.sum(dim=(0, 1)),
+        counted=valid.sum(dim=(0, 1)),
+        tau_sum=((1 + leading) * has_label).sum(),
+        blocks=has_label.sum(),
+    )
+
+
+def summarize(stats: list[StepStats] | StepStats) -> dict[str, float]:
+    """Host-side metrics from accumulated sums: loss, ce, acc_1..acc_{B-1}, tau. One sync."""
+    if isinstance(stats, StepStats):
+        stats = [stats]
+    fields = ("loss_sum", "weight_sum", "ce_sum", "tau_sum", "blocks")
+    scalars = torch.stack([torch.stack([getattr(s, f).detach().double().reshape(()) for f in fields]) for s in stats]).sum(0)
+    correct = torch.stack([s.correct for s in stats]).sum(0).double()
+    counted = torch.stack([s.counted for s in stats]).sum(0).double()
+    values = torch.cat([scalars, correct, counted]).cpu().tolist()  # the only host sync
+    loss_sum, weight_sum, ce_sum, tau_sum, blocks = values[:5]
+    nslots = len(correct)
+    corr, cnt = values[5:5 + nslots], values[5 + nslots:]
+    total = sum(cnt)
+    out = {
+        "loss": loss_sum / weight_sum if weight_sum else float("nan"),
+        "ce": ce_sum / total if total else float("nan"),
+        "tau": tau_sum / blocks if blocks else float("nan"),
+        "labels": total,
+    }
+    for k in range(nslots):
+        out[f"acc_{k + 1}"] = corr[k] / cnt[k] if cnt[k] else float("nan")
+    return out

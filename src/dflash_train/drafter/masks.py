@@ -1,0 +1,152 @@
+"""The DFlash attention mask: one `mask_mod`, two materialisations.
+
+Queries are block tokens (block j, slot k -> query index j*B + k); keys are the S
+context positions followed by the N*B block tokens. The rule (docs/dflash-spec.md):
+
+* context key s is visible iff the anchor is valid, document_ids[s] == document_ids[a_j],
+  s < a_j (strictly: the anchor's own target state does not exist yet at inference), and
+  for a sliding-window layer (position_ids[a_j] + k) - position_ids[s] < W;
+* block key (j', k') is visible iff j' == j and, for a layer causal within the block,
+  k' <= k. Blocks never see each other; an invalid anchor sees only its own block.
+
+On GPU the `mask_mod` feeds FlexAttention's `create_block_mask` (compiled); on CPU,
+where FlexAttention has no backward, the very same function is evaluated on broadcast
+index grids to give a dense boolean mask for SDPA. There is one definition of the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment,misc]
+
+# A dense bool tensor [R, Q, S+Q] (True = may attend) or a FlexAttention BlockMask.
+AttentionMask = Union[torch.Tensor, "BlockMask"]
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_mask_mod(
+    document_ids: torch.Tensor,  # [R, S] int64, -1 on padding
+    position_ids: torch.Tensor,  # [R, S] int64
+    anchors: torch.Tensor,  # [R, N] int64
+    valid: torch.Tensor,  # [R, N] bool
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    causal_in_block: bool = False,
+) -> MaskMod:
+    S = document_ids.shape[1]
+    B = block_size
+    anchor_doc = torch.gather(document_ids, 1, anchors)  # [R, N]
+    anchor_pos = torch.gather(position_ids, 1, anchors)  # [R, N]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // B
+        k = q_idx % B
+        is_ctx = kv_idx < S
+        s = torch.clamp(kv_idx, max=S - 1)
+        ctx_ok = (
+            is_ctx
+            & valid[b, j]
+            & (document_ids[b, s] == anchor_doc[b, j])
+            & (s < anchors[b, j])
+        )
+        if sliding_window is not None:
+            ctx_ok = ctx_ok & (anchor_pos[b, j] + k - position_ids[b, s] < sliding_window)
+        # Block-key index; negative for context keys, which the ~is_ctx term excludes.
+        # (Clamping it at 0 instead trips an inductor bug in compiled create_block_mask.)
+        blk = kv_idx - S
+        blk_ok = (~is_ctx) & (blk // B == j)
+        if causal_in_block:
+            blk_ok = blk_ok & (blk % B <= k)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def dense_attention_mask(
+    document_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    causal_in_block: bool = False,
+) -> torch.Tensor:
+    """BoolTensor[R, N*B, S + N*B], True = may attend; keys: S context positions, then blocks."""
+    R, S = document_ids.shape
+    Q = anchors.shape[1] * block_size
+    mask_mod = make_mask_mod(
+        document_ids, position_ids, anchors, valid, block_size,
+        sliding_window=sliding_window, causal_in_block=causal_in_block,
+    )
+    dev = document_ids.device
+    b = torch.arange(R, device=dev)[:, None, None]
+    q = torch.arange(Q, device=dev)[None, :, None]
+    kv = torch.arange(S + Q, device=dev)[None, None, :]
+    return mask_mod(b, None, q, kv).expand(R, Q, S + Q)
+
+
+def flex_block_mask(
+    document_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    causal_in_block: bool = False,
+    compile: bool = True,
+) -> "BlockMask":
+    """FlexAttention BlockMask of the same rule. Sorted anchors make it block-sparse."""
+    R, S = document_ids.shape
+    Q = anchors.shape[1] * block_size
+    mask_mod = make_mask_mod(
+        document_ids, position_ids, anchors, valid, block_size,
+        sliding_window=sliding_window, causal_in_block=causal_in_block,
+    )
+    return create_block_mask(mask_mod, R, None, Q, S + Q, device=document_ids.device, _compile=compile)
+
+
+def build_layer_masks(
+    cfg,  # DrafterConfig
+    document_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    backend: str,
+) -> list[AttentionMask]:
+    """One mask per drafter layer; layers with the same (window, causal) share one object."""
+    if backend not in ("dense", "flex"):
+        raise ValueError(f"attention backend must be 'dense' or 'flex', got {backend!r}")
+    build = flex_block_mask if backend == "flex" else dense_attention_mask
+    by_variant = {
+        variant: build(
+            document_ids, position_ids, anchors, valid, cfg.block_size,
+            sliding_window=variant[0], causal_in_block=variant[1],
+        )
+        for variant in cfg.mask_variants()
+    }
+    return [by_variant[(cfg.window_of(i), cfg.causal_in_block_of(i))] for i in range(cfg.num_hidden_layers)]
+
+
+_compiled_flex_attention = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q [R, h, Q, d], k/v [R, g, S+Q, d] (g divides h) -> [R, h, Q, d]."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        # Compiled once per process; eager FlexAttention materialises the full score matrix.
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)

@@ -1,0 +1,105 @@
+"""One drafter training step on one batch: anchors -> labels -> masks -> forward -> loss.
+
+Shared by the single-process trainer, the distributed pipeline and the benchmark, so
+every path computes exactly the same thing. Returns sums (see drafter/loss.py); the
+caller does backward and normalisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.drafter.anchors import select_anchors, trim_anchor_columns
+from dflash_train.drafter.labels import build_block_labels, gather_target_states, target_block_labels
+from dflash_train.drafter.loss import LossConfig, StepStats, drafter_loss
+from dflash_train.drafter.masks import build_layer_masks
+from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
+
+LABEL_SOURCES = ("data", "target", "distill")
+
+
+@dataclass
+class FrozenHeads:
+    """The target's input embedding and LM head, frozen and never drafter parameters."""
+
+    embed_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor  # [V, H] (may be the same storage when tied)
+
+    def __post_init__(self) -> None:
+        self.embed_weight.requires_grad_(False)
+        self.lm_head_weight.requires_grad_(False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+
+@dataclass
+class StepConfig:
+    num_anchors: int = 512
+    label_source: str = "data"
+    noise_sigma: float = 0.0
+    # "flex" (GPU: FlexAttention BlockMask) or "dense" (CPU: boolean mask + SDPA)
+    attention: str = "dense"
+    # compiled mode: fixed-shape anchors (topk), no trimming, shapes fixed by padding
+    fixed_shape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.label_source not in LABEL_SOURCES:
+            raise ValueError(f"label_source must be one of {list(LABEL_SOURCES)}, got {self.label_source!r}")
+        if self.num_anchors < 1:
+            raise ValueError("num_anchors must be >= 1")
+        if self.noise_sigma < 0:
+            raise ValueError("noise_sigma must be >= 0")
+        if self.attention not in ("flex", "dense"):
+            raise ValueError(f"attention must be 'flex' or 'dense', got {self.attention!r}")
+
+
+def drafter_step(
+    drafter: DFlashDrafter,
+    heads: FrozenHeads,
+    *,
+    input_ids: torch.Tensor,  # [R, S]
+    position_ids: torch.Tensor,  # [R, S]
+    document_ids: torch.Tensor,  # [R, S]
+    loss_mask: torch.Tensor,  # [R, S]
+    taps: torch.Tensor,  # [R, S, n*H] tapped target hidden states (ctx_raw)
+    final_hidden: torch.Tensor | None,  # [R, S, H] target final-normed states ("target"/"distill")
+    step_cfg: StepConfig,
+    loss_cfg: LossConfig,
+    generator: torch.Generator | None = None,
+) -> StepStats:
+    cfg = drafter.config
+    B = cfg.block_size
+    anchors, valid = select_anchors(
+        loss_mask, document_ids, step_cfg.num_anchors, B, generator=generator, fixed_shape=step_cfg.fixed_shape
+    )
+    if not step_cfg.fixed_shape:
+        anchors, valid = trim_anchor_columns(anchors, valid)
+
+    target_states = None
+    if step_cfg.label_source == "data":
+        labels, label_valid = build_block_labels(input_ids, document_ids, loss_mask, anchors, valid, B)
+    else:
+        if final_hidden is None:
+            raise ValueError(f"label_source={step_cfg.label_source!r} needs the target's final hidden states")
+        labels, label_valid = target_block_labels(
+            final_hidden, heads.lm_head_weight, document_ids, loss_mask, anchors, valid, B
+        )
+        if step_cfg.label_source == "distill":
+            target_states = gather_target_states(final_hidden, anchors, B)
+
+    masks = build_layer_masks(cfg, document_ids, position_ids, anchors, valid, backend=step_cfg.attention)
+    block_ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
+    hidden = drafter(
+        taps,
+        position_ids,
+        heads.embed(block_ids),
+        block_positions(position_ids, anchors, B),
+        masks,
+        noise_sigma=step_cfg.noise_sigma,
+        generator=generator,
+    )
+    return drafter_loss(hidden, heads.lm_head_weight, labels, label_valid, loss_cfg, target_states=target_states)

@@ -1,0 +1,374 @@
+"""The built-in engine: continuous batching over a static KV cache, in this process.
+
+`slots` conversations decode together, one token each per step. When a row stops (an
+end-of-turn token or its token limit) its slot is handed the next prompt while the others
+keep going, so the batch stays full. The decode step has a fixed shape, so on a GPU it is
+captured once in a CUDA graph (per attention-length bucket) and replayed: one launch per
+step instead of ~1,000 small kernel launches, which is what limits Hugging Face `generate`
+for small models. Its elementwise parts can also be fused by torch.compile.
+
+On CPU the very same step runs eagerly; that is what the exactness tests check against
+Hugging Face greedy decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
+from dflash_train.generate.sampling import select_tokens
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\u2063dflash-sentinel\u2063"
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template puts after an assistant message (ChatML's
+    `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering a sentinel message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that cannot render this simply has no answer
+        return None
+    after = text[text.find(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return ids[0] if ids and ids[0] in special else None
+
+
+def stop_token_ids(tokenizer, model) -> set[int]:
+    """EOS ids of the tokenizer and the model's generation config, plus the chat end-of-turn."""
+    ids = set(_as_id_list(getattr(tokenizer, "eos_token_id", None)))
+    gen_cfg = getattr(model, "generation_config", None)
+    ids |= set(_as_id_list(getattr(gen_cfg, "eos_token_id", None)))
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None:
+        ids.add(eot)
+    return ids
+
+
+def _kv_buckets(max_len: int, smallest: int = 128) -> list[int]:
+    """Attention lengths to specialise the decode step for: 128, 256, 512, ..., max_len.
+    Short sequences then read only the cache they use, not all `max_len` positions."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return out + [max_len]
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    completed: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    slot_steps_active: int = 0  # sum over steps of active slots: utilisation = this / (steps * slots)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Row:
+    request: Request
+    prompt_len: int
+    limit: int
+    out: list[int] = field(default_factory=list)
+
+
+class _DecodeStep:
+    """`decoder.decode` on the decoder's static tokens/positions buffers, for a kv bucket.
+
+    On CUDA each bucket is captured in its own CUDA graph the first time it is needed and
+    replayed afterwards. Capturing mid-run is safe: the warm-up runs execute the real step
+    for the current tokens, and a decode step only writes the cache entries at the current
+    positions, with values the replay then writes again identically."""
+
+    def __init__(self, decoder: StaticDecoder, tokens: Tensor, positions: Tensor, *, cuda_graphs: bool) -> None:
+        self.decoder, self.tokens, self.positions = decoder, tokens, positions
+        self.buckets = _kv_buckets(decoder.max_len)
+        self.use_graphs = cuda_graphs and decoder.device.type == "cuda"
+        self._graphs: dict[int, tuple[Any, Tensor]] = {}
+
+    def bucket(self, kv_needed: int) -> int:
+        return next(b for b in self.buckets if b >= kv_needed)
+
+    def __call__(self, kv_needed: int) -> Tensor:
+        kv_len = self.bucket(kv_needed)
+        if not self.use_graphs:
+            return self.decoder.decode(self.tokens, self.positions, kv_len)
+        if kv_len not in self._graphs:
+            self._graphs[kv_len] = self._capture(kv_len)
+        graph, logits = self._graphs[kv_len]
+        graph.replay()
+        return logits
+
+    def _capture(self, kv_len: int) -> tuple[Any, Tensor]:  # pragma: no cover - CUDA only
+        def step() -> Tensor:
+            return self.decoder.decode(self.tokens, self.positions, kv_len)
+
+        # Warm up on a side stream (as the CUDA-graph docs require): lazy init, cuBLAS
+        # handles, autotuning and torch.compile all happen here, never inside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()  # static output: every replay overwrites this tensor
+        log.info("captured the decode step for %d cache positions in a CUDA graph", kv_len)
+        return graph, logits
+
+
+class BuiltinEngine:
+    """Generate with a Hugging Face model loaded in this process (see module doc)."""
+
+    name = "builtin"
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        slots: int = 64,
+        max_prompt_tokens: int = 1024,
+        max_new_tokens: int = 512,
+        stop_ids: set[int] | None = None,
+        ignore_eos: bool = False,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+        prefill_tokens: int = 16384,
+        refill_fraction: float = 0.125,
+        model_name: str = "",
+    ) -> None:
+        if slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
+            raise ValueError("slots, max_prompt_tokens and max_new_tokens must be >= 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.slots, self.max_prompt_tokens, self.max_new_tokens = slots, max_prompt_tokens, max_new_tokens
+        self.stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+        if not self.stop_ids and not ignore_eos:
+            log.warning("no end-of-sequence token known: every row will run to max_new_tokens")
+        self.ignore_eos = ignore_eos
+        self.prefill_tokens = max(prefill_tokens, max_prompt_tokens)
+        # Refill once this many slots are free: one prefill per handful of finished rows
+        # instead of one per row (each prefill is a full eager forward).
+        self.refill_min = max(1, int(slots * refill_fraction))
+        self.model_name = model_name or getattr(getattr(model, "config", None), "name_or_path", "") or ""
+        self.stats = EngineStats()
+
+        max_len = -(-(max_prompt_tokens + max_new_tokens) // 64) * 64
+        self.decoder = StaticDecoder(model, slots, max_len)
+        dev = self.decoder.device
+        self.device = dev
+        # Per-slot state the decode step and token selection read, all static device buffers.
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.steps = torch.zeros(slots, dtype=torch.long, device=dev)
+        if compile and dev.type == "cuda":
+            self._compile_layer_functions()
+        self.step = _DecodeStep(self.decoder, self.tokens, self.positions, cuda_graphs=cuda_graphs)
+        self._rows: list[_Row | None] = [None] * slots
+        self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._any_sampled = self._any_filtered = False
+        log.info(
+            "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s",
+            slots, max_len, self.decoder.kv_bytes() / 2**30,
+            "CUDA graphs" if self.step.use_graphs else "eager",
+        )  # fmt: skip
+
+    # --- setup ------------------------------------------------------------------------
+
+    def _compile_layer_functions(self) -> None:  # pragma: no cover - CUDA only
+        """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
+        Only the per-layer functions are compiled: their shapes do not depend on the
+        attention length, so one compilation serves every layer and every kv bucket."""
+        dec = self.decoder
+        pre = torch.compile(dec.pre_attention, dynamic=False, fullgraph=True)
+        post = torch.compile(dec.post_attention, dynamic=False, fullgraph=True)
+        try:  # compile now, on dummy inputs, so a failure falls back to eager cleanly
+            x = torch.zeros(self.slots, dec.embed_w.shape[1], dtype=dec.dtype, device=dec.device)
+            cos, sin = dec.cos[:1].expand(self.slots, -1)[:, None], dec.sin[:1].expand(self.slots, -1)[:, None]
+            lay = dec.layers[0]
+            q, _, _ = pre(x, cos, sin, *lay.pre, **dec._pre_kw(lay))
+            post(x, q.reshape(self.slots, -1), *lay.post, eps=lay.ln2_eps)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
+            warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: {exc}", stacklevel=2)
+            return
+        dec.pre_attention, dec.post_attention = pre, post
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "model": self.model_name}
+
+    def encode(self, request: Request) -> list[int]:
+        """Prompt token ids: the chat template with the assistant header, or raw text.
+        The rendered template already holds any BOS, so no special tokens are added."""
+        if request.prompt_ids is not None:
+            return list(request.prompt_ids)
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give requests as prompt_ids")
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = request.text
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # --- the loop -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, next_request: NextRequest, on_complete: OnComplete) -> None:
+        while True:
+            active = self.slots - len(self._free)
+            if len(self._free) >= self.refill_min or active == 0:
+                pulled = self._admit(next_request, on_complete)
+                if self.slots - len(self._free) == 0:
+                    if pulled:
+                        continue  # everything pulled finished at once (errors, 1-token rows)
+                    return
+            self._decode_once(on_complete)
+
+    def _admit(self, next_request: NextRequest, on_complete: OnComplete) -> int:
+        """Pull requests into the free slots and prefill them; returns how many were pulled."""
+        batch: list[tuple[Request, list[int]]] = []
+        pulled = 0
+        while len(batch) < len(self._free):
+            req = next_request()
+            if req is None:
+                break
+            pulled += 1
+            ids = self.encode(req)
+            if not ids or len(ids) > self.max_prompt_tokens:
+                problem = "empty prompt" if not ids else f"prompt has {len(ids)} tokens > max_prompt_tokens={self.max_prompt_tokens}"
+                on_complete(req, Completion(finish_reason="error", prompt_tokens=len(ids), error=problem))
+                continue
+            batch.append((req, ids))
+        batch.sort(key=lambda item: len(item[1]))
+        start = 0
+        while start < len(batch):  # length-sorted chunks within the prefill token budget
+            end = start + 1
+            while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
+                end += 1
+            self._prefill(batch[start:end], on_complete)
+            start = end
+        return pulled
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":  # pragma: no cover - pinned memory makes the copy async
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _prefill(self, chunk: list[tuple[Request, list[int]]], on_complete: OnComplete) -> None:
+        t0 = time.perf_counter()
+        width = max(len(ids) for _, ids in chunk)
+        slots = [self._free.pop() for _ in chunk]
+        slot_idx = self._to_device(slots, torch.long)
+        lengths = self._to_device([len(ids) for _, ids in chunk], torch.long)
+        ids = self._to_device([ids + [0] * (width - len(ids)) for _, ids in chunk], torch.long)
+        reqs = [req for req, _ in chunk]
+        self.temperature[slot_idx] = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
+        self.top_p[slot_idx] = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
+        self.top_k[slot_idx] = self._to_device([r.sampling.top_k for r in reqs], torch.long)
+        self.keys[slot_idx] = self._to_device([r.key & 0xFFFFFFFF for r in reqs], torch.long)
+        self.steps[slot_idx] = 0
+        for slot, (req, prompt) in zip(slots, chunk):
+            limit = min(req.max_new_tokens, self.max_new_tokens)
+            self._rows[slot] = _Row(req, len(prompt), limit)
+        self._update_flags()
+
+        logits = self.decoder.prefill(ids, lengths, slot_idx)
+        first = self._select(logits, slot_idx)
+        self.tokens[slot_idx] = first
+        self.positions[slot_idx] = lengths
+        self.steps[slot_idx] = 1
+        first_host = first.tolist()  # also waits for the GPU, so the timing below is real
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prompt_tokens += sum(len(p) for _, p in chunk)
+        for slot, token in zip(slots, first_host):
+            self._append(slot, token, on_complete)
+
+    def _select(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        return select_tokens(
+            logits, pick(self.temperature), pick(self.top_p), pick(self.top_k), pick(self.keys), pick(self.steps),
+            any_sampled=self._any_sampled, any_filtered=self._any_filtered,
+        )  # fmt: skip
+
+    def _update_flags(self) -> None:
+        samplings = [row.request.sampling for row in self._rows if row is not None]
+        self._any_sampled = any(not s.greedy for s in samplings)
+        self._any_filtered = any(not s.greedy and (s.top_k > 0 or s.top_p < 1.0) for s in samplings)
+
+    def _decode_once(self, on_complete: OnComplete) -> None:
+        t0 = time.perf_counter()
+        active = [s for s, row in enumerate(self._rows) if row is not None]
+        # the next input of a slot sits at position prompt_len + generated - 1
+        kv_needed = max(self._rows[s].prompt_len + len(self._rows[s].out) for s in active)  # type: ignore[union-attr]
+        logits = self.step(kv_needed)
+        nxt = self._select(logits)
+        self.tokens.copy_(nxt)
+        # Idle slots keep stepping on stale input; clamping keeps their positions in range.
+        self.positions.add_(1).clamp_(max=self.decoder.max_len - 1)
+        self.steps.add_(1)
+        host = nxt.tolist()
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.slot_steps_active += len(active)
+        for slot in active:
+            self._append(slot, host[slot], on_complete)
+
+    def _append(self, slot: int, token: int, on_complete: OnComplete) -> None:
+        row = self._rows[slot]
+        assert row is not None
+        stop = token in self.stop_ids and not self.ignore_eos
+        if not stop:
+            row.out.append(token)
+        if stop or len(row.out) >= row.limit:
+            self._finish(slot, "stop" if stop else "length", on_complete)
+
+    def _finish(self, slot: int, reason: str, on_complete: OnComplete) -> None:
+        row = self._rows[slot]
+        assert row is not None
+        self._rows[slot] = None
+        self._free.append(slot)
+        self._update_flags()
+        new_tokens = len(row.out) + (reason == "stop")
+        self.stats.new_tokens += new_tokens
+        self.stats.completed += 1
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(row.out, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        on_complete(
+            row.request,
+            Completion(text, reason, new_tokens=new_tokens, prompt_tokens=row.prompt_len, token_ids=row.out),
+        )

@@ -1,0 +1,250 @@
+"""A compact decoder forward with a static per-slot KV cache, for the built-in engine.
+
+It reads the Hugging Face model's own weight tensors (nothing is copied) and repeats the
+Hugging Face op sequence for norms, rotary embeddings and MLP, so fp32 results match
+`model.generate` token for token. Only attention and the cache are ours:
+
+    k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim]
+
+Every slot holds one conversation at its own position, so a finished slot can be refilled
+by `prefill` while the others keep decoding. `decode` has a fixed shape for a given
+`kv_len` (how many cache positions attention reads), which is what lets the engine
+capture it in a CUDA graph.
+
+Supported: Llama-family decoders (Llama, Mistral without a sliding window, Qwen2, Qwen3):
+pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm (Qwen3), optional qkv bias (Qwen2),
+SiLU-gated MLP, any static RoPE variant transformers provides (default, linear, llama3,
+yarn, ...), tied or untied lm_head.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
+# reproduce them, so they go to the HTTP engine.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class UnsupportedModelError(ValueError):
+    """The built-in engine cannot run this model; the message points to the HTTP engine."""
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def check_supported(model, max_len: int) -> None:
+    """Raise UnsupportedModelError unless `decode`/`prefill` reproduce `model` exactly."""
+    cfg = model.config
+    hint = "; use the HTTP engine (--engine http) with a vLLM or SGLang server for this model"
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"the built-in engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
+            f"{cfg.model_type!r}{hint}"
+        )
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){hint}")
+    rope = _rope_type(cfg)
+    if rope in _DYNAMIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {rope!r} depends on the sequence length{hint}")
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types or (
+        window is not None and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
+    )
+    if sliding and window is not None and window < max_len:
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window} < {max_len} cache positions) is not supported{hint}"
+        )
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{hint}")
+    attn = inner.layers[0].self_attn
+    head_dim = attn.head_dim
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings are not supported{hint}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{hint}")
+    if head_dim % 2:
+        raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{hint}")
+
+
+# --- the op sequence of the Hugging Face Llama/Qwen modules, as plain functions ----------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Exactly LlamaRMSNorm.forward: normalise in fp32, cast back, then scale."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+class _Layer:
+    """References to one decoder layer's weights (no copies), grouped as the arguments of
+    `_pre_attention` / `_post_attention`: plain tensors, so a torch.compile'd version of
+    those functions is traced once and reused by every layer."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.pre: tuple[Tensor | None, ...] = (
+            layer.input_layernorm.weight,
+            attn.q_proj.weight, attn.q_proj.bias,
+            attn.k_proj.weight, attn.k_proj.bias,
+            attn.v_proj.weight, attn.v_proj.bias,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+        )  # fmt: skip
+        self.post: tuple[Tensor | None, ...] = (
+            attn.o_proj.weight, attn.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight, mlp.gate_proj.bias,
+            mlp.up_proj.weight, mlp.up_proj.bias,
+            mlp.down_proj.weight, mlp.down_proj.bias,
+        )  # fmt: skip
+        self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
+        self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
+        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+
+
+def _pre_attention(
+    x: Tensor, cos: Tensor, sin: Tensor,
+    ln1_w: Tensor, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None,
+    wv: Tensor, bv: Tensor | None, qn_w: Tensor | None, kn_w: Tensor | None,
+    *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated.
+
+    `cos`/`sin` must broadcast against [..., heads, D] (a heads axis of size 1)."""
+    h = rms_norm(x, ln1_w, eps)
+    lead = h.shape[:-1]
+    q = F.linear(h, wq, bq).view(*lead, n_heads, head_dim)
+    k = F.linear(h, wk, bk).view(*lead, n_kv, head_dim)
+    v = F.linear(h, wv, bv).view(*lead, n_kv, head_dim)
+    if qn_w is not None and kn_w is not None:  # Qwen3: RMSNorm over head_dim before RoPE
+        q = rms_norm(q, qn_w, qk_eps)
+        k = rms_norm(k, kn_w, qk_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _post_attention(
+    x: Tensor, attn_out: Tensor,
+    wo: Tensor, bo: Tensor | None, ln2_w: Tensor, wg: Tensor, bg: Tensor | None,
+    wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None,
+    *, eps: float,
+) -> Tensor:  # fmt: skip
+    """Output projection, residual adds and the gated MLP: the rest of one decoder layer."""
+    x = x + F.linear(attn_out, wo, bo)
+    h = rms_norm(x, ln2_w, eps)
+    h = F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+    return x + h
+
+
+class StaticDecoder:
+    """Static-cache forward for `slots` concurrent sequences of at most `max_len` tokens."""
+
+    def __init__(self, model, slots: int, max_len: int) -> None:
+        check_supported(model, max_len)
+        cfg = model.config
+        inner = model.model
+        self.embed_w = inner.embed_tokens.weight
+        self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.lm_head_w = model.get_output_embeddings().weight  # the embedding itself when tied
+        self.lm_head_b = getattr(model.get_output_embeddings(), "bias", None)
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.scale = float(inner.layers[0].self_attn.scaling)
+        self.slots, self.max_len = slots, max_len
+        self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
+
+        shape = (len(self.layers), slots, self.n_kv, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # The model's own rotary module computes the table, so every static RoPE scaling
+        # (linear, llama3, yarn, ...) and its attention factor come out exactly as in HF.
+        positions = torch.arange(max_len, device=self.device)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(torch.empty(0, dtype=self.dtype, device=self.device), positions[None])
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, D]
+        self.key_positions = positions
+        self.rows = torch.arange(slots, device=self.device)
+        # The per-layer pieces `decode` calls; the engine may swap in torch.compile'd versions.
+        self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = _pre_attention
+        self.post_attention: Callable[..., Tensor] = _post_attention
+
+    def _pre_kw(self, lay: _Layer) -> dict:
+        return {"eps": lay.ln1_eps, "qk_eps": lay.qk_eps, "n_heads": self.n_heads, "n_kv": self.n_kv, "head_dim": self.head_dim}
+
+    def kv_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return F.linear(rms_norm(h, self.norm_w, self.norm_eps), self.lm_head_w, self.lm_head_b)
+
+    def prefill(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor) -> Tensor:
+        """Run right-padded prompts `ids` [B, T] into the cache rows `slot_ids` [B].
+
+        Returns the logits [B, V] after each prompt's last token. Causal attention over a
+        right-padded batch never lets a real token see padding, so no padding mask is needed;
+        the cache entries written for padding are never read (decode masks by position)."""
+        b, t = ids.shape
+        x = F.embedding(ids, self.embed_w)
+        cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]  # [T, 1, D] over [B, T, heads, D]
+        rep = self.n_heads // self.n_kv
+        for i, lay in enumerate(self.layers):
+            q, k, v = _pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv, T, D]
+            self.k_cache[i, slot_ids, :, :t] = k
+            self.v_cache[i, slot_ids, :, :t] = v
+            if rep > 1:  # same as transformers' repeat_kv
+                k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+                v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
+            x = _post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, eps=lay.ln2_eps)
+        last = x[torch.arange(b, device=x.device), lengths - 1]
+        return self._logits(last)
+
+    def decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """One token for every slot: tokens/positions [slots] -> logits [slots, V].
+
+        Fixed shapes for a given `kv_len` and no host synchronisation: safe to capture in a
+        CUDA graph. Attention reads cache positions [0, kv_len) of each slot, masked to
+        positions <= the slot's own; the caller guarantees max(positions) < kv_len."""
+        s, rep = self.slots, self.n_heads // self.n_kv
+        x = F.embedding(tokens, self.embed_w)  # [S, H]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [S, 1, D]
+        visible = (self.key_positions[None, :kv_len] <= positions[:, None])[:, None, None, :]  # [S,1,1,L]
+        for i, lay in enumerate(self.layers):
+            q, k, v = self.pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[self.rows, :, positions] = k
+            vc[self.rows, :, positions] = v
+            # GQA without repeating the cache: the `rep` query heads sharing a kv head become
+            # that head's `rep` query rows (all at the same position, so one mask serves all).
+            o = F.scaled_dot_product_attention(
+                q.view(s, self.n_kv, rep, self.head_dim),
+                kc[:, :, :kv_len],
+                vc[:, :, :kv_len],
+                attn_mask=visible,
+                scale=self.scale,
+            )
+            x = self.post_attention(x, o.reshape(s, self.n_heads * self.head_dim), *lay.post, eps=lay.ln2_eps)
+        return self._logits(x)

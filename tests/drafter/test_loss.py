@@ -1,0 +1,144 @@
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train.drafter.anchors import select_anchors
+from dflash_train.drafter.labels import build_block_labels
+from dflash_train.drafter.loss import LossConfig, default_gamma, drafter_loss, head_cross_entropy, slot_weights, summarize
+
+from .reference import cap_ref, decay_ref, random_packed_layout, tau_ref
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_head_cross_entropy_matches_full_logits(chunk):
+    g = torch.Generator().manual_seed(0)
+    M, H, V = 13, 8, 29
+    hidden = torch.randn(M, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (M,), generator=g)
+    upstream = torch.rand(M, generator=g, dtype=torch.float64)
+    ce, pred = head_cross_entropy(hidden, w, labels, chunk_rows=chunk)
+    (ce * upstream).sum().backward()
+    got_grad = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ w.T
+    ref = F.cross_entropy(logits, labels, reduction="none")
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ce.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pred, logits.argmax(-1))
+    torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_head_cross_entropy_soft_targets():
+    g = torch.Generator().manual_seed(1)
+    M, H, V = 9, 6, 17
+    hidden = torch.randn(M, H, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(M, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    ce, _ = head_cross_entropy(hidden, w, None, teacher, chunk_rows=4)
+    ce.sum().backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    ref = -(torch.softmax(teacher @ w.T, -1) * torch.log_softmax(hidden @ w.T, -1)).sum(-1)
+    ref.sum().backward()
+    # logits are evaluated in float32 by design
+    torch.testing.assert_close(ce.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, hidden.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_decay_weights_and_default_gamma():
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7, 5, 4]
+    lv = torch.ones(1, 1, 15, dtype=torch.bool)
+    lv[0, 0, 3] = False
+    w = slot_weights(LossConfig(weighting="decay"), 16, lv, None)[0, 0].tolist()
+    want = decay_ref(16, 7)
+    want[3] = 0.0
+    assert w == pytest.approx(want)
+
+
+def test_cap_weights_match_loop_and_autograd_derivative():
+    g = torch.Generator().manual_seed(2)
+    B = 8
+    p = torch.rand(3, 4, B - 1, generator=g, dtype=torch.float64) * 0.9 + 0.1
+    lv = torch.rand(3, 4, B - 1, generator=g) > 0.2
+    cfg = LossConfig(weighting="cap", cap_alpha=0.5, cap_eps=1e-3)
+    w = slot_weights(cfg, B, lv, p)
+    for r in range(3):
+        for j in range(4):
+            c = [float(p[r, j, k]) if lv[r, j, k] else None for k in range(B - 1)]
+            want = [wk if lv[r, j, k] else 0.0 for k, wk in enumerate(cap_ref(c, 0.5, 1e-3))]
+            assert w[r, j].tolist() == pytest.approx(want)
+    # independent check: w_k = dE/dlog c_k with E = sum_m prod_{i<=m} c_i (all slots valid)
+    logc = (0.5 * torch.log(p[0, 0])).clone().requires_grad_(True)
+    E = torch.cumprod(torch.exp(logc), 0).sum()
+    E.backward()
+    w_all = slot_weights(cfg, B, torch.ones(1, 1, B - 1, dtype=torch.bool), p[0:1, 0:1])[0, 0]
+    torch.testing.assert_close(w_all.double(), logc.grad.clamp(min=1e-3), rtol=1e-5, atol=1e-6)
+    # cap+decay is the product
+    both = slot_weights(LossConfig(weighting="cap+decay", cap_alpha=0.5, cap_eps=1e-3), B, lv, p)
+    decay = torch.tensor([math.exp(-(k - 1) / 4) for k in range(1, B)])
+    torch.testing.assert_close(both.double(), (w * decay).double(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "cap", "cap+decay"])
+def test_drafter_loss_metrics_against_brute_force(weighting):
+    rng = random.Random(5)
+    ids, _, doc, loss = random_packed_layout(rng, 2, 40)
+    ids = ids % 11
+    B, H, V, N = 4, 6, 11, 8
+    anchors, valid = select_anchors(loss, doc, N, B, generator=torch.Generator().manual_seed(0))
+    labels, lv = build_block_labels(ids, doc, loss, anchors, valid, B)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, N * B, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    # make some predictions right so that tau > 1 is exercised
+    for r in range(2):
+        for j in range(N):
+            for k in range(1, 3):
+                if lv[r, j, k]:
+                    hidden[r, j * B + k] = 4 * w[labels[r, j, k]]
+    cfg = LossConfig(weighting=weighting, cap_eps=1e-3)
+    stats = drafter_loss(hidden, w, labels, lv, cfg)
+    logits = (hidden @ w.T).view(2, N, B, V)
+    pred = logits.argmax(-1)
+    ce = F.cross_entropy(logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none").view(2, N, B)
+    p_correct = torch.exp(-ce[:, :, 1:])
+    wts = slot_weights(cfg, B, lv[:, :, 1:], p_correct)
+    m = summarize(stats)
+    assert m["loss"] == pytest.approx(float((wts * ce[:, :, 1:]).sum() / wts.sum()), rel=1e-6)
+    assert m["ce"] == pytest.approx(float(ce[lv].mean()), rel=1e-6)
+    tau_total, blocks = tau_ref(pred, labels, lv)
+    assert m["tau"] == pytest.approx(tau_total / blocks)
+    assert m["tau"] > 1.5
+    for k in range(1, B):
+        sel = lv[:, :, k]
+        assert m[f"acc_{k}"] == pytest.approx(float((pred[:, :, k][sel] == labels[:, :, k][sel]).double().mean()))
+
+
+def test_normalisation_is_by_global_weight_sum():
+    """Two uneven micro-batches: the summarised loss is sum(w*ce) / sum(w) over both."""
+    g = torch.Generator().manual_seed(9)
+    B, H, V = 4, 5, 7
+    parts = []
+    for n in (1, 6):
+        hidden = torch.randn(1, n * B, H, generator=g)
+        labels = torch.randint(0, V, (1, n, B), generator=g)
+        lv = torch.ones(1, n, B, dtype=torch.bool)
+        lv[..., 0] = False
+        parts.append(drafter_loss(hidden, torch.randn(V, H, generator=g), labels, lv, LossConfig()))
+    combined = summarize(parts)["loss"]
+    num = sum(float(p.loss_sum) for p in parts)
+    den = sum(float(p.weight_sum) for p in parts)
+    assert combined == pytest.approx(num / den)
+    mean_of_means = sum(float(p.loss_sum / p.weight_sum) for p in parts) / 2
+    assert combined != pytest.approx(mean_of_means)
+
+
+def test_loss_config_validation():
+    with pytest.raises(ValueError, match="weighting"):
+        LossConfig(weighting="nope")
+    with pytest.raises(ValueError, match="cap_alpha"):
+        LossConfig(cap_alpha=0)
