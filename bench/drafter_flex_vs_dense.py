@@ -32,6 +32,13 @@ def packed_row(S: int, doc_len: int, device, gen):
     return ids[None], pos[None], doc[None], loss[None]
 
 
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -57,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU check")
+    ap.add_argument("--small", action="store_true", help="hidden 1024, S 1024, 128 anchors: a quick GPU check")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=2, help="layers used for the fp32 comparison")
     ap.add_argument("--out", default="flex_vs_dense.json")
@@ -64,6 +72,8 @@ def main() -> None:
     device = torch.device(args.device)
     if args.tiny:
         S, N, B, H, heads, kv, hd, inter, doc_len, window = 256, 32, 8, 64, 4, 2, 16, 128, 64, 48
+    elif args.small:
+        S, N, B, H, heads, kv, hd, inter, doc_len, window = 1024, 128, 16, 1024, 8, 2, 128, 3072, 512, 256
     else:
         S, N, B, H, heads, kv, hd, inter, doc_len, window = 4096, 512, 16, 4096, 32, 8, 128, 12288, 1024, 2048
     gen = torch.Generator(device=device).manual_seed(0)
@@ -91,7 +101,8 @@ def main() -> None:
     # --- correctness: flex bf16 and dense bf16 against dense fp32 --------------------------
     cfg = config(args.check_layers)
     torch.manual_seed(0)
-    model32 = DFlashDrafter(cfg).to(device)
+    with torch.device(device):  # initialise on the device: CPU init of 1B parameters is slow
+        model32 = DFlashDrafter(cfg)
     outs = {}
     runs = [("dense_fp32", "dense", torch.float32), ("dense_bf16", "dense", torch.bfloat16),
             ("flex_bf16", "flex", torch.bfloat16)]
@@ -99,14 +110,22 @@ def main() -> None:
         runs = runs[:2]
         outs["flex_bf16"] = None
     for name, backend, dtype in runs:
-        model = DFlashDrafter(cfg).to(device)
+        with torch.device(device):
+            model = DFlashDrafter(cfg)
         model.load_state_dict(model32.state_dict())
         model = model.to(dtype)
         taps, block, bpos = inputs(cfg, dtype)
+        log(f"{name}: building masks")
         masks = build_layer_masks(cfg, doc, pos, anchors, valid, backend=backend)
+        sync(device)
+        log(f"{name}: forward")
         out = model(taps, pos, block, bpos, masks)
+        sync(device)
+        log(f"{name}: backward")
         gout = torch.randn(out.shape, device=device, generator=torch.Generator(device=device).manual_seed(2))
         (out.float() * gout).sum().backward()
+        sync(device)
+        log(f"{name}: done")
         outs[name] = (out.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()})
         del model, masks
     ref_out, ref_grads = outs["dense_fp32"]
@@ -120,11 +139,13 @@ def main() -> None:
     check["flex_vs_dense_bf16_output_rel_err"] = rel_err(outs["flex_bf16"][0], outs["dense_bf16"][0])
     check["flex_vs_dense_bf16_grad_rel_err_max"] = max(
         rel_err(outs["flex_bf16"][1][n], outs["dense_bf16"][1][n]) for n in ref_grads)
-    # bf16 rounding alone gives ~1e-2; the same computation on two kernels must agree as well as
-    # each agrees with the fp32 reference.
-    check["pass"] = (check["flex_bf16"]["output_rel_err"] < 2e-2 and check["flex_bf16"]["grad_rel_err_max"] < 5e-2
-                     and check["flex_bf16"]["output_rel_err"] < 2 * check["dense_bf16"]["output_rel_err"] + 1e-3)
+    # Both bf16 runs differ from fp32 by bf16 rounding (grows with depth and random init);
+    # the flex path passes when it is as close to fp32 as the dense path is (within 10%).
+    f, d = check["flex_bf16"], check["dense_bf16"]
+    check["pass"] = (f["output_rel_err"] <= 1.1 * d["output_rel_err"] + 1e-3
+                     and f["grad_rel_err_max"] <= 1.1 * d["grad_rel_err_max"] + 1e-3)
     results["correctness"] = check
+    log(f"correctness: {check}")
     del outs, model32
 
     # --- timing: mask construction and one forward + backward, full depth -----------------
@@ -132,7 +153,9 @@ def main() -> None:
     timing = {}
     for backend in ("flex", "dense") if device.type == "cuda" else ("dense",):
         try:
-            model = DFlashDrafter(cfg).to(device, torch.bfloat16)
+            log(f"timing {backend}")
+            with torch.device(device):
+                model = DFlashDrafter(cfg).to(torch.bfloat16)
             taps, block, bpos = inputs(cfg, torch.bfloat16)
             timing[f"{backend}_mask_ms"] = timed(
                 lambda: build_layer_masks(cfg, doc, pos, anchors, valid, backend=backend), device)
@@ -145,6 +168,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             timing[f"{backend}_fwd_bwd_ms"] = timed(step, device)
+            log(f"timing {backend}: {timing}")
             if device.type == "cuda":
                 timing[f"{backend}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if backend == "flex":

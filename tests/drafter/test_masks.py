@@ -78,3 +78,50 @@ def test_mask_rules_by_hand():
     assert mw[0, 1, :S].tolist() == [False, False, False, False, False, False, False]
     # bidirectional within the block
     assert mw[0, 0, S:].tolist() == [True, True, False, False, False, False]
+
+
+def _effective_mask(bm, mask_mod, R, Q, KV):
+    """What FlexAttention computes with a BlockMask: full tiles all visible, partial tiles
+    through mask_mod, unlisted tiles invisible."""
+    tq, tk = bm.BLOCK_SIZE
+    grid = create_mask(mask_mod, R, 1, Q, KV, device="cpu")[:, 0]
+    out = torch.zeros(R, Q, KV, dtype=torch.bool)
+    for r in range(R):
+        for qb in range(bm.kv_num_blocks.shape[2]):
+            qs = slice(qb * tq, (qb + 1) * tq)
+            for i in range(int(bm.kv_num_blocks[r, 0, qb])):
+                kb = int(bm.kv_indices[r, 0, qb, i])
+                out[r, qs, kb * tk:(kb + 1) * tk] = grid[r, qs, kb * tk:(kb + 1) * tk]
+            for i in range(int(bm.full_kv_num_blocks[r, 0, qb])):
+                kb = int(bm.full_kv_indices[r, 0, qb, i])
+                assert not out[r, qs, kb * tk:(kb + 1) * tk].any(), "tile listed as partial and full"
+                out[r, qs, kb * tk:(kb + 1) * tk] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("window,causal", [(None, False), (None, True), (7, True), (20, False)])
+@pytest.mark.parametrize("tile,B,N", [(16, 4, 12), (8, 4, 6), (16, 5, 9)])
+def test_analytic_block_mask_is_exact(seed, window, causal, tile, B, N):
+    """The tile lists never drop a visible key, and tiles marked full are truly full."""
+    rng = random.Random(seed)
+    ids, pos, doc, loss = random_packed_layout(rng, 2, 70, max_docs=3)
+    anchors, valid = select_anchors(loss, doc, N, B, generator=torch.Generator().manual_seed(seed))
+    R, S = doc.shape
+    Q = N * B
+    bm = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal, tile=tile)
+    mm = make_mask_mod(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal)
+    assert torch.equal(_effective_mask(bm, mm, R, Q, S + Q), mask_ref(doc, pos, anchors, valid, B, window, causal))
+
+
+def test_analytic_block_mask_is_sparse_and_uses_full_tiles():
+    # one long document with all positions in the loss: anchors far apart, long contexts
+    S, B, N = 512, 4, 32
+    doc = torch.zeros(1, S, dtype=torch.long)
+    pos = torch.arange(S)[None]
+    loss = torch.ones(1, S, dtype=torch.bool)
+    anchors, valid = select_anchors(loss, doc, N, B, generator=torch.Generator().manual_seed(0))
+    bm = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=64, tile=16)
+    assert int(bm.full_kv_num_blocks.sum()) > 0
+    listed = int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())
+    assert listed < 0.5 * bm.kv_num_blocks.shape[2] * -(-(S + N * B) // 16)
