@@ -103,9 +103,10 @@ def atomic_directory_write(final: Path, write_into) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write_into(tmp)
-        for f in tmp.iterdir():  # make the file contents durable before the rename
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        for f in tmp.rglob("*"):  # make the file contents durable before the rename
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)

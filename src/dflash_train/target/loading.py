@@ -125,3 +125,27 @@ def tokenizer_identity(tokenizer) -> dict:
         "vocab_sha256": digest[:16],
         "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16],
     }
+
+
+def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
+    """A token id for MASK whose embedding row exists but which the data never contains.
+
+    In order: the tokenizer's own mask token; the first embedding row past the
+    tokenizer's vocabulary (Qwen-style padded tables: an untrained, never-produced row);
+    otherwise the last added special token that is not BOS/EOS/PAD/UNK and does not
+    occur in the chat template.
+    """
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if mask_id is not None and 0 <= mask_id < embedding_rows:
+        return int(mask_id)
+    if len(tokenizer) < embedding_rows:
+        return len(tokenizer)
+    reserved = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+    template = tokenizer.chat_template or ""
+    specials = [
+        (int(i), tok) for tok, i in getattr(tokenizer, "get_added_vocab", dict)().items()
+        if i < embedding_rows and i not in reserved and tok not in template
+    ]
+    if specials:
+        return max(specials)[0]
+    raise ValueError("cannot choose a MASK token automatically: set drafter.mask_token_id")

@@ -1,0 +1,166 @@
+"""Running the frozen target: tapped hidden states (and final states) for a packed batch.
+
+* Only the tapped layers are captured, by forward hooks; the full `hidden_states` tuple
+  of every layer is never built.
+* With `data` labels the forward stops right after the last tapped layer (a hook raises
+  `_StopForward`), so the layers above it, the final norm and the LM head never run.
+* With `target`/`distill` labels it stops after the final norm: the caller computes
+  logits only at the positions blocks need (drafter/labels.py). Logits over all S
+  positions and the whole vocabulary are never computed.
+* Packed rows hold several documents, but a Hugging Face model attends across its whole
+  input. Documents are therefore unpacked into a right-padded [D, L] batch (documents of
+  a batch come from one length bucket, so little is padding), run with ordinary causal
+  attention, and the results are scattered back into the packed [R, S] layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end the target forward early (nothing after it is needed)."""
+
+
+@dataclass
+class TargetOutput:
+    taps: torch.Tensor  # [R, S, n*H] outputs of the tapped decoder layers, concatenated
+    final_hidden: torch.Tensor | None  # [R, S, H] after the final norm (target/distill labels)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers of a Hugging Face causal LM (Llama, Qwen, Mistral, ...)."""
+    n = model.config.get_text_config().num_hidden_layers if hasattr(model.config, "get_text_config") \
+        else model.config.num_hidden_layers
+    base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None) or model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():  # unusual layouts: the first list of n blocks
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"{type(model).__name__}: cannot find its {n} decoder layers")
+
+
+def find_final_norm(model: nn.Module) -> nn.Module:
+    base = getattr(model, "model", None) or model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if isinstance(getattr(base, name, None), nn.Module):
+            return getattr(base, name)
+    raise ValueError(f"{type(model).__name__}: cannot find its final norm (needed for target labels)")
+
+
+def unpack_documents(batch_document_ids: torch.Tensor, position_ids: torch.Tensor):
+    """Index maps between the packed [R, S] layout and a padded [D, L] per-document layout.
+
+    Returns (flat_packed_index [T], doc_index [T], doc_position [T], D, L) for the T real
+    tokens: token t sits at flat position flat_packed_index[t] of the packed batch and at
+    (doc_index[t], doc_position[t]) of the unpacked one.
+    """
+    flat_doc = batch_document_ids.reshape(-1)
+    real = torch.nonzero(flat_doc >= 0, as_tuple=True)[0]
+    doc = flat_doc[real]
+    pos = position_ids.reshape(-1)[real]
+    D = int(doc.max()) + 1 if doc.numel() else 0
+    L = int(pos.max()) + 1 if pos.numel() else 0
+    return real, doc, pos, D, L
+
+
+class TargetRunner:
+    """A frozen Hugging Face causal LM producing what the drafter needs, nothing more."""
+
+    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_final: bool = False):
+        self.model = model.eval().requires_grad_(False)
+        self.layers = find_decoder_layers(model)
+        self.layer_ids = list(target_layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"target layers {bad} do not exist: the target has {len(self.layers)} decoder layers")
+        self.need_final = need_final  # default of each call; a call may ask otherwise
+        try:
+            self.final_norm = find_final_norm(model)
+        except ValueError:
+            if need_final:
+                raise
+            self.final_norm = None
+        self._final_now = need_final
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        last = max(self.layer_ids)
+        for i in self.layer_ids:
+            self._handles.append(self.layers[i].register_forward_hook(self._tap_hook(i, last=(i == last))))
+        if self.final_norm is not None:
+            self._handles.append(self.final_norm.register_forward_hook(self._final_hook))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[1]
+
+    def _tap_hook(self, index: int, last: bool):
+        def hook(module, args, output):
+            self._captured[index] = output[0] if isinstance(output, (tuple, list)) else output
+            if last and not self._final_now:
+                raise _StopForward
+
+        return hook
+
+    def _final_hook(self, module, args, output):
+        self._captured[-1] = output
+        raise _StopForward
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.no_grad()
+    def run_documents(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, *, need_final: bool | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Right-padded [D, L] documents -> (tapped states per layer [D, L, H], final [D, L, H])."""
+        self._final_now = self.need_final if need_final is None else need_final
+        if self._final_now and self.final_norm is None:
+            raise ValueError("this target's final norm was not found: target labels are unavailable")
+        self._captured.clear()
+        D, L = input_ids.shape
+        full = bool((lengths == L).all())
+        # No attention mask when nothing is padded lets SDPA take its fused causal kernel;
+        # with right padding, real tokens never attend to pads under causal attention anyway.
+        mask = None if full else (torch.arange(L, device=input_ids.device) < lengths[:, None]).long()
+        try:
+            self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        except _StopForward:
+            pass
+        missing = [i for i in self.layer_ids if i not in self._captured]
+        if missing:
+            raise RuntimeError(f"target forward did not reach layers {missing}")
+        taps = [self._captured[i] for i in self.layer_ids]
+        final = self._captured.get(-1) if self._final_now else None
+        self._captured.clear()
+        return taps, final
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
+        *, need_final: bool | None = None,
+    ) -> TargetOutput:
+        """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0)."""
+        R, S = input_ids.shape
+        flat_index, doc, pos, D, L = unpack_documents(document_ids, position_ids)
+        docs = torch.zeros((D, L), dtype=input_ids.dtype, device=input_ids.device)
+        docs[doc, pos] = input_ids.reshape(-1)[flat_index]
+        lengths = torch.zeros(D, dtype=torch.long, device=input_ids.device).scatter_reduce(
+            0, doc, pos + 1, reduce="amax")
+        taps, final = self.run_documents(docs, lengths, need_final=need_final)
+        n, H = len(taps), taps[0].shape[-1]
+        packed = torch.zeros((R * S, n * H), dtype=taps[0].dtype, device=input_ids.device)
+        packed[flat_index] = torch.cat([t[doc, pos] for t in taps], dim=-1)
+        final_packed = None
+        if final is not None:
+            final_packed = torch.zeros((R * S, H), dtype=final.dtype, device=input_ids.device)
+            final_packed[flat_index] = final[doc, pos]
+            final_packed = final_packed.view(R, S, H)
+        return TargetOutput(packed.view(R, S, n * H), final_packed)

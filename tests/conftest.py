@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny real targets (random Llama / Qwen3 with a trained BPE tokenizer and
+a ChatML template, saved as Hugging Face directories) and datasets prepared from them."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = "zero one two three four five six seven eight nine ten red green blue cat dog sun moon".split()
+
+
+def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Conversations with learnable answers: count up from a number, or repeat a word."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        if rng.random() < 0.5:
+            start = rng.randrange(0, 6)
+            ask = f"count from {WORDS[start]}"
+            answer = " ".join(WORDS[start:start + rng.randrange(3, 6)])
+        else:
+            w = rng.choice(WORDS[11:])
+            ask = f"say {w} many times"
+            answer = " ".join([w] * rng.randrange(3, 8))
+        rows.append({"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def build_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [" ".join(WORDS)] * 20 + [json.dumps(r) for r in synthetic_conversations(200)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_target(path, kind: str, vocab: int, layers: int = 6):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=True,
+                  initializer_range=0.3)  # large enough embeddings for a learnable LM head
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else \
+        Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory):
+    """{"llama": dir, "qwen3": dir}: tokenizer + random model, saved like a real checkpoint."""
+    root = tmp_path_factory.mktemp("targets")
+    out = {}
+    for kind in ("llama", "qwen3"):
+        d = root / kind
+        tok = build_tokenizer(d)
+        build_target(d, kind, vocab=len(tok))
+        out[kind] = d
+    return out
+
+
+def prepare_dataset(target_dir, rows, out_dir):
+    from dflash_train.data.prepare import PrepareConfig, prepare
+
+    src = out_dir.parent / f"{out_dir.name}.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare(PrepareConfig(target=str(target_dir), inputs=[str(src)], output=str(out_dir), workers=1, progress=False))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_datasets(tiny_targets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("datasets")
+    rows = synthetic_conversations(160)
+    return {kind: prepare_dataset(d, rows, root / kind) for kind, d in tiny_targets.items()}
