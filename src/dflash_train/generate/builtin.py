@@ -91,12 +91,21 @@ class EngineStats:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     request: Request
     prompt_len: int
     limit: int
+    next_pos: int = 0  # position of the next decode input of this row (launched, not yet read)
     out: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Launched:
+    rows: list[_Row | None]  # each slot's row when the step was launched
+    active: list[int]
+    host: Tensor  # the step's tokens [slots]: a pinned host buffer on CUDA
+    event: Any  # CUDA event after the copy into `host`; None on CPU
 
 
 class _DecodeStep:
@@ -121,7 +130,12 @@ class _DecodeStep:
         if not self.use_graphs:
             return self.decoder.decode(self.tokens, self.positions, kv_len)
         if kv_len not in self._graphs:
-            self._graphs[kv_len] = self._capture(kv_len)
+            try:
+                self._graphs[kv_len] = self._capture(kv_len)
+            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
+                warnings.warn(f"CUDA graph capture failed, decoding without graphs: {exc}", stacklevel=2)
+                self.use_graphs = False
+                return self.decoder.decode(self.tokens, self.positions, kv_len)
         graph, logits = self._graphs[kv_len]
         graph.replay()
         return logits
@@ -198,8 +212,13 @@ class BuiltinEngine:
             self._compile_layer_functions()
         self.step = _DecodeStep(self.decoder, self.tokens, self.positions, cuda_graphs=cuda_graphs)
         self._rows: list[_Row | None] = [None] * slots
+        # two pinned buffers: one for the step in flight, one for the step being read
+        self._host_buffers = (
+            [torch.empty(slots, dtype=torch.long, pin_memory=True) for _ in range(2)] if dev.type == "cuda" else []
+        )
+        self._launches = 0
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._any_sampled = self._any_filtered = False
+        self._any_sampled = self._any_filtered = self._flags_dirty = False
         log.info(
             "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s",
             slots, max_len, self.decoder.kv_bytes() / 2**30,
@@ -208,20 +227,26 @@ class BuiltinEngine:
 
     # --- setup ------------------------------------------------------------------------
 
-    def _compile_layer_functions(self) -> None:  # pragma: no cover - CUDA only
+    def _compile_layer_functions(self, backend: str = "inductor") -> None:
         """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
         Only the per-layer functions are compiled: their shapes do not depend on the
-        attention length, so one compilation serves every layer and every kv bucket."""
+        attention length, so one compilation serves every layer and every kv bucket.
+        (The CPU tests run this with a non-fusing backend to check that it traces as one
+        graph per function and never recompiles.)"""
         dec = self.decoder
-        pre = torch.compile(dec.pre_attention, dynamic=False, fullgraph=True)
-        post = torch.compile(dec.post_attention, dynamic=False, fullgraph=True)
-        try:  # compile now, on dummy inputs, so a failure falls back to eager cleanly
+        try:  # compile now, on dummy inputs, so any failure falls back to eager cleanly
+            pre = torch.compile(dec.pre_attention, backend=backend, dynamic=False, fullgraph=True)
+            post = torch.compile(dec.post_attention, backend=backend, dynamic=False, fullgraph=True)
+            # the exact shapes and strides `decode` passes, so this compilation is the one used
             x = torch.zeros(self.slots, dec.embed_w.shape[1], dtype=dec.dtype, device=dec.device)
-            cos, sin = dec.cos[:1].expand(self.slots, -1)[:, None], dec.sin[:1].expand(self.slots, -1)[:, None]
+            pos = torch.zeros(self.slots, dtype=torch.long, device=dec.device)
+            cos, sin = dec.cos[pos][:, None, :], dec.sin[pos][:, None, :]
             lay = dec.layers[0]
-            q, _, _ = pre(x, cos, sin, *lay.pre, **dec._pre_kw(lay))
-            post(x, q.reshape(self.slots, -1), *lay.post, eps=lay.ln2_eps)
-            torch.cuda.synchronize()
+            with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
+                q, _, _ = pre(x, cos, sin, *lay.pre, **dec._pre_kw(lay))
+                post(x, q.reshape(self.slots, -1), *lay.post, eps=lay.ln2_eps)
+            if dec.device.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: {exc}", stacklevel=2)
             return
@@ -247,15 +272,30 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def run(self, next_request: NextRequest, on_complete: OnComplete) -> None:
+        """Decode until `next_request` has nothing and every row is done.
+
+        The loop runs one step ahead of the host: step t is launched before the tokens of
+        step t-1 are read back, so the GPU never waits for the Python bookkeeping. A row
+        that stops at t-1 was therefore also stepped at t; that token is discarded (the
+        slot's row is compared with the one it held at launch). Prompts are admitted only
+        into slots known to be free, and their prefill is queued after the in-flight step,
+        so stream order keeps every slot's cache and inputs consistent."""
+        pending: _Launched | None = None
         while True:
-            active = self.slots - len(self._free)
-            if len(self._free) >= self.refill_min or active == 0:
+            pulled = 0
+            if len(self._free) >= self.refill_min or (self._n_active() == 0 and pending is None):
                 pulled = self._admit(next_request, on_complete)
-                if self.slots - len(self._free) == 0:
-                    if pulled:
-                        continue  # everything pulled finished at once (errors, 1-token rows)
-                    return
-            self._decode_once(on_complete)
+            if self._n_active() == 0 and pending is None:
+                if pulled:
+                    continue  # everything pulled finished at once (errors, 1-token rows)
+                return
+            launched = self._launch() if self._n_active() else None
+            if pending is not None:
+                self._collect(pending, on_complete)
+            pending = launched
+
+    def _n_active(self) -> int:
+        return self.slots - len(self._free)
 
     def _admit(self, next_request: NextRequest, on_complete: OnComplete) -> int:
         """Pull requests into the free slots and prefill them; returns how many were pulled."""
@@ -303,8 +343,8 @@ class BuiltinEngine:
         self.steps[slot_idx] = 0
         for slot, (req, prompt) in zip(slots, chunk):
             limit = min(req.max_new_tokens, self.max_new_tokens)
-            self._rows[slot] = _Row(req, len(prompt), limit)
-        self._update_flags()
+            self._rows[slot] = _Row(req, len(prompt), limit, next_pos=len(prompt))
+        self._flags_dirty = True
 
         logits = self.decoder.prefill(ids, lengths, slot_idx)
         first = self._select(logits, slot_idx)
@@ -318,6 +358,8 @@ class BuiltinEngine:
             self._append(slot, token, on_complete)
 
     def _select(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
+        if self._flags_dirty:
+            self._update_flags()
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         return select_tokens(
             logits, pick(self.temperature), pick(self.top_p), pick(self.top_k), pick(self.keys), pick(self.steps),
@@ -325,27 +367,50 @@ class BuiltinEngine:
         )  # fmt: skip
 
     def _update_flags(self) -> None:
+        self._flags_dirty = False
         samplings = [row.request.sampling for row in self._rows if row is not None]
         self._any_sampled = any(not s.greedy for s in samplings)
         self._any_filtered = any(not s.greedy and (s.top_k > 0 or s.top_p < 1.0) for s in samplings)
 
-    def _decode_once(self, on_complete: OnComplete) -> None:
+    def _launch(self) -> "_Launched":
+        """Queue one decode step for every slot; returns what `_collect` needs to read it."""
         t0 = time.perf_counter()
-        active = [s for s, row in enumerate(self._rows) if row is not None]
-        # the next input of a slot sits at position prompt_len + generated - 1
-        kv_needed = max(self._rows[s].prompt_len + len(self._rows[s].out) for s in active)  # type: ignore[union-attr]
+        rows = list(self._rows)
+        active = [s for s, row in enumerate(rows) if row is not None]
+        kv_needed = 1 + max(rows[s].next_pos for s in active)  # type: ignore[union-attr]
+        for s in active:
+            rows[s].next_pos += 1  # type: ignore[union-attr]
         logits = self.step(kv_needed)
         nxt = self._select(logits)
         self.tokens.copy_(nxt)
         # Idle slots keep stepping on stale input; clamping keeps their positions in range.
         self.positions.add_(1).clamp_(max=self.decoder.max_len - 1)
         self.steps.add_(1)
-        host = nxt.tolist()
-        self.stats.decode_seconds += time.perf_counter() - t0
+        event = None
+        if self.device.type == "cuda":  # pragma: no cover - async copy into pinned memory
+            host = self._host_buffers[self._launches % 2]
+            host.copy_(nxt, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = nxt
+        self._launches += 1
         self.stats.decode_steps += 1
         self.stats.slot_steps_active += len(active)
-        for slot in active:
-            self._append(slot, host[slot], on_complete)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return _Launched(rows, active, host, event)
+
+    def _collect(self, launched: "_Launched", on_complete: OnComplete) -> None:
+        """Read a launched step's tokens back and hand them to the rows still in their slots."""
+        t0 = time.perf_counter()
+        if launched.event is not None:  # pragma: no cover - CUDA only
+            launched.event.synchronize()
+        tokens = launched.host.tolist()
+        self.stats.decode_seconds += time.perf_counter() - t0
+        for slot in launched.active:
+            row = launched.rows[slot]
+            if self._rows[slot] is row:  # else the row stopped at the previous step
+                self._append(slot, tokens[slot], on_complete)
 
     def _append(self, slot: int, token: int, on_complete: OnComplete) -> None:
         row = self._rows[slot]
@@ -361,7 +426,7 @@ class BuiltinEngine:
         assert row is not None
         self._rows[slot] = None
         self._free.append(slot)
-        self._update_flags()
+        self._flags_dirty = True  # recomputed once before the next token selection
         new_tokens = len(row.out) + (reason == "stop")
         self.stats.new_tokens += new_tokens
         self.stats.completed += 1

@@ -1,0 +1,400 @@
+"""What `generate` asks the target to write, and how answers become output rows.
+
+Two sources of conversations feed one engine:
+
+(a) regenerate: every assistant turn of a prompt row is rewritten by the target, in order,
+    each given the conversation so far *with the target's own earlier answers*, so a
+    multi-turn row keeps its structure and every assistant turn is target-written.
+(b) synthesise: the target first writes a user turn, continuing the chat template's bare
+    user header (`...<|im_start|>user\\n` for ChatML) up to its end-of-turn, then answers it.
+    User turns that do not end in time, are too short, contain template markup, or repeat
+    an earlier one (after case/whitespace normalisation) are dropped and another attempt
+    is made.
+
+Ids are stable, so a rerun skips finished conversations: (a) a hash of the source file
+name, row number and the row's messages; (b) `syn-{seed}-{attempt}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dflash_train import __version__
+from dflash_train.data.sources import DataError, Record, expand_inputs, iter_records
+from dflash_train.generate.config import GenerateConfig
+from dflash_train.generate.engine import Completion, Request
+from dflash_train.generate.sampling import request_key
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\u2063dflash-user-sentinel\u2063"
+
+
+def conversation_id(file: str | Path, line: int, messages: list[dict[str, str]]) -> str:
+    """Stable id of a prompt row: survives moving the file, changes when the row changes."""
+    payload = f"{Path(file).name}:{line}\n" + json.dumps(messages, ensure_ascii=False, sort_keys=True)
+    return "r-" + hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def synthetic_id(seed: int, attempt: int) -> str:
+    return f"syn-{seed}-{attempt}"
+
+
+def normalize_prompt(text: str) -> str:
+    """The de-duplication key of a user turn: case- and whitespace-insensitive."""
+    return " ".join(text.lower().split())
+
+
+def user_header(tokenizer, system_prompt: str | None = None) -> str:
+    """The chat template rendered up to where a user message's text starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the target's tokenizer has no chat template: cannot synthesise conversations")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": _SENTINEL}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not render the user message verbatim: cannot synthesise")
+    return text[: text.index(_SENTINEL)]
+
+
+def _special_strings(tokenizer) -> list[str]:
+    if tokenizer is None:
+        return []
+    tokens = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    tokens |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
+    return sorted(t for t in tokens if len(t) > 1)
+
+
+@dataclass
+class _Conversation:
+    id: str
+    messages: list[dict[str, str]]
+    turn: int = -1  # index of the assistant message being written
+    synthetic: bool = False
+    source: dict[str, Any] | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    new_tokens: int = 0
+
+    def next_assistant(self) -> int | None:
+        return next((i for i in range(self.turn + 1, len(self.messages)) if self.messages[i]["role"] == "assistant"), None)
+
+
+@dataclass
+class Counters:
+    written: int = 0
+    skipped_errors: int = 0
+    skipped_text_rows: int = 0
+    bad_rows: int = 0
+    rejected_prompts: dict[str, int] = field(default_factory=dict)
+    synth_attempts: int = 0
+    new_tokens: int = 0
+
+
+class Driver:
+    """Feeds an engine (`next_request`) and turns its completions into rows (`on_complete`)."""
+
+    def __init__(
+        self,
+        cfg: GenerateConfig,
+        write: Callable[[dict[str, Any]], None],
+        engine_info: dict[str, Any],
+        *,
+        done_ids: set[str],
+        records: Iterator[Record] | None = None,
+        header: str | None = None,
+        tokenizer=None,
+        seen_prompts: set[str] | None = None,
+        synth_done: int = 0,
+        on_row: Callable[[int], None] | None = None,
+    ) -> None:
+        self.cfg, self.write, self.done_ids = cfg, write, done_ids
+        self.records = records
+        self.header = header
+        self.specials = _special_strings(tokenizer)
+        self.seen = seen_prompts if seen_prompts is not None else set()
+        self.counts = Counters()
+        self.on_row = on_row
+        self._ready: deque[Request] = deque()  # follow-up turns, served before new conversations
+        base = {
+            "model": engine_info.get("model", ""),
+            "engine": engine_info.get("engine", ""),
+            **cfg.answer_sampling.to_dict(),
+            "seed": cfg.seed,
+            "max_new_tokens": cfg.max_new_tokens,
+            "dflash_train_version": __version__,
+        }
+        self.generator = base
+        self.synth_generator = {**base, "prompt_sampling": {**cfg.prompt_sampling.to_dict(), "max_tokens": cfg.prompt_max_tokens}}
+        # synthesis accounting: rows already written + attempts in flight must not pass the target
+        self.synth_have, self.synth_inflight = synth_done, 0
+        remaining = max(0, cfg.synthesize - synth_done)
+        self.synth_max_attempts = math.ceil(remaining * cfg.max_attempts_factor) + (16 if remaining else 0)
+        self._next_attempt = 0
+
+    # --- requests -----------------------------------------------------------------------
+
+    def next_request(self) -> Request | None:
+        if self._ready:
+            return self._ready.popleft()
+        while self.records is not None:
+            record = next(self.records, None)
+            if record is None:
+                self.records = None
+                break
+            req = self._start_regenerate(record)
+            if req is not None:
+                return req
+        return self._start_synthetic()
+
+    def _answer_request(self, conv: _Conversation) -> Request:
+        sampling = self.cfg.answer_sampling
+        return Request(
+            messages=conv.messages[: conv.turn],
+            sampling=sampling,
+            max_new_tokens=self.cfg.max_new_tokens,
+            key=request_key(self.cfg.seed, conv.id, conv.turn),
+            tag=(conv, "answer"),
+        )
+
+    def _start_regenerate(self, record: Record) -> Request | None:
+        if record.messages is None:
+            self.counts.skipped_text_rows += 1
+            return None
+        cid = conversation_id(record.file, record.line, record.messages)
+        if cid in self.done_ids:
+            return None
+        self.done_ids.add(cid)  # an id met twice (same file name, row and content) is written once
+        source = {"file": Path(record.file).name, "line": record.line}
+        if "id" in record.extra:
+            source["id"] = record.extra["id"]
+        conv = _Conversation(cid, [dict(m) for m in record.messages], source=source)
+        conv.turn = conv.next_assistant()  # type: ignore[assignment] - rows always have one
+        return self._answer_request(conv)
+
+    def _start_synthetic(self) -> Request | None:
+        if self.header is None:
+            return None
+        while self.synth_have + self.synth_inflight < self.cfg.synthesize:
+            if self.counts.synth_attempts >= self.synth_max_attempts:
+                return None
+            attempt = self._next_attempt
+            self._next_attempt += 1
+            cid = synthetic_id(self.cfg.seed, attempt)
+            if cid in self.done_ids:
+                continue
+            self.counts.synth_attempts += 1
+            self.synth_inflight += 1
+            conv = _Conversation(cid, [], synthetic=True)
+            return Request(
+                text=self.header,
+                sampling=self.cfg.prompt_sampling,
+                max_new_tokens=self.cfg.prompt_max_tokens,
+                key=request_key(self.cfg.seed, cid, "user"),
+                tag=(conv, "user"),
+            )
+        return None
+
+    # --- completions --------------------------------------------------------------------
+
+    def on_complete(self, request: Request, completion: Completion) -> None:
+        conv, stage = request.tag
+        self.counts.new_tokens += completion.new_tokens
+        if stage == "user":
+            self._on_user_turn(conv, completion)
+        elif not completion.ok:
+            self.counts.skipped_errors += 1
+            log.warning("skipping conversation %s: %s", conv.id, completion.error)
+            if conv.synthetic:
+                self.synth_inflight -= 1
+            else:
+                self.done_ids.discard(conv.id)
+        else:
+            conv.messages[conv.turn] = {"role": "assistant", "content": completion.text}
+            conv.finish_reasons.append(completion.finish_reason)
+            conv.new_tokens += completion.new_tokens
+            nxt = conv.next_assistant()
+            if nxt is not None:
+                conv.turn = nxt
+                self._ready.append(self._answer_request(conv))
+            else:
+                self._write(conv)
+
+    def _reject(self, reason: str) -> None:
+        self.synth_inflight -= 1
+        self.counts.rejected_prompts[reason] = self.counts.rejected_prompts.get(reason, 0) + 1
+
+    def _on_user_turn(self, conv: _Conversation, completion: Completion) -> None:
+        text = completion.text.strip()
+        if not completion.ok:
+            return self._reject("error")
+        if completion.finish_reason != "stop":
+            return self._reject("no end of turn")
+        if len(text) < self.cfg.prompt_min_chars:
+            return self._reject("too short")
+        if any(s in text for s in self.specials):
+            return self._reject("template markup")
+        key = normalize_prompt(text)
+        if key in self.seen:
+            return self._reject("duplicate")
+        self.seen.add(key)
+        system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+        conv.messages = system + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        conv.turn = len(conv.messages) - 1
+        self._ready.append(self._answer_request(conv))
+
+    def _write(self, conv: _Conversation) -> None:
+        row: dict[str, Any] = {"id": conv.id, "messages": conv.messages}
+        if conv.synthetic:
+            row["synthetic"] = True
+            row["generator"] = self.synth_generator
+            self.synth_inflight -= 1
+            self.synth_have += 1
+        else:
+            row["generator"] = self.generator
+            row["source"] = conv.source
+        row["finish_reasons"] = conv.finish_reasons
+        row["new_tokens"] = conv.new_tokens
+        self.write(row)
+        self.counts.written += 1
+        if self.on_row is not None:
+            self.on_row(conv.new_tokens)
+
+
+# --- the whole job ----------------------------------------------------------------------
+
+
+def _resolve_device_dtype(cfg: GenerateConfig):
+    import torch
+
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    return torch.device(device), getattr(torch, dtype_name)
+
+
+def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
+    """(engine, tokenizer or None) for the configured engine and target."""
+    from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
+
+    if cfg.engine == "http":
+        from dflash_train.generate.http_engine import HttpEngine
+
+        engine = HttpEngine(
+            cfg.base_url, cfg.model, concurrency=cfg.concurrency, retries=cfg.retries,
+            backoff_s=cfg.retry_backoff_s, timeout_s=cfg.request_timeout_s,
+        )  # fmt: skip
+        return engine, (load_tokenizer(cfg.target) if need_tokenizer else None)
+
+    from dflash_train.generate.builtin import BuiltinEngine
+
+    source = resolve_model_source(cfg.target)
+    tokenizer = load_tokenizer(source)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
+    device, dtype = _resolve_device_dtype(cfg)
+    model = load_causal_lm(source, dtype=dtype, device=device)
+    engine = BuiltinEngine(
+        model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+        max_new_tokens=max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1),
+        cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, model_name=source.name or source.describe(),
+    )  # fmt: skip
+    return engine, tokenizer
+
+
+def _count_prompt_rows(cfg: GenerateConfig, done_ids: set[str]) -> int:
+    """Rows still to regenerate; reading them all first also finds malformed rows before
+    any model is loaded."""
+    todo = 0
+    for record in iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=[]):
+        if record.messages is not None and conversation_id(record.file, record.line, record.messages) not in done_ids:
+            todo += 1
+    return todo
+
+
+def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[str, Any]:
+    """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests)."""
+    from tqdm import tqdm
+
+    from dflash_train.generate.writer import JsonlAppender, read_rows, recover
+
+    if cfg.prompts:
+        expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
+    with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
+        recover(cfg.output)  # under the lock: no other run is appending
+        done_ids: set[str] = set()
+        seen: set[str] = set()
+        synth_done, existing = 0, 0
+        synth_prefix = f"syn-{cfg.seed}-"
+        for row in read_rows(cfg.output):
+            existing += 1
+            done_ids.add(row["id"])
+            if row.get("synthetic"):
+                users = [m.get("content", "") for m in row.get("messages", []) if m.get("role") == "user"]
+                if users:
+                    seen.add(normalize_prompt(users[0]))
+                synth_done += row["id"].startswith(synth_prefix)
+        if existing:
+            log.info("%s: %d rows already done, resuming", cfg.output, existing)
+
+        todo = _count_prompt_rows(cfg, done_ids) if cfg.prompts else 0
+        todo += max(0, cfg.synthesize - synth_done)
+        if engine is None:
+            engine, tokenizer = build_engine(cfg, need_tokenizer=cfg.synthesize > 0)
+        header = user_header(tokenizer, cfg.system_prompt) if cfg.synthesize > 0 else None
+        bad: list[DataError] = []
+        records = iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad) if cfg.prompts else None
+
+        bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
+        t0, last = time.perf_counter(), [0.0]
+
+        def on_row(_tokens: int) -> None:
+            bar.update(1)
+            now = time.perf_counter()
+            if now - last[0] > 0.5:
+                last[0] = now
+                bar.set_postfix_str(f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s")
+
+        driver = Driver(
+            cfg, out.add, engine.describe(), done_ids=done_ids, records=records, header=header,
+            tokenizer=tokenizer, seen_prompts=seen, synth_done=synth_done, on_row=on_row,
+        )  # fmt: skip
+        try:
+            engine.run(driver.next_request, driver.on_complete)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - t0
+    counts = driver.counts
+    counts.bad_rows = len(bad)
+    for err in bad[:5]:
+        log.warning("skipped a malformed prompt row: %s", err)
+    summary = {
+        "output": cfg.output,
+        "written": counts.written,
+        "already_done": existing,
+        "skipped_errors": counts.skipped_errors,
+        "skipped_plain_text_rows": counts.skipped_text_rows,
+        "skipped_bad_rows": counts.bad_rows,
+        "synthetic_attempts": counts.synth_attempts,
+        "rejected_prompts": counts.rejected_prompts,
+        "new_tokens": counts.new_tokens,
+        "seconds": round(seconds, 2),
+        "new_tokens_per_second": round(counts.new_tokens / max(seconds, 1e-9), 1),
+    }
+    if cfg.synthesize and driver.synth_have < cfg.synthesize:
+        log.warning(
+            "only %d of %d synthetic conversations after %d attempts (rejected: %s)",
+            driver.synth_have, cfg.synthesize, counts.synth_attempts, counts.rejected_prompts,
+        )  # fmt: skip
+    return summary

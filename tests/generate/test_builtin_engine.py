@@ -1,0 +1,137 @@
+"""The built-in engine against Hugging Face greedy decoding, token for token (CPU, fp32)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, check_supported
+from dflash_train.generate.engine import Completion, Request
+
+from .tiny import make_model
+
+NEW = 20
+
+
+def hf_greedy(model, prompt: list[int], eos: int | None) -> list[int]:
+    """Hugging Face greedy decoding of one unpadded prompt (no padding ambiguity)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+        eos_token_id=eos, pad_token_id=0,
+    )[0, len(prompt):].tolist()  # fmt: skip
+    return out[: out.index(eos)] if eos is not None and eos in out else out
+
+
+def pick_eos(outputs: list[list[int]]) -> int:
+    """A token the model really produces, at as many different first positions as possible,
+    so that rows stop at different steps."""
+    first_positions: dict[int, set[int]] = defaultdict(set)
+    for out in outputs:
+        seen = set()
+        for i, t in enumerate(out):
+            if t not in seen:
+                seen.add(t)
+                first_positions[t].add(i)
+    return max(first_positions, key=lambda t: (len(first_positions[t]), -t))
+
+
+def run_engine(engine: BuiltinEngine, requests: list[Request]) -> dict[int, Completion]:
+    queue = iter(requests)
+    results: dict[int, Completion] = {}
+    engine.run(lambda: next(queue, None), lambda req, comp: results.__setitem__(req.tag, comp))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_equals_hf_greedy_with_rows_finishing_at_different_steps(kind):
+    model = make_model(kind, vocab=256, seed=1)
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 24, (10,), generator=gen)]
+    eos = pick_eos([hf_greedy(model, p, None) for p in prompts])
+    expected = [hf_greedy(model, p, eos) for p in prompts]
+    assert len({len(e) for e in expected}) >= 3, "the test needs rows that stop at different steps"
+
+    # 3 slots for 10 prompts: finished slots are refilled while the others keep decoding
+    engine = BuiltinEngine(model, None, slots=3, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids={eos})
+    results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
+
+    assert [results[i].token_ids for i in range(len(prompts))] == expected
+    for i, e in enumerate(expected):
+        assert results[i].finish_reason == ("length" if len(e) == NEW else "stop")
+    assert engine.stats.completed == len(prompts)
+    assert engine.stats.prompt_tokens == sum(map(len, prompts))
+
+
+def test_chat_requests_per_request_limits_and_bad_prompts(tokenizer):
+    model = make_model("llama", vocab=len(tokenizer), seed=3)
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    engine = BuiltinEngine(model, tokenizer, slots=2, max_prompt_tokens=80, max_new_tokens=12)
+    assert eot in engine.stop_ids
+    chats = [[{"role": "user", "content": q}] for q in ("Name three fruits.", "What is gravity?", "Sort a list.")]
+    reqs = [Request(messages=c, max_new_tokens=5 + i, tag=i) for i, c in enumerate(chats)]
+    reqs.append(Request(messages=[{"role": "user", "content": "very long " * 40}], tag="long"))
+    reqs.append(Request(text="<|im_start|>user\n", max_new_tokens=3, tag="text"))
+    results = run_engine(engine, reqs)
+
+    assert "prompt has" in results["long"].error and results["long"].finish_reason == "error"
+    for i, chat in enumerate(chats):
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        model.generation_config.eos_token_id = None
+        want = hf_greedy(model, prompt, eot)[: 5 + i]
+        assert results[i].token_ids == want
+        assert results[i].text == tokenizer.decode(want)
+        assert results[i].prompt_tokens == len(prompt)
+    assert len(results["text"].token_ids) <= 3
+
+
+def test_ignore_eos_runs_every_row_to_the_limit():
+    model = make_model("llama", vocab=256, seed=4)
+    engine = BuiltinEngine(model, None, slots=4, max_prompt_tokens=8, max_new_tokens=9, stop_ids=set(range(256)), ignore_eos=True)
+    results = run_engine(engine, [Request(prompt_ids=[5 + i, 7], max_new_tokens=9, tag=i) for i in range(6)])
+    assert all(len(c.token_ids) == 9 and c.finish_reason == "length" for c in results.values())
+
+
+def test_unsupported_architecture_points_to_http_engine():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="--engine http"):
+        check_supported(model, 64)
+
+
+def test_compiled_layer_functions_trace_once_and_match():
+    """The GPU path compiles the per-layer functions; check on CPU (with a backend that
+    does not fuse) that they trace as one graph each, are reused by every layer and step
+    without recompiling, and give the same tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = make_model("qwen3", vocab=256, seed=6)
+    prompts = [[3, 4, 5, 6], [9], [20, 21]]
+
+    def tokens(compiled: bool):
+        engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=6, stop_ids=set())
+        if compiled:
+            engine._compile_layer_functions(backend="aot_eager")
+            assert engine.decoder.pre_attention is not _pre_attention  # the compiled one is in use
+        return {i: c.token_ids for i, c in run_engine(engine, [Request(prompt_ids=p, max_new_tokens=6, tag=i) for i, p in enumerate(prompts)]).items()}
+
+    torch._dynamo.reset()
+    counters.clear()
+    assert tokens(True) == tokens(False)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_failing_compiler_falls_back_to_eager():
+    model = make_model("llama", vocab=256, seed=7)
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set())
+    with pytest.warns(UserWarning, match="running it uncompiled"):
+        engine._compile_layer_functions(backend="no-such-backend")
+    assert engine.decoder.pre_attention is _pre_attention
+    assert len(run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids) == 4

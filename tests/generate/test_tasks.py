@@ -1,0 +1,125 @@
+"""Regeneration and synthesis bookkeeping, resume, and the output row format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.data.sources import parse_row
+from dflash_train.generate.config import GenerateConfig
+from dflash_train.generate.engine import Completion, Request
+from dflash_train.generate.tasks import conversation_id, normalize_prompt, run_generate, user_header
+from dflash_train.utils.config import ConfigError, from_dict
+
+
+class FakeEngine:
+    """Answers chats with a deterministic echo, and writes user turns from a script."""
+
+    name = "fake"
+
+    def __init__(self, user_turns: list[Completion] | None = None) -> None:
+        self.user_turns = list(user_turns or [])
+        self.seen: list[Request] = []
+
+    def describe(self) -> dict:
+        return {"engine": self.name, "model": "fake-model"}
+
+    def run(self, next_request, on_complete) -> None:
+        while (req := next_request()) is not None:
+            self.seen.append(req)
+            if req.text is not None:
+                done = self.user_turns.pop(0) if self.user_turns else Completion("", "length")
+            else:
+                history = " | ".join(m["content"] for m in req.messages)
+                done = Completion(f"A({history})", "stop", new_tokens=4)
+            on_complete(req, done)
+
+
+def write_prompts(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_multi_turn_rows_are_rewritten_turn_by_turn(tmp_path, tokenizer):
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                      {"role": "assistant", "content": "old1"}, {"role": "user", "content": "u2"},
+                      {"role": "assistant", "content": "old2"}], "id": "src-7"},
+        {"prompt": "p", "response": "r"},
+        {"text": "plain text cannot be regenerated"},
+    ])  # fmt: skip
+    cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False, temperature=0.5)
+    summary = run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer)
+    assert summary["written"] == 2 and summary["skipped_plain_text_rows"] == 1
+    rows = [json.loads(line) for line in open(cfg.output)]
+    first = rows[0]["messages"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
+    assert first[2]["content"] == "A(S | u1)"
+    assert first[4]["content"] == "A(S | u1 | A(S | u1) | u2)"  # sees the target's own first answer
+    assert rows[0]["source"] == {"file": "p.jsonl", "line": 1, "id": "src-7"}
+    assert rows[0]["finish_reasons"] == ["stop", "stop"] and rows[0]["new_tokens"] == 8
+    assert rows[0]["generator"] == {
+        "model": "fake-model", "engine": "fake", "temperature": 0.5, "top_p": 1.0, "top_k": 0, "seed": 0,
+        "max_new_tokens": 1024, "dflash_train_version": rows[0]["generator"]["dflash_train_version"],
+    }  # fmt: skip
+    assert rows[1]["id"] == conversation_id("p.jsonl", 2, [{"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}])
+    for i, row in enumerate(rows):  # ready for `prepare`
+        assert parse_row(row, "out.jsonl", i + 1).messages == row["messages"]
+
+    again = run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer)  # everything is done: nothing to do
+    assert again["written"] == 0 and again["already_done"] == 2
+
+
+def test_synthesis_filters_dedupes_and_resumes(tmp_path, tokenizer):
+    header = user_header(tokenizer)
+    assert header.endswith("<|im_start|>user\n") and "You are a test model." in header
+    turns = [
+        Completion("  What is the tallest mountain on Earth?  ", "stop"),
+        Completion("what is the TALLEST   mountain on earth?", "stop"),  # duplicate after normalising
+        Completion("Hi", "stop"),  # too short
+        Completion("Tell me a story about dragons and", "length"),  # never ended its turn
+        Completion("Explain <|im_start|> tokens to me please", "stop"),  # template markup
+        Completion("How do magnets attract iron filings?", "stop"),
+    ]
+    out = tmp_path / "synth.jsonl"
+    cfg = GenerateConfig(output=str(out), synthesize=2, seed=3, progress=False, system_prompt="Be brief.")
+    engine = FakeEngine(turns)
+    summary = run_generate(cfg, engine=engine, tokenizer=tokenizer)
+    assert summary["written"] == 2 and summary["synthetic_attempts"] == 6
+    assert summary["rejected_prompts"] == {"duplicate": 1, "too short": 1, "no end of turn": 1, "template markup": 1}
+    assert engine.seen[0].text == user_header(tokenizer, "Be brief.")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["syn-3-0", "syn-3-5"]
+    assert rows[0]["synthetic"] is True
+    assert rows[0]["messages"][:2] == [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "What is the tallest mountain on Earth?"}]
+    assert rows[0]["generator"]["prompt_sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "max_tokens": 128}
+
+    # asking for 3: one more conversation; the earlier prompts stay de-duplicated
+    cfg3 = GenerateConfig(output=str(out), synthesize=3, seed=3, progress=False, system_prompt="Be brief.")
+    more = FakeEngine([Completion("How do magnets attract iron filings?", "stop")] * 6 + [Completion("Why is the sky blue today?", "stop")])
+    summary = run_generate(cfg3, engine=more, tokenizer=tokenizer)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["written"] == 1 and len(rows) == 3 and len({r["id"] for r in rows}) == 3
+    assert normalize_prompt(rows[2]["messages"][1]["content"]) == "why is the sky blue today?"
+
+
+def test_synthesis_gives_up_when_the_target_repeats_itself(tmp_path, tokenizer):
+    cfg = GenerateConfig(output=str(tmp_path / "s.jsonl"), synthesize=2, progress=False, max_attempts_factor=2)
+    summary = run_generate(cfg, engine=FakeEngine([Completion("The same question every time?", "stop")] * 100), tokenizer=tokenizer)
+    assert summary["written"] == 1
+    assert summary["synthetic_attempts"] == 2 * 2 + 16  # synthesize x factor, plus a small allowance
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="nothing to do"):
+        from_dict(GenerateConfig, {"output": "x.jsonl"})
+    with pytest.raises(ConfigError, match="output"):
+        from_dict(GenerateConfig, {"prompts": ["a.jsonl"]})
+    with pytest.raises(ConfigError, match="top_p"):
+        from_dict(GenerateConfig, {"output": "x.jsonl", "synthesize": 1, "top_p": 0})
+    with pytest.raises(ConfigError, match="engine"):
+        from_dict(GenerateConfig, {"output": "x.jsonl", "synthesize": 1, "engine": "vllm"})
+    cfg = from_dict(GenerateConfig, {"output": "x.jsonl", "prompts": "a.jsonl,b.jsonl", "temperature": "0.7"})
+    assert cfg.prompts == ["a.jsonl", "b.jsonl"] and cfg.temperature == 0.7
