@@ -241,12 +241,7 @@ class BatchPlanner:
         while epochs is None or epoch < epochs:
             plan = self.shard(epoch, rank, world)
             for b in range(index, len(plan)):
-                rows = plan[b]
-                docs, positions = [], []
-                for row in rows:
-                    positions.append(list(range(len(docs), len(docs) + len(row))))
-                    docs.extend((s, *dataset[s]) for s in row)
-                yield pack_documents(docs, positions, epoch=epoch, index=b)
+                yield build_batch(dataset, plan[b], epoch=epoch, index=b)
             epoch, index = epoch + 1, 0
 
     def describe(self, epoch: int = 0, world: int = 1) -> str:
@@ -292,3 +287,12 @@ class BatchPlanner:
             "batches_per_bucket": np.bincount(plan.batch_bucket, minlength=k).tolist(),
             "documents_per_bucket": np.bincount(self.bucket_of, minlength=k).tolist(),
         }
+
+
+def build_batch(dataset: _Dataset, rows: list[list[int]], *, epoch: int, index: int) -> PackedBatch:
+    """The PackedBatch of one planned batch: `rows` lists the sample ids of each row."""
+    docs, positions = [], []
+    for row in rows:
+        positions.append(list(range(len(docs), len(docs) + len(row))))
+        docs.extend((s, *dataset[s]) for s in row)
+    return pack_documents(docs, positions, epoch=epoch, index=index)

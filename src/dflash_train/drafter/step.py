@@ -71,7 +71,7 @@ def drafter_step(
     loss_cfg: LossConfig,
     generator: torch.Generator | None = None,
 ) -> StepStats:
-    cfg = drafter.config
+    cfg = drafter.config if hasattr(drafter, "config") else drafter.module.config  # DDP wraps the module
     B = cfg.block_size
     anchors, valid = select_anchors(
         loss_mask, document_ids, step_cfg.num_anchors, B, generator=generator, fixed_shape=step_cfg.fixed_shape

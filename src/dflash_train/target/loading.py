@@ -149,3 +149,43 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
     if specials:
         return max(specials)[0]
     raise ValueError("cannot choose a MASK token automatically: set drafter.mask_token_id")
+
+
+def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=None, device=None,
+                             trust_remote_code: bool = False):
+    """(embedding weight, lm_head weight) of a target without building the whole model.
+
+    A drafter rank of the split layout needs only these two matrices. From safetensors
+    files they are read by name; other formats (GGUF) load the model on the CPU and keep
+    the two tensors. Tied embeddings return the same tensor twice.
+    """
+    import json
+
+    import torch
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
+    files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
+    if files:
+        from safetensors import safe_open
+
+        index = source.directory / "model.safetensors.index.json"
+        where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        wanted: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for key in fh.keys():
+                    if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+                        if where is None or where.get(key) == f.name:
+                            wanted[key] = fh.get_tensor(key)
+        embed = next((v for k, v in wanted.items() if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            head = wanted.get("lm_head.weight", embed)
+            return tuple(t.to(device=device, dtype=dtype or t.dtype) for t in (embed, head))
+    model = load_causal_lm(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    embed = model.get_input_embeddings().weight.detach()
+    head_module = model.get_output_embeddings()
+    head = head_module.weight.detach() if head_module is not None else embed
+    if head.data_ptr() == embed.data_ptr():
+        embed = head = embed.to(device)
+        return embed, head
+    return embed.to(device), head.to(device)

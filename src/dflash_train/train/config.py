@@ -14,6 +14,7 @@ from dflash_train.data.batching import BatchPlanConfig
 from dflash_train.drafter.config import LAYER_TYPES
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.drafter.step import LABEL_SOURCES
+from dflash_train.pipeline.config import PipelineConfig
 
 
 @dataclass
@@ -150,9 +151,13 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         if not self.data.path:
             raise ValueError("data.path is required: a dataset directory written by `dflash-train prepare`")
         if self.step.label_source == "distill" and "cap" in self.loss.weighting:
             raise ValueError("loss.weighting 'cap' needs hard labels; use decay with label_source=distill")
+        if self.pipeline.queue_depth < self.optim.grad_accum:
+            raise ValueError(f"pipeline.queue_depth ({self.pipeline.queue_depth}) must be >= optim.grad_accum "
+                             f"({self.optim.grad_accum}): a drafter needs a whole step's batches in flight")

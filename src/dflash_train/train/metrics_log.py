@@ -15,7 +15,9 @@ def _fmt_rate(x: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
+    def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool, progress: bool,
+                 enabled: bool = True):
+        self.enabled = enabled  # data-parallel replicas other than the main one record nothing
         self.path = Path(output_dir) / "metrics.jsonl"
         self.writer = None
         if tensorboard:
@@ -30,7 +32,7 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume, forget records of steps after the checkpoint (they will be redone)."""
-        if not self.path.is_file():
+        if not self.enabled or not self.path.is_file():
             return
         kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
@@ -41,6 +43,8 @@ class MetricsLogger:
         self.bar.refresh()
 
     def record(self, step: int, scalars: dict[str, float], kind: str = "train") -> None:
+        if not self.enabled:
+            return
         row = {"step": step, "kind": kind, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                              for k, v in scalars.items()}}
         with self.path.open("a") as fh:
@@ -51,6 +55,8 @@ class MetricsLogger:
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
 
     def line(self, text: str) -> None:
+        if not self.enabled or not text:
+            return
         self.bar.write(text, file=sys.stderr) if not self.bar.disable else print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -31,15 +31,18 @@ from dflash_train.drafter.config import DrafterConfig, drafter_config_from_targe
 from dflash_train.drafter.loss import StepStats, summarize
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
+from dflash_train.pipeline.context import DistContext
+from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource, reduce_stats
 from dflash_train.target.loading import (
     choose_mask_token_id,
     load_causal_lm,
     load_config,
+    load_frozen_head_weights,
     load_tokenizer,
     resolve_model_source,
     tokenizer_identity,
 )
-from dflash_train.target.runner import TargetRunner
+from dflash_train.target.runner import TargetOutput, TargetRunner
 from dflash_train.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.loader import PrefetchLoader
@@ -48,7 +51,7 @@ from dflash_train.train.schedule import warmup_cosine
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 
-STAGES = ("data", "target", "forward", "backward", "optimizer")
+STAGES = ("data", "queue_wait", "target", "forward", "backward", "optimizer")
 
 
 class TrainingError(RuntimeError):
@@ -69,6 +72,23 @@ def batch_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
     same anchors in the same run, whichever process trains it or after a resume.
     `stream` separates training (0) from evaluation (1) draws."""
     return int(np.random.SeedSequence([seed, stream, epoch, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class ConsumedSamples:
+    """Which samples this drafter trained on, as count/sum/sum of squares of the dataset ids:
+    enough to check 'every sample exactly once' across ranks without listing millions."""
+
+    def __init__(self):
+        self.count = self.total = self.squares = 0
+
+    def add(self, batch: PackedBatch) -> None:
+        ids = batch.sample_ids.tolist()
+        self.count += len(ids)
+        self.total += sum(ids)
+        self.squares += sum(i * i for i in ids)
+
+    def as_dict(self) -> dict:
+        return {"samples": self.count, "sample_id_sum": self.total, "sample_id_sq_sum": self.squares}
 
 
 class IndexSubset:
@@ -153,11 +173,31 @@ def build_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> DrafterC
         raise TrainingError(f"drafter config does not fit the target {cfg.target.path}: {exc}") from None
 
 
+def target_dtype(name: str, device: torch.device) -> torch.dtype:
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def total_optimizer_steps(cfg: TrainConfig, planner: BatchPlanner, num_drafters: int) -> int:
+    """Optimizer steps of the run: run.max_steps, or run.epochs over each drafter's share."""
+    if cfg.run.max_steps:
+        return cfg.run.max_steps
+    per_drafter = planner.batches_per_epoch(num_drafters)
+    return max(1, int(math.ceil(cfg.run.epochs * max(1, per_drafter // cfg.optim.grad_accum))))
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, log=print):
+    """The drafter side of training: single process, or one drafter rank of a pipeline."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, log=print, ctx: DistContext | None = None):
         self.cfg = cfg
-        self.log = log
-        self.device = resolve_device(cfg.run.device)
+        self.ctx = ctx or DistContext(layout="single", device=resolve_device(cfg.run.device))
+        if not self.ctx.is_drafter:
+            raise TrainingError(f"rank {self.ctx.rank} runs no drafter")
+        self.main = self.ctx.is_main_drafter
+        self.log = log if self.main else (lambda *_: None)
+        log = self.log
+        self.device = self.ctx.device
         self.output_dir = Path(cfg.run.output_dir)
         self.ckpt_dir = self.output_dir / "checkpoints"
         resume_from = latest_checkpoint(self.ckpt_dir) if resume else None
@@ -183,28 +223,30 @@ class Trainer:
         )
         if self.step_cfg.attention == "flex" and self.device.type == "cpu":
             raise TrainingError("step.attention=flex needs a GPU: FlexAttention has no backward on CPU; use dense")
-        batches_per_epoch = len(self.data.planner.plan(0))
-        steps_per_epoch = max(1, batches_per_epoch // cfg.optim.grad_accum)
-        self.total_steps = cfg.run.max_steps or max(1, int(math.ceil(cfg.run.epochs * steps_per_epoch)))
-        log(self.data.planner.describe(0))
+        self.total_steps = total_optimizer_steps(cfg, self.data.planner, self.ctx.num_drafters)
+        log(self.data.planner.describe(0, world=self.ctx.num_drafters))
         log(f"target {source.describe()} | drafter {self.drafter_config.num_hidden_layers} layers, block "
             f"{self.drafter_config.block_size}, taps {self.drafter_config.target_layer_ids}, mask token "
             f"{self.drafter_config.mask_token_id} | {self.total_steps} steps on {self.device}")
 
         # ---- heavy work
         torch.manual_seed(cfg.run.seed)
-        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16, "float32": torch.float32}[cfg.target.dtype]
+        dtype = target_dtype(cfg.target.dtype, self.device)
         t0 = time.perf_counter()
-        self.target = load_causal_lm(source, dtype=dtype, device=self.device,
-                                     trust_remote_code=cfg.target.trust_remote_code,
-                                     attn_implementation=cfg.target.attn_implementation)
-        log(f"loaded the target in {time.perf_counter() - t0:.1f}s")
-        self.runner = TargetRunner(self.target, self.drafter_config.target_layer_ids,
-                                   need_final=cfg.step.label_source != "data")
-        embed = self.target.get_input_embeddings().weight
-        head = self.target.get_output_embeddings()
-        self.heads = FrozenHeads(embed, head.weight if head is not None else embed)
+        self.runner = None
+        if self.ctx.is_target:  # single / colocated: the target runs in this process
+            self.target = load_causal_lm(source, dtype=dtype, device=self.device,
+                                         trust_remote_code=cfg.target.trust_remote_code,
+                                         attn_implementation=cfg.target.attn_implementation)
+            self.runner = TargetRunner(self.target, self.drafter_config.target_layer_ids,
+                                       need_final=cfg.step.label_source != "data")
+            embed = self.target.get_input_embeddings().weight
+            head = self.target.get_output_embeddings()
+            self.heads = FrozenHeads(embed, head.weight if head is not None else embed)
+        else:  # split drafter rank: only the embedding and LM head of the target
+            self.heads = FrozenHeads(*load_frozen_head_weights(source, dtype=dtype, device=self.device,
+                                                               trust_remote_code=cfg.target.trust_remote_code))
+        log(f"loaded the target{'' if self.runner else ' embedding and LM head'} in {time.perf_counter() - t0:.1f}s")
         if cfg.drafter.init_from:
             self.drafter = load_drafter(cfg.drafter.init_from)
             if self.drafter.config != self.drafter_config:
@@ -213,7 +255,19 @@ class Trainer:
             self.drafter = DFlashDrafter(self.drafter_config)
         master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
         self.drafter.to(self.device, master).train()
-        self.model_fn = torch.compile(self.drafter) if cfg.run.compile else self.drafter
+        self.model_fn = self.drafter
+        if self.ctx.num_drafters > 1:  # data-parallel drafters over their own process group
+            import warnings
+
+            from torch.nn.parallel import DistributedDataParallel
+
+            # the drafter's only buffer (RoPE frequencies) is identical everywhere: no syncing
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            self.model_fn = DistributedDataParallel(
+                self.drafter, process_group=self.ctx.drafters, broadcast_buffers=False,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if cfg.run.compile:
+            self.model_fn = torch.compile(self.model_fn)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -228,37 +282,53 @@ class Trainer:
                                          scheduler=self.scheduler)
             log(f"resumed from {resume_from} (step {self.state.step}, data cursor "
                 f"epoch {self.state.epoch} batch {self.state.index})")
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
+        if self.ctx.layout == "split":
+            from dflash_train.pipeline.target_worker import broadcast_start
+
+            broadcast_start(self.ctx, epoch=self.state.epoch, index=self.state.index,
+                            batches=self.remaining_batches)
         self.resolved = to_dict(cfg)
         self.resolved["drafter_resolved"] = {"target_layer_ids": self.drafter_config.target_layer_ids,
                                              "mask_token_id": self.drafter_config.mask_token_id}
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
+        if self.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
         self.stop_signal: str | None = None
         self.bad_in_a_row = 0
 
     # ------------------------------------------------------------------ one micro-batch
-    def micro_step(self, batch: PackedBatch, timer: StageTimer, *, step_cfg: StepConfig | None = None,
-                   train: bool = True) -> StepStats:
+    def global_index(self, batch: PackedBatch) -> int:
+        """Batch `index` of drafter d's share is batch index * D + d of the global order."""
+        return batch.index * self.ctx.num_drafters + (self.ctx.drafter_index if self.ctx.num_drafters > 1 else 0)
+
+    def pad_for_compile(self, batch: PackedBatch) -> PackedBatch:
+        if not self.cfg.run.compile:
+            return batch
+        plan = self.cfg.data.plan
+        return batch.pad_to(plan.max_rows, int(plan.row_tokens))
+
+    def micro_step(self, batch: PackedBatch, timer: StageTimer, *, target_out: TargetOutput | None = None,
+                   step_cfg: StepConfig | None = None, train: bool = True, model=None) -> StepStats:
         step_cfg = step_cfg or self.step_cfg
-        if self.cfg.run.compile:
-            plan = self.cfg.data.plan
-            batch = batch.pad_to(plan.max_rows, int(plan.row_tokens))
+        batch = self.pad_for_compile(batch)
         b = batch.to(self.device, non_blocking=True)
         gen = torch.Generator(device=self.device).manual_seed(
-            batch_seed(self.cfg.run.seed, batch.epoch, batch.index, stream=0 if train else 1))
-        t = timer.start()
-        with torch.no_grad():
-            out = self.runner(b.input_ids, b.position_ids, b.document_ids,
-                              need_final=step_cfg.label_source != "data")
-        timer.stop("target", t)
+            batch_seed(self.cfg.run.seed, batch.epoch, self.global_index(batch), stream=0 if train else 1))
+        if target_out is None:
+            t = timer.start()
+            with torch.no_grad():
+                target_out = self.runner(b.input_ids, b.position_ids, b.document_ids,
+                                         need_final=step_cfg.label_source != "data")
+            timer.stop("target", t)
         t = timer.start()
         with self.autocast:
             stats = drafter_step(
-                self.model_fn, self.heads, input_ids=b.input_ids, position_ids=b.position_ids,
-                document_ids=b.document_ids, loss_mask=b.loss_mask, taps=out.taps, final_hidden=out.final_hidden,
-                step_cfg=step_cfg, loss_cfg=self.cfg.loss, generator=gen,
+                model or self.model_fn, self.heads, input_ids=b.input_ids, position_ids=b.position_ids,
+                document_ids=b.document_ids, loss_mask=b.loss_mask, taps=target_out.taps,
+                final_hidden=target_out.final_hidden, step_cfg=step_cfg, loss_cfg=self.cfg.loss, generator=gen,
             )
         timer.stop("forward", t)
         if train:
@@ -283,59 +353,106 @@ class Trainer:
             previous[sig] = signal.signal(sig, handler)
         return previous
 
-    def save(self) -> Path:
-        path = save_checkpoint(self.ckpt_dir, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
-                               state=self.state, config=self.resolved, keep_last=self.cfg.run.keep_last)
+    def save(self) -> Path | None:
+        """Checkpoint (the main drafter writes; data-parallel replicas hold the same weights)."""
         self.last_save_time = time.perf_counter()
-        return path
+        if not self.main:
+            return None
+        return save_checkpoint(self.ckpt_dir, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
+                               state=self.state, config=self.resolved, keep_last=self.cfg.run.keep_last)
+
+    def _batch_source(self):
+        cfg, state, ctx = self.cfg, self.state, self.ctx
+        epochs = None if cfg.run.max_steps else int(math.ceil(cfg.run.epochs))
+        batches = self.data.planner.iter_batches(
+            self.data.train, start=(state.epoch, state.index), epochs=epochs,
+            rank=ctx.drafter_index if ctx.num_drafters > 1 else 0, world=ctx.num_drafters)
+        loader = PrefetchLoader(batches, depth=max(cfg.data.prefetch, cfg.pipeline.queue_depth + 1),
+                                pin_memory=self.device.type == "cuda")
+        if self.runner is not None:
+            return LocalTargetSource(loader)
+        return RemoteTargetSource(
+            loader, ctx, taps_width=self.drafter_config.num_taps * self.drafter_config.hidden_size,
+            hidden=self.drafter_config.hidden_size, need_final=cfg.step.label_source != "data",
+            dtype=target_dtype(cfg.target.dtype, self.device), queue_depth=cfg.pipeline.queue_depth,
+            budget=self.remaining_batches, prepare=self.pad_for_compile)
+
+    def _agree(self, weight: torch.Tensor, stop: bool, poisoned: bool) -> tuple[torch.Tensor, bool, bool]:
+        """Global loss normaliser and the stop decision, the same on every drafter (one all-reduce)."""
+        if self.ctx.num_drafters == 1:
+            return weight, stop, poisoned
+        import torch.distributed as dist
+
+        flags = torch.stack([weight.float().reshape(()), torch.tensor(float(stop), device=weight.device),
+                             torch.tensor(float(poisoned), device=weight.device)])
+        dist.all_reduce(flags, group=self.ctx.drafters)
+        return flags[0], bool(flags[1] > 0), bool(flags[2] > 0)
 
     def fit(self) -> dict:
-        cfg, state = self.cfg, self.state
+        cfg, state, ctx = self.cfg, self.state, self.ctx
         timer = StageTimer(self.device)
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, start_step=state.step,
-                               tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+                               tensorboard=cfg.run.tensorboard and self.main, progress=cfg.run.progress and self.main,
+                               enabled=self.main)
         logger.truncate_after(state.step)
-        epochs = None if cfg.run.max_steps else int(math.ceil(cfg.run.epochs))
-        loader = PrefetchLoader(
-            self.data.planner.iter_batches(self.data.train, start=(state.epoch, state.index), epochs=epochs),
-            depth=cfg.data.prefetch, pin_memory=self.device.type == "cuda",
-        )
+        source = self._batch_source()
         previous = self._install_signals() if _is_main_thread() else {}
         params = [p for p in self.drafter.parameters() if p.requires_grad]
+        ddp = self.ctx.num_drafters > 1
+        D = self.ctx.num_drafters
         window: list[StepStats] = []
         window_tokens, window_start = 0, time.perf_counter()
         run_start, start_elapsed = time.perf_counter(), state.elapsed_s
+        self.consumed = ConsumedSamples()
         self.last_save_time = time.perf_counter()
         last_metrics: dict = {}
         exhausted = False
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            while state.step < self.total_steps and self.stop_signal is None and not exhausted:
+            while state.step < self.total_steps and not exhausted:
                 micro: list[StepStats] = []
                 tokens = 0
-                for _ in range(cfg.optim.grad_accum):
+                poisoned = False
+                step_cursor = (state.epoch, state.index)
+                for k in range(cfg.optim.grad_accum):
                     t = time.perf_counter()
                     try:
-                        batch = next(loader)
+                        batch, target_out, bad_batch = source.next(timer)
                     except StopIteration:
                         exhausted = True
                         break
                     timer.add_host("data", time.perf_counter() - t)
+                    poisoned |= bad_batch
+                    self.consumed.add(batch)
                     state.epoch, state.index = batch.epoch, batch.index + 1
                     tokens += batch.num_tokens
-                    micro.append(self.micro_step(batch, timer))
+                    sync = ddp and k < cfg.optim.grad_accum - 1
+                    with self.model_fn.no_sync() if sync and hasattr(self.model_fn, "no_sync") else contextlib.nullcontext():
+                        micro.append(self.micro_step(batch, timer, target_out=target_out))
                 if not micro:
                     break
                 t = timer.start()
-                weight = torch.stack([s.weight_sum for s in micro]).sum()
+                stop_here = self.stop_signal is not None or source.stop_requested
+                weight, stop_here, poisoned = self._agree(torch.stack([s.weight_sum for s in micro]).sum(),
+                                                          stop_here, poisoned)
+                if poisoned:  # a target sent stop-request placeholders: redo these batches after resume
+                    self.optimizer.zero_grad(set_to_none=True)
+                    state.epoch, state.index = step_cursor
+                    self.stop_signal = self.stop_signal or "stop request"
+                    timer.stop("optimizer", t)
+                    break
+                # DDP averaged the replicas' gradients of the loss *sums*: times D / (global weight
+                # sum) gives the gradient of the globally normalised loss.
                 for p in params:
                     if p.grad is not None:
-                        p.grad.div_(weight.clamp(min=1e-12).to(p.grad.dtype))
+                        p.grad.mul_((D / weight.clamp(min=1e-12)).to(p.grad.dtype))
                 norm = (torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0
                         else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
                 loss_total = torch.stack([s.loss_sum for s in micro]).sum()
                 finite = bool(torch.isfinite(norm) & torch.isfinite(loss_total))  # one sync per step
+                if ddp:  # the same decision on every replica
+                    finite = not self._agree(torch.zeros((), device=self.device), not finite, False)[1]
                 if not finite:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.bad_in_a_row += 1
@@ -358,41 +475,52 @@ class Trainer:
                 window.extend(micro)
                 window_tokens += tokens
                 now = time.perf_counter()
-                logger.progress(state.step, {"tok/s": window_tokens / max(now - window_start, 1e-9),
+                logger.progress(state.step, {"tok/s": window_tokens * D / max(now - window_start, 1e-9),
                                              **({"loss": last_metrics["loss"], "tau": last_metrics["tau"]}
                                                 if last_metrics else {})})
                 if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
                     last_metrics = self._log_window(logger, window, window_tokens, now - window_start, timer, norm)
                     window, window_tokens, window_start = [], 0, time.perf_counter()
-                if self.data.eval is not None and cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
+                if (self.data.eval is not None and cfg.run.eval_every and state.step % cfg.run.eval_every == 0
+                        and self.runner is not None and self.main):
                     self.evaluate(logger)
                 state.elapsed_s = start_elapsed + time.perf_counter() - run_start
-                due_minutes = cfg.run.save_every_minutes and (time.perf_counter() - self.last_save_time) / 60 >= cfg.run.save_every_minutes
+                due_minutes = (cfg.run.save_every_minutes and
+                               (time.perf_counter() - self.last_save_time) / 60 >= cfg.run.save_every_minutes)
+                if ddp and cfg.run.save_every_minutes:  # wall clocks differ: follow the main drafter
+                    due_minutes = self._agree(torch.zeros((), device=self.device), bool(due_minutes and self.main), False)[1]
+                if stop_here:
+                    break
                 if state.step % cfg.run.save_every == 0 or due_minutes:
-                    logger.line(f"saved {self.save()}")
+                    path = self.save()
+                    if path:
+                        logger.line(f"saved {path}")
         finally:
-            loader.close()
+            source.close()
             for sig, h in previous.items():
                 signal.signal(sig, h)
         state.elapsed_s = start_elapsed + time.perf_counter() - run_start
         path = self.save()
-        logger.line(f"saved {path}")
-        summary = {"steps": state.step, "tokens": state.tokens, "elapsed_s": state.elapsed_s,
-                   "tok_per_s": state.tokens / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
-                   "interrupted_by": self.stop_signal, "bad_steps": state.bad_steps_total, **last_metrics}
-        if self.stop_signal is None:
+        logger.line(f"saved {path}" if path else "")
+        summary = {"steps": state.step, "tokens": state.tokens * D, "elapsed_s": state.elapsed_s,
+                   "tok_per_s": state.tokens * D / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
+                   "interrupted_by": self.stop_signal, "bad_steps": state.bad_steps_total, **last_metrics,
+                   "transport": source.stats(), "consumed": self.consumed.as_dict()}
+        if self.stop_signal is None and self.main:
             final = save_drafter(self.drafter, self.output_dir / "final")
             summary["final_drafter"] = str(final)
-            if self.data.eval is not None:
+            if self.data.eval is not None and self.runner is not None:
                 summary["eval"] = self.evaluate(logger)
         logger.close()
         return summary
 
     def _log_window(self, logger, window, tokens, seconds, timer, norm) -> dict:
-        m = summarize(window)
+        D = self.ctx.num_drafters
+        stats = reduce_stats(window, self.ctx.drafters) if D > 1 else window
+        m = summarize(stats)
         split = timer.collect()
         busy = sum(split.values()) or 1.0
-        m.update(lr=self.scheduler.get_last_lr()[0], tok_per_s=tokens / max(seconds, 1e-9), grad_norm=float(norm))
+        m.update(lr=self.scheduler.get_last_lr()[0], tok_per_s=tokens * D / max(seconds, 1e-9), grad_norm=float(norm))
         if self.device.type == "cuda":
             m["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         scalars = {k: v for k, v in m.items()}
@@ -416,7 +544,7 @@ class Trainer:
         for i, batch in enumerate(self.data.eval_planner.iter_batches(self.data.eval, start=(0, 0), epochs=1)):
             if self.cfg.data.eval_batches and i >= self.cfg.data.eval_batches:
                 break
-            stats.append(self.micro_step(batch, timer, step_cfg=eval_cfg, train=False))
+            stats.append(self.micro_step(batch, timer, step_cfg=eval_cfg, train=False, model=self.drafter))
         self.drafter.train(was_training)
         if not stats:
             return {}
@@ -435,13 +563,16 @@ def _is_main_thread() -> bool:
 
 
 def run_training(cfg: TrainConfig, *, resume: bool) -> int:
+    """Single process, or one rank of a torchrun job (pipeline/run.py decides the role)."""
+    from dflash_train.pipeline.run import run_rank
+
     try:
-        trainer = Trainer(cfg, resume=resume, log=lambda s: print(s, file=sys.stderr, flush=True))
-        summary = trainer.fit()
+        summary = run_rank(cfg, resume=resume, log=lambda s: print(s, file=sys.stderr, flush=True))
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print_summary(summary)
+    if summary is not None:
+        print_summary(summary)
     return 0
 
 

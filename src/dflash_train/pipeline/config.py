@@ -1,0 +1,46 @@
+"""`pipeline:` section of the training config: how ranks are laid out.
+
+    single     one process: target and drafter on one device (no torch.distributed)
+    colocated  every rank runs a target and a drafter; drafters are data-parallel
+    split      `target_ranks` ranks run only targets, `drafter_ranks` only drafters; targets
+               send each batch's tapped hidden states to a fixed drafter over
+               torch.distributed point-to-point, at most `queue_depth` batches in flight
+               per drafter
+
+`layout: auto` means single without torchrun and colocated under torchrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYOUTS = ("auto", "single", "colocated", "split")
+TRANSPORTS = ("auto", "device", "host")
+
+
+@dataclass
+class PipelineConfig:
+    layout: str = "auto"
+    target_ranks: int = 0  # split: how many of the world's ranks run targets
+    drafter_ranks: int = 0  # split: how many run drafters (target_ranks + drafter_ranks = world size)
+    queue_depth: int = 4  # batches in flight per drafter (>= optim.grad_accum)
+    # device: hidden states go GPU to GPU over NCCL (ranks on distinct GPUs);
+    # host: through pinned host memory over gloo (always works; needed when a target and a
+    # drafter share one GPU, which NCCL refuses); auto picks per pair.
+    transport: str = "auto"
+    timeout_s: float = 60.0  # a blocked collective or transfer fails after this long
+    startup_timeout_s: float = 1800.0  # model loading may take long: the first barrier waits this long
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"pipeline.layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"pipeline.transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.queue_depth < 1:
+            raise ValueError("pipeline.queue_depth must be >= 1")
+        if self.target_ranks < 0 or self.drafter_ranks < 0:
+            raise ValueError("pipeline.target_ranks and pipeline.drafter_ranks must be >= 0")
+        if self.layout == "split" and (self.target_ranks < 1 or self.drafter_ranks < 1):
+            raise ValueError("pipeline.layout=split needs pipeline.target_ranks >= 1 and pipeline.drafter_ranks >= 1")
+        if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("pipeline timeouts must be positive")

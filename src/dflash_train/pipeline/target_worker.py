@@ -1,0 +1,121 @@
+"""A target rank of the split layout: read its batches, run the frozen target, send.
+
+The rank walks the global batch order g = t, t + T, t + 2T, ... (t its target index).
+Batch g is the q-th batch (q = g // D) of drafter d = g % D's share of the plan; the
+target rebuilds it from the same planner and dataset the drafter reads, so only hidden
+states cross the network, never token data.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.data.batching import build_batch
+from dflash_train.pipeline.context import DistContext
+from dflash_train.pipeline.transport import HiddenStateSender
+from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
+from dflash_train.target.runner import TargetRunner
+
+
+def broadcast_start(ctx: DistContext, **start) -> dict:
+    """Main drafter -> every rank: where the data cursor starts and how many batches each
+    drafter will take. Runs on the default group, whose timeout covers model loading."""
+    box = [start if ctx.is_main_drafter else None]
+    dist.broadcast_object_list(box, src=ctx.drafter_ranks[0], device=torch.device("cpu"))
+    return box[0]
+
+
+def drafter_positions(planner, start_epoch: int, start_index: int, world: int):
+    """(epoch, index) of a drafter's q-th batch, q = 0, 1, ... (all drafters' shares are equal)."""
+    epoch, index = start_epoch, start_index
+    while True:
+        n = len(planner.shard(epoch, 0, world))
+        while index < n:
+            yield epoch, index
+            index += 1
+        epoch, index = epoch + 1, 0
+
+
+class TargetWorker:
+    def __init__(self, cfg, ctx: DistContext, *, log=print):
+        from dflash_train.train.trainer import build_drafter_config, open_data, target_dtype
+
+        self.cfg, self.ctx, self.log = cfg, ctx, log
+        source = resolve_model_source(cfg.target.path)
+        tokenizer = load_tokenizer(source, trust_remote_code=cfg.target.trust_remote_code)
+        drafter_config = build_drafter_config(cfg, load_config(source, trust_remote_code=cfg.target.trust_remote_code),
+                                              tokenizer)
+        self.data = open_data(cfg, tokenizer)
+        t0 = time.perf_counter()
+        model = load_causal_lm(source, dtype=target_dtype(cfg.target.dtype, ctx.device), device=ctx.device,
+                               trust_remote_code=cfg.target.trust_remote_code,
+                               attn_implementation=cfg.target.attn_implementation)
+        self.runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
+        self.load_s = time.perf_counter() - t0
+        self.start = broadcast_start(ctx)
+        self.stop_signal: str | None = None
+
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signal.Signals(signum).name
+
+    def run(self) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        T, D, t = ctx.num_targets, ctx.num_drafters, ctx.target_index
+        total = self.start["batches"] * D  # global batches the drafters will take
+        sender = HiddenStateSender(ctx, cfg.pipeline.queue_depth)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        plan = self.data.planner
+        positions = drafter_positions(plan, self.start["epoch"], self.start["index"], D)
+        pos_of_q: list[tuple[int, int]] = []
+        ended: set[int] = set()
+        mine = {ctx.drafter_of(g) for g in range(t, t + T * D, T)}
+        compute_s, tokens, wall0 = 0.0, 0, time.perf_counter()
+        try:
+            for g in range(t, total, T):
+                if ended >= mine:
+                    break
+                q, d = divmod(g, D)
+                while len(pos_of_q) <= q:
+                    pos_of_q.append(next(positions))
+                drafter_rank = ctx.drafter_ranks[d]
+                if drafter_rank in ended or not sender.wait_credit(drafter_rank, g):
+                    ended.add(drafter_rank)
+                    continue
+                epoch, index = pos_of_q[q]
+                rows = plan.shard(epoch, d, D)[index]
+                batch = build_batch(self.data.train, rows, epoch=epoch, index=index)
+                if cfg.run.compile:
+                    batch = batch.pad_to(cfg.data.plan.max_rows, int(cfg.data.plan.row_tokens))
+                b = batch.to(ctx.device, non_blocking=True)
+                c0 = time.perf_counter()
+                if self.stop_signal is None:
+                    out = self.runner(b.input_ids, b.position_ids, b.document_ids)
+                    tensors = [out.taps] + ([out.final_hidden] if out.final_hidden is not None else [])
+                    tokens += batch.num_tokens
+                else:  # placeholders: the drafters discard this step and stop
+                    R, S = b.input_ids.shape
+                    width = len(self.runner.layer_ids) * self.runner.hidden_size
+                    dtype = next(self.runner.model.parameters()).dtype
+                    tensors = [torch.zeros(R, S, width, dtype=dtype, device=ctx.device)]
+                    if self.runner.need_final:
+                        tensors.append(torch.zeros(R, S, self.runner.hidden_size, dtype=dtype, device=ctx.device))
+                if ctx.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # honest compute time (once per batch)
+                compute_s += time.perf_counter() - c0
+                sender.send(drafter_rank, g, tensors, stop_request=self.stop_signal is not None)
+            # every drafter ends its stream with END: read what is left of each
+            for drafter_rank in sorted(mine - ended):
+                if sender.wait_credit(drafter_rank, -1):
+                    raise RuntimeError(f"drafter rank {drafter_rank} credited a batch past the end of the plan")
+            sender.flush()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        wall = time.perf_counter() - wall0
+        return {"role": "target", "rank": ctx.rank, "batches": sender.stats.items, "tokens": tokens,
+                "compute_s": compute_s, "wall_s": wall, "load_s": self.load_s, "tok_per_s": tokens / max(wall, 1e-9),
+                **sender.stats.as_dict(), "stop_signal": self.stop_signal}

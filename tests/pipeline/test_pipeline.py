@@ -1,0 +1,175 @@
+"""The distributed pipeline on CPU: real torchrun processes talking over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash_train.drafter.checkpoint import load_drafter
+from dflash_train.train.checkpoint import latest_checkpoint
+
+from ..conftest import prepare_dataset, synthetic_conversations
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_targets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(300, seed=1), root / "data")
+    cfg = {
+        "target": {"path": str(tiny_targets["llama"])},
+        "data": {"path": str(data), "plan": {"token_budget": 512}},
+        "drafter": {"num_layers": 2, "block_size": 4},
+        "step": {"num_anchors": 32, "noise_sigma": 0.05},
+        "optim": {"lr": 0.003, "warmup_steps": 2},
+        "run": {"max_steps": 8, "log_every": 1, "save_every": 4, "progress": False, "tensorboard": False},
+    }
+    path = root / "base.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return root, path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: Path, out: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           "-m", "dflash_train", "train", "--config", str(config), "--run.output_dir", str(out), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run(config, out, nproc, *extra, timeout=240) -> str:
+    proc = launch(config, out, nproc, *extra)
+    output, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def single(config, out, *extra) -> str:
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "train", "--config", str(config), "--run.output_dir",
+                           str(out), *extra], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+SPLIT_11 = ("--pipeline.layout", "split", "--pipeline.target_ranks", "1", "--pipeline.drafter_ranks", "1")
+SPLIT_22 = ("--pipeline.layout", "split", "--pipeline.target_ranks", "2", "--pipeline.drafter_ranks", "2")
+
+
+def test_split_1_plus_1_matches_single_process(setup):
+    root, cfg = setup
+    single(cfg, root / "single")
+    run(cfg, root / "split11", 2, *SPLIT_11)
+    assert losses(root / "split11") == pytest.approx(losses(root / "single"), rel=1e-5)
+    a, b = load_drafter(root / "single" / "final"), load_drafter(root / "split11" / "final")
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_split_2_plus_2_consumes_every_batch_once_and_matches_colocated(setup):
+    root, cfg = setup
+    from dflash_train.data.batching import BatchPlanConfig, BatchPlanner
+    from dflash_train.data.dataset import TokenDataset
+
+    one_epoch = ("--run.epochs", "1", "--run.max_steps", "null", "--data.plan.drop_last", "true")
+    out = run(cfg, root / "split22", 4, *SPLIT_22, *one_epoch)
+    # the batches of epoch 0 that two consumers share (drop_last: an odd last batch is left out)
+    plan = BatchPlanner(TokenDataset(yaml.safe_load(cfg.read_text())["data"]["path"]).lengths,
+                        BatchPlanConfig(token_budget=512, drop_last=True)).plan(0)
+    expected = [s for b in range(2 * (len(plan) // 2)) for row in plan[b] for s in row]
+    stats = json.loads((root / "split22" / "pipeline_stats.json").read_text())
+    drafters = [r for r in stats["ranks"] if r["role"] == "drafter"]
+    targets = [r for r in stats["ranks"] if r["role"] == "target"]
+    assert len(drafters) == 2 and len(targets) == 2
+    # each of those batches trained on exactly once across the drafters
+    assert len(set(expected)) == len(expected) > 250
+    assert sum(r["samples"] for r in drafters) == len(expected)
+    assert sum(r["sample_id_sum"] for r in drafters) == sum(expected)
+    assert sum(r["sample_id_sq_sum"] for r in drafters) == sum(i * i for i in expected)
+    assert sum(r["batches"] for r in targets) == sum(r["batches"] for r in drafters)
+    assert "bottleneck:" in out
+    # colocated on 2 ranks trains the same two shares with the same seeds: same losses
+    run(cfg, root / "colocated2", 2, *one_epoch)
+    assert losses(root / "colocated2") == pytest.approx(losses(root / "split22"), rel=1e-5)
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{pid}/stat").read_text().split()
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env and f"TORCHELASTIC_RUN_ID".encode() in b" ".join(env) \
+                    and int(stat[3]) == launcher.pid:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} process not found")
+
+
+def _wait_for_checkpoint(out: Path, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while latest_checkpoint(out / "checkpoints") is None:
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+
+
+def test_killed_target_rank_fails_the_whole_job_quickly(setup):
+    root, cfg = setup
+    out = root / "killed"
+    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100")
+    _wait_for_checkpoint(out)
+    os.kill(_rank_pid(proc, 0), signal.SIGKILL)
+    killed_at = time.time()
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 60
+    assert "Signal 9 (SIGKILL)" in output and "rank      : 0" in output
+
+
+def test_sigterm_on_a_target_rank_leaves_a_resumable_checkpoint(setup):
+    root, cfg = setup
+    out = root / "term"
+    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100",
+                  "--run.save_every", "100000")
+    time.sleep(1)
+    _wait_for_checkpoint_or_steps(proc, out)
+    os.kill(_rank_pid(proc, 0), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, output[-3000:]
+    ckpt = latest_checkpoint(out / "checkpoints")
+    assert ckpt is not None and "continue with --resume" in output
+    step = json.loads((ckpt / "state.json").read_text())["train_state"]["step"]
+    resumed = run(cfg, out, 2, *SPLIT_11, "--run.max_steps", str(step + 3), "--resume")
+    assert f"resumed from {ckpt}" in resumed
+    assert max(losses(out)) == step + 3
+
+
+def _wait_for_checkpoint_or_steps(proc, out: Path, timeout: float = 120) -> None:
+    """Wait until training is under way (metrics are being written)."""
+    deadline = time.time() + timeout
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.2)
