@@ -164,7 +164,7 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the target model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_mod, "load_causal_lm", refuse)
+    monkeypatch.setattr(trainer_mod, "load_target_model", refuse)
 
 
 def test_error_tapped_layer_outside_target(tiny_targets, tiny_datasets, tmp_path, no_model_loading):

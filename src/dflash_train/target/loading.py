@@ -189,3 +189,42 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
         embed = head = embed.to(device)
         return embed, head
     return embed.to(device), head.to(device)
+
+
+def open_target(spec: str, *, trust_remote_code: bool = False):
+    """(Hugging Face config, tokenizer or None) of a target, without loading weights.
+
+    `preset:NAME` targets (randomly initialised real shapes, for benchmarks) have no
+    tokenizer."""
+    from dflash_train.target.presets import is_preset, preset_config
+
+    if is_preset(spec):
+        return preset_config(spec), None
+    source = resolve_model_source(spec)
+    return (load_config(source, trust_remote_code=trust_remote_code),
+            load_tokenizer(source, trust_remote_code=trust_remote_code))
+
+
+def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="sdpa"):
+    from dflash_train.target.presets import build_random_target, is_preset
+
+    if is_preset(spec):
+        return build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    return load_causal_lm(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                          attn_implementation=attn_implementation)
+
+
+def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = False):
+    """(embedding, lm_head) weights for a drafter rank that runs no target."""
+    import torch
+
+    from dflash_train.target.presets import is_preset, preset_config
+
+    if is_preset(spec):  # benchmark: random matrices of the right shapes
+        cfg = preset_config(spec)
+        gen = torch.Generator(device=device).manual_seed(0)
+        embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, generator=gen).mul_(0.02).to(dtype)
+        head = embed if cfg.tie_word_embeddings else \
+            torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, generator=gen).mul_(0.02).to(dtype)
+        return embed, head
+    return load_frozen_head_weights(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)

@@ -145,11 +145,16 @@ class TargetRunner:
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-        *, need_final: bool | None = None,
+        *, need_final: bool | None = None, layout: tuple | None = None,
     ) -> TargetOutput:
-        """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0)."""
+        """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0).
+
+        `layout` is `unpack_documents` computed ahead (on the CPU copy of the batch, moved
+        with non_blocking copies), which keeps its data-dependent shapes off the GPU's
+        critical path: computed here from device tensors it costs two host syncs.
+        """
         R, S = input_ids.shape
-        flat_index, doc, pos, D, L = unpack_documents(document_ids, position_ids)
+        flat_index, doc, pos, D, L = layout or unpack_documents(document_ids, position_ids)
         docs = torch.zeros((D, L), dtype=input_ids.dtype, device=input_ids.device)
         docs[doc, pos] = input_ids.reshape(-1)[flat_index]
         lengths = torch.zeros(D, dtype=torch.long, device=input_ids.device).scatter_reduce(

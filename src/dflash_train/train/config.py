@@ -127,6 +127,7 @@ class RunConfig:
     save_every: int = 500
     save_every_minutes: float = 0.0  # also save when this much time passed (0 = off)
     keep_last: int = 3
+    checkpoint: bool = True  # write checkpoints and the final drafter (benchmarks turn this off)
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
     tensorboard: bool = True
     progress: bool = True

@@ -33,16 +33,15 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource, reduce_stats
+from dflash_train.data.synthetic import SyntheticDataset, is_synthetic
 from dflash_train.target.loading import (
     choose_mask_token_id,
-    load_causal_lm,
-    load_config,
-    load_frozen_head_weights,
-    load_tokenizer,
-    resolve_model_source,
+    load_target_heads,
+    load_target_model,
+    open_target,
     tokenizer_identity,
 )
-from dflash_train.target.runner import TargetOutput, TargetRunner
+from dflash_train.target.runner import TargetOutput, TargetRunner, unpack_documents
 from dflash_train.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.loader import PrefetchLoader
@@ -113,25 +112,32 @@ class DataSplits:
     eval_planner: BatchPlanner | None
 
 
-def open_data(cfg: TrainConfig, tokenizer) -> DataSplits:
+def open_data(cfg: TrainConfig, tokenizer, vocab_size: int) -> DataSplits:
     """Open and check the datasets, split off eval, plan batches. No model is loaded yet."""
-    identity = tokenizer_identity(tokenizer)
-    try:
-        dataset = TokenDataset(cfg.data.path)
-    except FileNotFoundError as exc:
-        raise TrainingError(str(exc)) from None
+    if is_synthetic(cfg.data.path):
+        try:
+            dataset = SyntheticDataset(cfg.data.path, vocab_size=vocab_size, seed=cfg.run.seed)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+    else:
+        try:
+            dataset = TokenDataset(cfg.data.path)
+        except FileNotFoundError as exc:
+            raise TrainingError(str(exc)) from None
     if len(dataset) == 0:
         raise TrainingError(f"{cfg.data.path}: the dataset is empty (0 samples): check the prepare manifest")
-    try:
-        dataset.check_tokenizer(identity)
-    except ValueError as exc:
-        raise TrainingError(f"{cfg.data.path} was tokenized with a different tokenizer than the target "
-                            f"{cfg.target.path}: {exc}") from None
+    if tokenizer is not None and not is_synthetic(cfg.data.path):
+        try:
+            dataset.check_tokenizer(tokenizer_identity(tokenizer))
+        except ValueError as exc:
+            raise TrainingError(f"{cfg.data.path} was tokenized with a different tokenizer than the target "
+                                f"{cfg.target.path}: {exc}") from None
     eval_set = None
     train_set = dataset
     if cfg.data.eval_path:
         eval_set = TokenDataset(cfg.data.eval_path)
-        eval_set.check_tokenizer(identity)
+        if tokenizer is not None:
+            eval_set.check_tokenizer(tokenizer_identity(tokenizer))
     elif cfg.data.eval_fraction > 0:
         order = np.random.default_rng([cfg.run.seed, 7]).permutation(len(dataset))
         k = max(1, int(round(cfg.data.eval_fraction * len(dataset))))
@@ -154,7 +160,8 @@ def build_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> DrafterC
     spec = cfg.drafter
     mask_id = spec.mask_token_id
     if mask_id is None:
-        mask_id = choose_mask_token_id(tokenizer, int(text_cfg.vocab_size))
+        mask_id = (choose_mask_token_id(tokenizer, int(text_cfg.vocab_size)) if tokenizer is not None
+                   else int(text_cfg.vocab_size) - 1)
     try:
         return drafter_config_from_target(
             text_cfg,
@@ -208,11 +215,12 @@ class Trainer:
                                 f"or choose another run.output_dir")
 
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
-        source = resolve_model_source(cfg.target.path)
-        self.tokenizer = load_tokenizer(source, trust_remote_code=cfg.target.trust_remote_code)
-        target_config = load_config(source, trust_remote_code=cfg.target.trust_remote_code)
+        try:
+            target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+        except (FileNotFoundError, ValueError) as exc:
+            raise TrainingError(str(exc)) from None
         self.drafter_config = build_drafter_config(cfg, target_config, self.tokenizer)
-        self.data = open_data(cfg, self.tokenizer)
+        self.data = open_data(cfg, self.tokenizer, self.drafter_config.vocab_size)
         self.step_cfg = StepConfig(
             num_anchors=cfg.step.num_anchors,
             label_source=cfg.step.label_source,
@@ -225,7 +233,7 @@ class Trainer:
             raise TrainingError("step.attention=flex needs a GPU: FlexAttention has no backward on CPU; use dense")
         self.total_steps = total_optimizer_steps(cfg, self.data.planner, self.ctx.num_drafters)
         log(self.data.planner.describe(0, world=self.ctx.num_drafters))
-        log(f"target {source.describe()} | drafter {self.drafter_config.num_hidden_layers} layers, block "
+        log(f"target {cfg.target.path} | drafter {self.drafter_config.num_hidden_layers} layers, block "
             f"{self.drafter_config.block_size}, taps {self.drafter_config.target_layer_ids}, mask token "
             f"{self.drafter_config.mask_token_id} | {self.total_steps} steps on {self.device}")
 
@@ -235,17 +243,17 @@ class Trainer:
         t0 = time.perf_counter()
         self.runner = None
         if self.ctx.is_target:  # single / colocated: the target runs in this process
-            self.target = load_causal_lm(source, dtype=dtype, device=self.device,
-                                         trust_remote_code=cfg.target.trust_remote_code,
-                                         attn_implementation=cfg.target.attn_implementation)
+            self.target = load_target_model(cfg.target.path, dtype=dtype, device=self.device,
+                                            trust_remote_code=cfg.target.trust_remote_code,
+                                            attn_implementation=cfg.target.attn_implementation)
             self.runner = TargetRunner(self.target, self.drafter_config.target_layer_ids,
                                        need_final=cfg.step.label_source != "data")
             embed = self.target.get_input_embeddings().weight
             head = self.target.get_output_embeddings()
             self.heads = FrozenHeads(embed, head.weight if head is not None else embed)
         else:  # split drafter rank: only the embedding and LM head of the target
-            self.heads = FrozenHeads(*load_frozen_head_weights(source, dtype=dtype, device=self.device,
-                                                               trust_remote_code=cfg.target.trust_remote_code))
+            self.heads = FrozenHeads(*load_target_heads(cfg.target.path, dtype=dtype, device=self.device,
+                                                        trust_remote_code=cfg.target.trust_remote_code))
         log(f"loaded the target{'' if self.runner else ' embedding and LM head'} in {time.perf_counter() - t0:.1f}s")
         if cfg.drafter.init_from:
             self.drafter = load_drafter(cfg.drafter.init_from)
@@ -319,9 +327,11 @@ class Trainer:
             batch_seed(self.cfg.run.seed, batch.epoch, self.global_index(batch), stream=0 if train else 1))
         if target_out is None:
             t = timer.start()
+            flat, doc, pos, D, L = unpack_documents(batch.document_ids, batch.position_ids)  # on the CPU copy
+            layout = (*(x.to(self.device, non_blocking=True) for x in (flat, doc, pos)), D, L)
             with torch.no_grad():
                 target_out = self.runner(b.input_ids, b.position_ids, b.document_ids,
-                                         need_final=step_cfg.label_source != "data")
+                                         need_final=step_cfg.label_source != "data", layout=layout)
             timer.stop("target", t)
         t = timer.start()
         with self.autocast:
@@ -356,7 +366,7 @@ class Trainer:
     def save(self) -> Path | None:
         """Checkpoint (the main drafter writes; data-parallel replicas hold the same weights)."""
         self.last_save_time = time.perf_counter()
-        if not self.main:
+        if not self.main or not self.cfg.run.checkpoint:
             return None
         return save_checkpoint(self.ckpt_dir, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=self.state, config=self.resolved, keep_last=self.cfg.run.keep_last)
@@ -506,7 +516,7 @@ class Trainer:
                    "tok_per_s": state.tokens * D / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
                    "interrupted_by": self.stop_signal, "bad_steps": state.bad_steps_total, **last_metrics,
                    "transport": source.stats(), "consumed": self.consumed.as_dict()}
-        if self.stop_signal is None and self.main:
+        if self.stop_signal is None and self.main and cfg.run.checkpoint:
             final = save_drafter(self.drafter, self.output_dir / "final")
             summary["final_drafter"] = str(final)
             if self.data.eval is not None and self.runner is not None:
@@ -520,7 +530,8 @@ class Trainer:
         m = summarize(stats)
         split = timer.collect()
         busy = sum(split.values()) or 1.0
-        m.update(lr=self.scheduler.get_last_lr()[0], tok_per_s=tokens * D / max(seconds, 1e-9), grad_norm=float(norm))
+        m.update(lr=self.scheduler.get_last_lr()[0], tok_per_s=tokens * D / max(seconds, 1e-9), grad_norm=float(norm),
+                 window_tokens=tokens * D, window_s=seconds)
         if self.device.type == "cuda":
             m["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         scalars = {k: v for k, v in m.items()}

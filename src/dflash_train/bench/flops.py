@@ -1,0 +1,66 @@
+"""Analytic model FLOPs of one training step (the numerator of MFU).
+
+Counted: every matmul of the target forward (up to the last tapped layer with `data`
+labels, the whole stack with `target` labels, plus the LM head at the N*(B-1) label
+positions only), and of the drafter forward (context projection, context K/V, block-token
+layers, attention over the keys each query may see, LM head + cross-entropy gradient) and
+its backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key)
+pair in the forward pass. Elementwise work (norms, RoPE, softmax) is not counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_train.drafter.config import default_target_layer_ids
+
+
+def _doc_length(spec: str) -> float:
+    lo, _, hi = spec.split(":")[2].partition("-")
+    return (int(lo) + int(hi or lo)) / 2
+
+
+def step_flops(cfg, preset: str) -> dict:
+    from dflash_train.target.presets import preset_config
+
+    t = preset_config(f"preset:{preset}")
+    H, V, L = t.hidden_size, t.vocab_size, t.num_hidden_layers
+    h, g = t.num_attention_heads, t.num_key_value_heads
+    hd = getattr(t, "head_dim", None) or H // h
+    inter = t.intermediate_size
+    S = cfg.data.plan.token_budget
+    Ld = min(_doc_length(cfg.data.path), S)
+    B, N = cfg.drafter.block_size, cfg.step.num_anchors
+    taps = cfg.drafter.target_layer_ids or default_target_layer_ids(L, cfg.drafter.num_taps)
+    n_taps = len(taps)
+    W = cfg.drafter.sliding_window
+    d_inter = cfg.drafter.intermediate_size or inter
+    D_layers = cfg.drafter.num_layers
+
+    layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H + 3 * H * inter)  # per token
+    layers_run = L if cfg.step.label_source != "data" else max(taps) + 1
+    docs = max(1, int(S // Ld))
+    causal_pairs = docs * Ld * (Ld + 1) / 2  # (query, key) pairs of causal attention per row
+    target = layers_run * (S * layer_linear + 4 * h * hd * causal_pairs)
+    candidates = docs * (Ld - Ld // 4 - 1)  # synthetic documents: the first quarter is the prompt
+    anchors = min(N, candidates)
+    if cfg.step.label_source != "data":
+        target += anchors * (B - 1) * 2 * H * V
+
+    # average visible context keys of a query: anchors uniform over a document's candidates
+    p = np.arange(Ld // 4 - 1, Ld - 1, dtype=np.float64)  # anchor offsets within the document
+    k = np.arange(B, dtype=np.float64)
+    vis = p[:, None] if not W else np.minimum(p[:, None], np.maximum(W - k[None, :], 0))
+    ctx_keys = float(vis.mean())
+    causal = W is not None  # sliding layers are causal within the block by default
+    blk_keys = (B + 1) / 2 if causal else B
+    Q = anchors * B
+    d_layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H + 3 * H * d_inter)
+    drafter_fwd = (S * 2 * n_taps * H * H  # fc over the context
+                   + D_layers * (S * 2 * H * 2 * g * hd  # context K/V of each layer
+                                 + Q * d_layer_linear
+                                 + Q * 4 * h * hd * (ctx_keys + blk_keys)))
+    head = anchors * (B - 1) * 2 * H * V * 2  # logits + the cross-entropy gradient through W
+    parts = {"target": target / S, "drafter_fwd": drafter_fwd / S, "drafter_bwd": 2 * drafter_fwd / S,
+             "lm_head_ce": head / S}
+    return {"per_token": sum(parts.values()), "parts": parts, "visible_context_keys": ctx_keys}
