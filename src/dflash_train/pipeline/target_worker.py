@@ -17,8 +17,8 @@ import torch.distributed as dist
 from dflash_train.data.batching import build_batch
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.transport import HiddenStateSender
-from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
-from dflash_train.target.runner import TargetRunner
+from dflash_train.target.loading import load_target_model, open_target
+from dflash_train.target.runner import TargetRunner, unpack_documents
 
 
 def broadcast_start(ctx: DistContext, **start) -> dict:
@@ -45,15 +45,13 @@ class TargetWorker:
         from dflash_train.train.trainer import build_drafter_config, open_data, target_dtype
 
         self.cfg, self.ctx, self.log = cfg, ctx, log
-        source = resolve_model_source(cfg.target.path)
-        tokenizer = load_tokenizer(source, trust_remote_code=cfg.target.trust_remote_code)
-        drafter_config = build_drafter_config(cfg, load_config(source, trust_remote_code=cfg.target.trust_remote_code),
-                                              tokenizer)
-        self.data = open_data(cfg, tokenizer)
+        target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+        drafter_config = build_drafter_config(cfg, target_config, tokenizer)
+        self.data = open_data(cfg, tokenizer, drafter_config.vocab_size)
         t0 = time.perf_counter()
-        model = load_causal_lm(source, dtype=target_dtype(cfg.target.dtype, ctx.device), device=ctx.device,
-                               trust_remote_code=cfg.target.trust_remote_code,
-                               attn_implementation=cfg.target.attn_implementation)
+        model = load_target_model(cfg.target.path, dtype=target_dtype(cfg.target.dtype, ctx.device),
+                                  device=ctx.device, trust_remote_code=cfg.target.trust_remote_code,
+                                  attn_implementation=cfg.target.attn_implementation)
         self.runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
         self.load_s = time.perf_counter() - t0
         self.start = broadcast_start(ctx)
@@ -93,7 +91,9 @@ class TargetWorker:
                 b = batch.to(ctx.device, non_blocking=True)
                 c0 = time.perf_counter()
                 if self.stop_signal is None:
-                    out = self.runner(b.input_ids, b.position_ids, b.document_ids)
+                    flat, doc, pos, nd, nl = unpack_documents(batch.document_ids, batch.position_ids)
+                    layout = (*(x.to(ctx.device, non_blocking=True) for x in (flat, doc, pos)), nd, nl)
+                    out = self.runner(b.input_ids, b.position_ids, b.document_ids, layout=layout)
                     tensors = [out.taps] + ([out.final_hidden] if out.final_hidden is not None else [])
                     tokens += batch.num_tokens
                 else:  # placeholders: the drafters discard this step and stop
