@@ -149,14 +149,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_result(r: dict) -> str:
-    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} GPU) | {'compiled' if r['compile'] else 'eager'} | "
+    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'} | "
              f"{r['labels']} labels | {r['tokens_per_step_per_drafter']} tokens x {r['drafters']} drafter(s)/step, "
              f"{r['anchors']} anchors, block {r['block']}, window {r['window']}",
-             f"  tokens/s        {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per GPU), "
+             f"  tokens/s        {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per rank), "
              f"{r['step_ms']:.1f} ms/step",
              f"  FLOPs/token     {r['flops_per_token'] / 1e9:.2f} GFLOP "
              + " ".join(f"{k} {v / 1e9:.2f}" for k, v in r["flops_breakdown_per_token"].items()),
-             f"  achieved        {r['achieved_tflops_per_gpu']:.0f} TFLOP/s per GPU"
+             f"  achieved        {r['achieved_tflops_per_gpu']:.0f} TFLOP/s per rank"
              + (f", MFU {r['mfu']:.1%} of measured {r['matmul_peak_tflops']:.0f}" if r["mfu"] else ""),
              "  time/step (ms)  " + " ".join(f"{k} {v:.1f}" for k, v in r["time_split_ms_per_step"].items()),
              f"  peak memory     {r['peak_mem_gib'] or 0:.1f} GiB"]
