@@ -118,6 +118,7 @@ class RunConfig:
     output_dir: str = "runs/dflash"
     max_steps: int | None = None  # optimizer steps; default: `epochs` over the data
     epochs: float = 1.0
+    max_minutes: float = 0.0  # stop (checkpoint, export) after this much training time; 0 = no limit
     seed: int = 0
     device: str = "auto"  # auto = cuda if available
     drafter_dtype: str = "float32"  # master weights; bf16 autocast on GPU either way
@@ -137,6 +138,8 @@ class RunConfig:
             raise ValueError("run.max_steps must be >= 1")
         if self.epochs <= 0:
             raise ValueError("run.epochs must be > 0")
+        if self.max_minutes < 0:
+            raise ValueError("run.max_minutes must be >= 0")
         if min(self.log_every, self.save_every, self.keep_last, self.max_bad_steps) < 1 or self.eval_every < 0:
             raise ValueError("run.log_every, save_every, keep_last, max_bad_steps must be >= 1; eval_every >= 0")
         if self.drafter_dtype not in ("float32", "bfloat16"):

@@ -443,7 +443,9 @@ class Trainer:
                 if not micro:
                     break
                 t = timer.start()
-                stop_here = self.stop_signal is not None or source.stop_requested
+                out_of_time = bool(cfg.run.max_minutes) and \
+                    (time.perf_counter() - run_start) / 60 >= cfg.run.max_minutes
+                stop_here = self.stop_signal is not None or source.stop_requested or out_of_time
                 weight, stop_here, poisoned = self._agree(torch.stack([s.weight_sum for s in micro]).sum(),
                                                           stop_here, poisoned)
                 if poisoned:  # a target sent stop-request placeholders: redo these batches after resume
@@ -516,6 +518,9 @@ class Trainer:
                    "tok_per_s": state.tokens * D / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
                    "interrupted_by": self.stop_signal, "bad_steps": state.bad_steps_total, **last_metrics,
                    "transport": source.stats(), "consumed": self.consumed.as_dict()}
+        if self.stop_signal is None and state.step < self.total_steps:
+            logger.line(f"stopped at step {state.step} of {self.total_steps}: run.max_minutes={cfg.run.max_minutes} "
+                        f"reached or the data ran out")
         if self.stop_signal is None and self.main and cfg.run.checkpoint:
             final = save_drafter(self.drafter, self.output_dir / "final")
             summary["final_drafter"] = str(final)
