@@ -64,16 +64,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        w = weight.to(hidden.dtype)
+        w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
-            logits = (hidden[sl] @ w.T).float()  # [c, V]
+            logits = (hidden[sl].to(w.dtype) @ w.T).float()  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
             pred[sl] = logits.argmax(dim=-1)
             if target_hidden is None:
                 ce[sl] = lse - logits.gather(1, labels[sl, None]).squeeze(1)
             else:
-                soft = torch.softmax((target_hidden[sl] @ w.T).float(), dim=-1)
+                soft = torch.softmax((target_hidden[sl].to(w.dtype) @ w.T).float(), dim=-1)
                 ce[sl] = lse - (soft * logits).sum(-1)
             if need_grad:
                 probs = torch.exp(logits - lse[:, None])

@@ -227,6 +227,8 @@ _compiled_flex_attention = None
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """q [R, h, Q, d], k/v [R, g, S+Q, d] (g divides h) -> [R, h, Q, d]."""
+    if q.dtype != v.dtype or k.dtype != v.dtype:  # RoPE in float32 under autocast: match v
+        q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
     global _compiled_flex_attention

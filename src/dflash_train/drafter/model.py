@@ -33,10 +33,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32; the result keeps the input's dtype, so that under bf16
+        # autocast q, k and v reach the attention kernel in one dtype.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(dtype)
 
 
 def rope_inverse_frequencies(cfg: DrafterConfig, device: Any = None) -> tuple[torch.Tensor, float]:
@@ -192,7 +193,9 @@ class DFlashDrafter(nn.Module):
         if noise_sigma > 0 and self.training:
             noise = torch.rand(ctx_raw.shape, device=ctx_raw.device, dtype=torch.float32, generator=generator)
             ctx_raw = ctx_raw + ((noise * 2 - 1) * noise_sigma).to(ctx_raw.dtype)
-        return self.hidden_norm(self.fc(ctx_raw.to(self.fc.weight.dtype)))
+        if not torch.is_autocast_enabled(ctx_raw.device.type):  # autocast casts for the matmul itself
+            ctx_raw = ctx_raw.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(ctx_raw))
 
     def forward(
         self,
@@ -207,7 +210,7 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Final normed hidden states of the block tokens, [R, Q, H]."""
         ctx = self.project_context(ctx_raw, noise_sigma, generator)
-        x = block_embeds.to(ctx.dtype)
+        x = block_embeds.to(self.norm.weight.dtype)  # the residual stream in the parameters' dtype
         ctx_cos, ctx_sin = self.rotary(ctx_positions, x.dtype)
         cos, sin = self.rotary(block_positions, x.dtype)
         for layer, mask in zip(self.layers, masks, strict=True):
