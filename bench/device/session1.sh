@@ -18,9 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> $LOG 2>&1
 stage flex_vs_dense 90 python3 bench/drafter_flex_vs_dense.py --out $R/flex_vs_dense.json
 stage bench_qwen3_8b 130 python3 -m dflash_train bench --preset qwen3-8b --out $R/bench_qwen3_8b.json
-stage smol_colocated1 50 torchrun --nproc-per-node 1 --master-port 29601 -m dflash_train bench --preset smollm2-135m \
+stage smol_colocated1 50 python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29601 -m dflash_train bench --preset smollm2-135m \
   --layout colocated --warmup 5 --measure 15 --out $R/bench_smol_colocated1.json
-stage smol_split11 70 torchrun --nproc-per-node 2 --master-port 29602 -m dflash_train bench --preset smollm2-135m \
+stage smol_split11 70 python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29602 -m dflash_train bench --preset smollm2-135m \
   --layout split --target-ranks 1 --drafter-ranks 1 --warmup 5 --measure 15 --out $R/bench_smol_split11.json
 stage generate 90 python3 bench/bench_generate.py --random-init --slots 64,128,256 --compile off --out $R/generate.json
 python3 - <<'PY' >> $LOG 2>&1

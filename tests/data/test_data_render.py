@@ -151,3 +151,47 @@ def test_bad_conversations(smol_tokenizer):
             ChatRenderer(tok).encode_messages(CONVERSATION)
     finally:
         tok.chat_template = saved
+
+
+def random_conversations(seed: int, n: int) -> list[list[dict[str, str]]]:
+    rng = np.random.default_rng(seed)
+    alphabet = list("abc xyz ,.!?\n\t") + ["é", "ß", "漢字", "🤖", "  ", "<|im_end|>", "<｜User｜>", "<think>", "\u200b"]
+    def text():
+        return "".join(rng.choice(alphabet, int(rng.integers(0, 30))))
+    convs = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+        for _ in range(int(rng.integers(1, 4))):
+            msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        convs.append(msgs)
+    return convs
+
+
+@pytest.mark.parametrize("which", ["smol_tokenizer", "deepseek_tokenizer"])
+def test_byte_length_fast_path_equals_offsets(which, request):
+    """The cumulative-byte-length fast path must give exactly what character offsets give,
+    including multi-byte characters and special-token text inside messages."""
+    tok = request.getfixturevalue(which)
+    fast = ChatRenderer(tok)
+    assert fast._byte_len is not None  # both are byte-level BPE
+    slow = ChatRenderer(tok)
+    slow._byte_len = None
+    broken = ChatRenderer(tok)  # wrong table: every row must fail the byte check and fall back
+    broken._byte_len = fast._byte_len + 1
+    convs = random_conversations(0, 60) + [CONVERSATION]
+    rendered = [fast.assistant_spans(m) for m in convs]
+    for a, b, c in zip(fast._encode_rendered(rendered), slow._encode_rendered(rendered), broken._encode_rendered(rendered)):
+        assert a[0].tolist() == b[0].tolist() == c[0].tolist()
+        assert a[1].tolist() == b[1].tolist() == c[1].tolist()
+
+
+def test_encode_records_keeps_order_and_returns_bad_rows(smol_tokenizer):
+    r = ChatRenderer(smol_tokenizer)
+    rows = [parse_row({"messages": CONVERSATION}, "f.jsonl", 1), parse_row({"text": "hello"}, "f.jsonl", 2),
+            parse_row({"messages": [{"role": "assistant", "content": "x"}]}, "f.jsonl", 3),
+            parse_row({"prompt": "a", "response": "b"}, "f.jsonl", 4)]
+    out = r.encode_records(rows)
+    assert isinstance(out[2], DataError) and out[2].line == 3
+    for k in (0, 1, 3):
+        ids, mask = r.encode_record(rows[k])
+        assert out[k][0].tolist() == ids.tolist() and out[k][1].tolist() == mask.tolist()

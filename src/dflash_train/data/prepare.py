@@ -55,7 +55,7 @@ class PrepareConfig:
     max_length: int = 8192
     overflow: Literal["truncate", "drop"] = "truncate"
     skip_bad_rows: bool = False
-    workers: int = 0  # 0 = one per CPU core
+    workers: int = 0  # processes; 0 = cores - 1 (the main process reads and writes); 1 = in-process
     shard_size: int = 100_000  # rows per shard file
     overwrite: bool = False
     chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
@@ -101,29 +101,38 @@ Result = tuple
 _worker_state: dict[str, Any] = {}
 
 
-def _init_worker(renderer: ChatRenderer, max_length: int, overflow: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the parallelism is the processes
+def _init_worker(renderer: ChatRenderer, max_length: int, overflow: str, threads: bool = False) -> None:
+    if not threads:  # worker processes: the parallelism is the processes
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_state.update(renderer=renderer, max_length=max_length, overflow=overflow)
 
 
-def _encode_one(renderer: ChatRenderer, rec: Record, max_length: int, overflow: str) -> Result:
-    try:
-        ids, mask = renderer.encode_record(rec)
-    except DataError as err:
-        return ("bad", err)
+def default_workers() -> int:
+    """One process per core but one: the main process parses rows and writes shards. With a
+    single worker, tokenisation runs in-process and the Rust tokenizer uses its own threads
+    (on a 2-core machine that beats two processes fighting the main one for the cores)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def _apply_limits(encoded: tuple[np.ndarray, np.ndarray] | DataError, where: str, max_length: int,
+                  overflow: str) -> Result:
+    if isinstance(encoded, DataError):
+        return ("bad", encoded)
+    ids, mask = encoded
     truncated = False
     if len(ids) > max_length:
         if overflow == "drop":
-            return ("too_long", rec.where, len(ids))
+            return ("too_long", where, len(ids))
         ids, mask, truncated = ids[:max_length], mask[:max_length], True
     if not mask[1:].any():  # a loss token at position 0 can never be a label (nothing precedes it)
-        return ("no_loss", rec.where)
-    return ("ok", ids, mask.astype(np.uint8), rec.where, truncated)
+        return ("no_loss", where)
+    return ("ok", ids, mask.astype(np.uint8), where, truncated)
 
 
 def _encode_chunk(chunk: list[Record]) -> list[Result]:
     s = _worker_state
-    return [_encode_one(s["renderer"], rec, s["max_length"], s["overflow"]) for rec in chunk]
+    encoded = s["renderer"].encode_records(chunk)  # one tokenizer call for the whole chunk
+    return [_apply_limits(e, rec.where, s["max_length"], s["overflow"]) for e, rec in zip(encoded, chunk)]
 
 
 def _chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
@@ -142,7 +151,8 @@ def _encode_all(chunks: Iterator[list[Record]], workers: int, init_args: tuple) 
     """Chunk results in input order. A bounded number of chunks is in flight, so memory
     does not grow with the input (Pool.imap would read the whole input ahead)."""
     if workers <= 1:
-        _init_worker(*init_args)
+        # In-process: the Rust tokenizer spreads each chunk over its own threads.
+        _init_worker(*init_args, threads=True)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
@@ -303,7 +313,7 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
 def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Path) -> dict[str, Any]:
     from tqdm import tqdm
 
-    workers = cfg.workers or os.cpu_count() or 1
+    workers = cfg.workers or default_workers()
     parse_bad: list[DataError] = []  # rows that fail to parse land here (skip mode) ...
     render_bad: list[DataError] = []  # ... and rows the chat template rejects here
     records = iter_records(files, skip_bad=cfg.skip_bad_rows, bad=parse_bad)

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what to do with longer rows (default truncate); either way they are counted")
     parser.add_argument("--skip-bad-rows", action="store_true",
                         help="count and list malformed rows instead of stopping at the first one")
-    parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per CPU core)")
+    parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: cores - 1; 1 = in-process, "
+                             "with the tokenizer's own threads)")
     parser.add_argument("--shard-size", type=int, default=100_000, help="rows per shard file (default 100000)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
