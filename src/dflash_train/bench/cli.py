@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default="target", choices=["data", "target"])
     p.add_argument("--compile", action="store_true", help="fixed shapes + torch.compile (compiled mode)")
     p.add_argument("--drafter-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--fp8-target", action="store_true", help="float8 decoder matmuls in the target")
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the measurement")
     p.add_argument("--measure", type=int, default=10, help="measured steps (a multiple of --warmup)")
     p.add_argument("--queue-depth", type=int, default=4)
@@ -82,7 +83,7 @@ def build_config(args, out_dir: Path):
         "step.num_anchors": str(args.anchors), "step.label_source": args.labels,
         "run.max_steps": str(steps), "run.log_every": str(args.warmup), "run.save_every": str(10**9), "run.checkpoint": "false",
         "run.output_dir": str(out_dir), "run.compile": str(args.compile), "run.device": args.device,
-        "run.drafter_dtype": args.drafter_dtype, "run.tensorboard": "false", "run.progress": "false",
+        "run.drafter_dtype": args.drafter_dtype, "target.fp8": str(args.fp8_target), "run.tensorboard": "false", "run.progress": "false",
         "optim.warmup_steps": "2", "pipeline.layout": args.layout, "pipeline.queue_depth": str(args.queue_depth),
         "pipeline.target_ranks": str(args.target_ranks), "pipeline.drafter_ranks": str(args.drafter_ranks),
     }
@@ -129,7 +130,8 @@ def main(args: argparse.Namespace) -> int:
     peak = matmul_peak_tflops(device)
     result = {
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
-        "compile": args.compile, "labels": args.labels, "tokens_per_step_per_drafter": args.tokens,
+        "compile": args.compile, "labels": args.labels, "fp8_target": args.fp8_target,
+        "drafter_dtype": args.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
         "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
         "step_ms": seconds / steps * 1000, "time_split_ms_per_step": split,
@@ -149,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_result(r: dict) -> str:
-    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'} | "
+    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'}{' fp8-target' if r['fp8_target'] else ''} | "
              f"{r['labels']} labels | {r['tokens_per_step_per_drafter']} tokens x {r['drafters']} drafter(s)/step, "
              f"{r['anchors']} anchors, block {r['block']}, window {r['window']}",
              f"  tokens/s        {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per rank), "

@@ -151,5 +151,5 @@ def _host_id() -> int:
 
 
 def shutdown(ctx: DistContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()

@@ -68,10 +68,9 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
         t_wait = sum(r.get("queue_wait_s", 0) for r in targets) / max(len(targets), 1)
         d_wait = sum(r.get("queue_wait_s", 0) for r in drafters) / max(len(drafters), 1)
         # time a target needs per batch vs the time a drafter needs per batch (busy time only)
-        t_per = sum(r["compute_s"] for r in targets) / max(sum(r["batches"] for r in targets), 1)
-        d_busy = [max(r.get("wall_s", 0) or 0, 0) for r in drafters]
-        d_batches = sum(r.get("batches", 0) for r in drafters)
-        d_per = (sum(d_busy) - sum(r.get("queue_wait_s", 0) for r in drafters)) / max(d_batches, 1) if d_batches else 0
+        # median work time per batch (queue waits, start-up and compilation excluded)
+        t_per = sum(r.get("median_busy_ms_per_batch", 0) for r in targets) / max(len(targets), 1) / 1000
+        d_per = sum(r.get("median_busy_ms_per_batch", 0) for r in drafters) / max(len(drafters), 1) / 1000
         side = "targets" if d_wait > t_wait else "drafters"
         world = ctx.num_targets + ctx.num_drafters
         balanced_t = max(1, min(world - 1, round(world * t_per / (t_per + d_per)))) if t_per + d_per > 0 else None

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -43,6 +44,7 @@ class RemoteTargetSource:
         # Transport sequence: this drafter's q-th batch from here on is g = q * D + d of the
         # global order, counted across epochs the same way the target ranks count it.
         self.requested = 0
+        self._last_handoff: float | None = None
         self.ahead: deque = deque()
         for _ in range(queue_depth):
             self._request_one()
@@ -71,11 +73,16 @@ class RemoteTargetSource:
             raise StopIteration
         g, batch = self.ahead.popleft()
         R, S = self.prepare(batch).input_ids.shape
+        t_wait_start = time.perf_counter()
         t = timer.start()
         out = self.receiver.get(g, R, S)
         timer.stop("queue_wait", t)
         poisoned = self.receiver.stop_requested
         self._request_one()
+        now = time.perf_counter()
+        if self._last_handoff is not None:  # the drafter's work on the previous batch
+            self.receiver.stats.busy_ms.append((t_wait_start - self._last_handoff) * 1000)
+        self._last_handoff = now
         return batch, out, poisoned
 
     def stats(self) -> dict:

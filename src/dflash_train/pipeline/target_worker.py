@@ -51,7 +51,7 @@ class TargetWorker:
         t0 = time.perf_counter()
         model = load_target_model(cfg.target.path, dtype=target_dtype(cfg.target.dtype, ctx.device),
                                   device=ctx.device, trust_remote_code=cfg.target.trust_remote_code,
-                                  attn_implementation=cfg.target.attn_implementation)
+                                  attn_implementation=cfg.target.attn_implementation, fp8=cfg.target.fp8)
         self.runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
         self.load_s = time.perf_counter() - t0
         self.start = broadcast_start(ctx)
@@ -106,6 +106,7 @@ class TargetWorker:
                 if ctx.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # honest compute time (once per batch)
                 compute_s += time.perf_counter() - c0
+                sender.stats.busy_ms.append((time.perf_counter() - c0) * 1000)
                 sender.send(drafter_rank, g, tensors, stop_request=self.stop_signal is not None)
             # every drafter ends its stream with END: read what is left of each
             for drafter_rank in sorted(mine - ended):

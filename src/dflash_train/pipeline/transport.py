@@ -46,10 +46,13 @@ class WaitStats:
     transfer_s: float = 0.0
     items: int = 0
     bytes: int = 0
+    busy_ms: list[float] = field(default_factory=list)  # per batch: work time, queue waits excluded
 
     def as_dict(self) -> dict:
+        busy = sorted(self.busy_ms)
         return {"queue_wait_s": self.wait_s, "queue_waits": self.waits, "transfer_s": self.transfer_s,
                 "batches": self.items, "bytes": self.bytes,
+                "median_busy_ms_per_batch": busy[len(busy) // 2] if busy else 0.0,
                 "mean_queue_fill": self.fill_sum / self.fill_samples if self.fill_samples else 0.0}
 
 
@@ -91,6 +94,7 @@ class HiddenStateReceiver:
         self.stats = WaitStats()
         self.stop_requested = False
         self.ended = False
+        self._credits: deque = deque()  # credit sends in flight (their tensors stay referenced)
 
     def request(self, g: int, R: int, S: int) -> None:
         """Post the receives for batch g of shape [R, S], then credit its target."""
@@ -105,7 +109,11 @@ class HiddenStateReceiver:
                    for s in tensor_shapes(R, S, self.taps_width, self.hidden, self.need_final)]
         group = ctx.control if host else ctx.data
         works = [dist.irecv(b, src=src, group=group) for b in buffers]
-        dist.send(torch.tensor([CONTINUE, g], dtype=torch.long), dst=src, group=ctx.control)
+        # Non-blocking: a blocking send would wait until the target finished its current
+        # batch and posted the matching receive, stalling this drafter for nothing.
+        self._credits.append(dist.isend(torch.tensor([CONTINUE, g], dtype=torch.long), dst=src, group=ctx.control))
+        while len(self._credits) > 2 * self.depth:
+            self._credits.popleft().wait()
         self.pending.append(_Pending(g, src, header, hw, buffers, works))
 
     def get(self, g: int, R: int, S: int) -> TargetOutput:
@@ -143,7 +151,9 @@ class HiddenStateReceiver:
             return
         self.ended = True
         for t in drafter_targets(self.ctx, self.ctx.drafter_index):
-            dist.send(torch.tensor([END, -1], dtype=torch.long), dst=t, group=self.ctx.control)
+            self._credits.append(dist.isend(torch.tensor([END, -1], dtype=torch.long), dst=t, group=self.ctx.control))
+        while self._credits:
+            self._credits.popleft().wait()
         while self.pending:
             item = self.pending.popleft()
             item.header_work.wait()

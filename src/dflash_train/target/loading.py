@@ -205,13 +205,22 @@ def open_target(spec: str, *, trust_remote_code: bool = False):
             load_tokenizer(source, trust_remote_code=trust_remote_code))
 
 
-def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="sdpa"):
+def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="sdpa",
+                      fp8: bool = False):
+    """The frozen target (a preset builds random weights); `fp8` converts its decoder linears."""
     from dflash_train.target.presets import build_random_target, is_preset
 
     if is_preset(spec):
-        return build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
-    return load_causal_lm(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                          attn_implementation=attn_implementation)
+        model = build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    else:
+        model = load_causal_lm(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                               attn_implementation=attn_implementation)
+    if fp8:
+        from dflash_train.target.fp8 import convert_decoder_linears
+        from dflash_train.target.runner import find_decoder_layers
+
+        convert_decoder_linears(model, find_decoder_layers(model))
+    return model
 
 
 def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = False):

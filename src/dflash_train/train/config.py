@@ -23,6 +23,7 @@ class TargetConfig:
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    fp8: bool = False  # float8 decoder matmuls in the frozen target (Hopper GPUs)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -245,7 +245,7 @@ class Trainer:
         if self.ctx.is_target:  # single / colocated: the target runs in this process
             self.target = load_target_model(cfg.target.path, dtype=dtype, device=self.device,
                                             trust_remote_code=cfg.target.trust_remote_code,
-                                            attn_implementation=cfg.target.attn_implementation)
+                                            attn_implementation=cfg.target.attn_implementation, fp8=cfg.target.fp8)
             self.runner = TargetRunner(self.target, self.drafter_config.target_layer_ids,
                                        need_final=cfg.step.label_source != "data")
             embed = self.target.get_input_embeddings().weight
