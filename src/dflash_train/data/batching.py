@@ -215,8 +215,10 @@ class BatchPlanner:
     def shard(self, epoch: int, rank: int = 0, world: int = 1) -> EpochPlan:
         return self.plan(epoch).shard(rank, world, self.config.drop_last)
 
-    def batches_per_epoch(self, world: int = 1) -> int:
-        n = len(self.plan(0))
+    def batches_per_epoch(self, world: int = 1, epoch: int = 0) -> int:
+        """Batches each of `world` consumers gets in `epoch` (the count varies slightly
+        between epochs, since packing depends on the shuffle)."""
+        n = len(self.plan(epoch))
         return n // world if self.config.drop_last else -(-n // world)
 
     def iter_batches(
@@ -257,7 +259,7 @@ class BatchPlanner:
         lines = [
             f"{len(plan):,} batches per epoch across {k} length bucket{'s' if k > 1 else ''} "
             f"(token budget {cfg.token_budget:,}, {rows_desc} per batch"
-            + (f", {self.batches_per_epoch(world):,} per consumer for {world} consumers" if world > 1 else "")
+            + (f", {self.batches_per_epoch(world, epoch):,} per consumer for {world} consumers" if world > 1 else "")
             + ")",
             f"{'bucket':>6}  {'lengths':>15}  {'batches':>10}  {'share':>6}  {'documents':>10}  {'tokens':>14}  {'fill':>6}",
         ]
