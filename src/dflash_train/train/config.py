@@ -148,6 +148,20 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    # Prompts for a final check by real speculative decoding (eval/): "builtin" (held-out
+    # chat prompts), "humaneval", or a JSONL file. None = off. Its tau is printed next to
+    # the eval split's estimate (target labels) and their relative gap.
+    spec_prompts: str | None = None
+    spec_num_prompts: int = 32  # the first N prompts (0 = all)
+    spec_max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.spec_num_prompts < 0 or self.spec_max_new_tokens < 1:
+            raise ValueError("eval.spec_num_prompts must be >= 0 and eval.spec_max_new_tokens >= 1")
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -157,6 +171,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if not self.data.path:

@@ -250,7 +250,9 @@ class Trainer:
                                        need_final=cfg.step.label_source != "data")
             embed = self.target.get_input_embeddings().weight
             head = self.target.get_output_embeddings()
-            self.heads = FrozenHeads(embed, head.weight if head is not None else embed)
+            norm = getattr(self.runner.final_norm, "weight", None)
+            self.heads = FrozenHeads(embed, head.weight if head is not None else embed,
+                                     norm.detach().float() if norm is not None else None)
         else:  # split drafter rank: only the embedding and LM head of the target
             self.heads = FrozenHeads(*load_target_heads(cfg.target.path, dtype=dtype, device=self.device,
                                                         trust_remote_code=cfg.target.trust_remote_code))
@@ -261,6 +263,11 @@ class Trainer:
                 raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: its config differs from this run's")
         else:
             self.drafter = DFlashDrafter(self.drafter_config)
+            if self.heads.final_norm_weight is not None:
+                # Start the drafter's output at the scale the target's LM head was trained on:
+                # with unit norm weights, large-norm heads (SmolLM2) start at CE ~ 37 nats.
+                with torch.no_grad():
+                    self.drafter.norm.weight.copy_(self.heads.final_norm_weight)
         master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
         self.drafter.to(self.device, master).train()
         self.model_fn = self.drafter
@@ -526,6 +533,8 @@ class Trainer:
             summary["final_drafter"] = str(final)
             if self.data.eval is not None and self.runner is not None:
                 summary["eval"] = self.evaluate(logger)
+            if cfg.eval.spec_prompts:
+                summary["spec_eval"] = self.speculative_eval(logger)
         logger.close()
         return summary
 
@@ -572,6 +581,30 @@ class Trainer:
         return m
 
 
+    def speculative_eval(self, logger: MetricsLogger | None = None) -> dict:
+        """tau measured by real speculative decoding (eval/) on held-out prompts."""
+        from dflash_train.eval.prompts import load_prompts
+        from dflash_train.eval.run import speculative_tau
+
+        e = self.cfg.eval
+        say = logger.line if logger is not None else self.log
+        if self.runner is None or self.tokenizer is None:
+            say("eval.spec_prompts: skipped, this process holds no target with a tokenizer "
+                "(run `dflash-train eval` on the exported drafter instead)")
+            return {}
+        say(f"speculative decoding on {e.spec_num_prompts or 'all'} prompts of {e.spec_prompts} ...")
+        prompts = load_prompts(e.spec_prompts, e.spec_num_prompts or None)
+        m = speculative_tau(self.target, self.tokenizer, self.drafter, prompts, max_new_tokens=e.spec_max_new_tokens,
+                            progress=self.cfg.run.progress)
+        keep = {k: m[k] for k in ("tau", "prompts", "rounds", "new_tokens", "seconds")}
+        keep.update({f"accept_rate_{k + 1}": v for k, v in enumerate(m["accept_rate"])})
+        if logger is not None:
+            logger.record(self.state.step, keep, kind="spec_eval")
+        say(f"speculative decoding @ step {self.state.step}: tau {m['tau']:.3f} on {m['prompts']} prompts "
+            f"({m['seconds']:.0f}s)")
+        return keep
+
+
 def _is_main_thread() -> bool:
     import threading
 
@@ -601,6 +634,13 @@ def print_summary(summary: dict) -> None:
     if summary.get("eval"):
         e = summary["eval"]
         lines.append(f"eval (target labels): tau {e['tau']:.3f}, acc_1 {e.get('acc_1', float('nan')):.3f}")
+    if summary.get("spec_eval"):
+        measured = summary["spec_eval"]["tau"]
+        line = f"tau by speculative decoding ({summary['spec_eval']['prompts']} held-out prompts): {measured:.3f}"
+        if summary.get("eval"):
+            estimate = summary["eval"]["tau"]
+            line += f"; training estimate {estimate:.3f} (target labels), relative gap {(estimate - measured) / measured:+.1%}"
+        lines.append(line)
     if summary.get("bad_steps"):
         lines.append(f"skipped non-finite steps: {summary['bad_steps']}")
     lines.append(f"checkpoint: {summary['checkpoint']}")
