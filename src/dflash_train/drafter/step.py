@@ -27,7 +27,6 @@ class FrozenHeads:
 
     embed_weight: torch.Tensor  # [V, H]
     lm_head_weight: torch.Tensor  # [V, H] (may be the same storage when tied)
-    final_norm_weight: torch.Tensor | None = None  # [H]: the scale the LM head expects its input at
 
     def __post_init__(self) -> None:
         self.embed_weight.requires_grad_(False)

@@ -153,11 +153,11 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
 
 def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=None, device=None,
                              trust_remote_code: bool = False):
-    """(embedding, lm_head, final norm or None) weights of a target without building it.
+    """(embedding weight, lm_head weight) of a target without building the whole model.
 
-    A drafter rank of the split layout needs only these. From safetensors files they are
-    read by name; other formats (GGUF) load the model on the CPU and keep the tensors.
-    Tied embeddings return the same tensor twice.
+    A drafter rank of the split layout needs only these two matrices. From safetensors
+    files they are read by name; other formats (GGUF) load the model on the CPU and keep
+    the two tensors. Tied embeddings return the same tensor twice.
     """
     import json
 
@@ -174,26 +174,21 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 for key in fh.keys():
-                    if key.endswith("embed_tokens.weight") or key in ("lm_head.weight", "model.norm.weight"):
+                    if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
                         if where is None or where.get(key) == f.name:
                             wanted[key] = fh.get_tensor(key)
         embed = next((v for k, v in wanted.items() if k.endswith("embed_tokens.weight")), None)
         if embed is not None:
             head = wanted.get("lm_head.weight", embed)
-            embed, head = (t.to(device=device, dtype=dtype or t.dtype) for t in (embed, head))
-            norm = wanted.get("model.norm.weight")
-            return embed, head, (norm.to(device=device, dtype=torch.float32) if norm is not None else None)
-    from dflash_train.target.runner import find_final_norm
-
+            return tuple(t.to(device=device, dtype=dtype or t.dtype) for t in (embed, head))
     model = load_causal_lm(source, dtype=dtype, trust_remote_code=trust_remote_code)
     embed = model.get_input_embeddings().weight.detach()
     head_module = model.get_output_embeddings()
     head = head_module.weight.detach() if head_module is not None else embed
-    norm = find_final_norm(model).weight.detach().float().to(device)
     if head.data_ptr() == embed.data_ptr():
         embed = head = embed.to(device)
-        return embed, head, norm
-    return embed.to(device), head.to(device), norm
+        return embed, head
+    return embed.to(device), head.to(device)
 
 
 def open_target(spec: str, *, trust_remote_code: bool = False):
@@ -229,7 +224,7 @@ def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = Fal
 
 
 def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = False):
-    """(embedding, lm_head, final norm or None) weights for a drafter rank that runs no target."""
+    """(embedding, lm_head) weights for a drafter rank that runs no target."""
     import torch
 
     from dflash_train.target.presets import is_preset, preset_config
@@ -240,5 +235,5 @@ def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = Fal
         embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, generator=gen).mul_(0.02).to(dtype)
         head = embed if cfg.tie_word_embeddings else \
             torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, generator=gen).mul_(0.02).to(dtype)
-        return embed, head, None
+        return embed, head
     return load_frozen_head_weights(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)

@@ -250,9 +250,7 @@ class Trainer:
                                        need_final=cfg.step.label_source != "data")
             embed = self.target.get_input_embeddings().weight
             head = self.target.get_output_embeddings()
-            norm = getattr(self.runner.final_norm, "weight", None)
-            self.heads = FrozenHeads(embed, head.weight if head is not None else embed,
-                                     norm.detach().float() if norm is not None else None)
+            self.heads = FrozenHeads(embed, head.weight if head is not None else embed)
         else:  # split drafter rank: only the embedding and LM head of the target
             self.heads = FrozenHeads(*load_target_heads(cfg.target.path, dtype=dtype, device=self.device,
                                                         trust_remote_code=cfg.target.trust_remote_code))
@@ -263,11 +261,12 @@ class Trainer:
                 raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: its config differs from this run's")
         else:
             self.drafter = DFlashDrafter(self.drafter_config)
-            if self.heads.final_norm_weight is not None:
-                # Start the drafter's output at the scale the target's LM head was trained on:
-                # with unit norm weights, large-norm heads (SmolLM2) start at CE ~ 37 nats.
-                with torch.no_grad():
-                    self.drafter.norm.weight.copy_(self.heads.final_norm_weight)
+            # Start with near-uniform predictions: scale the output norm so that logits
+            # through the target's LM head have unit standard deviation. With unit norm
+            # weights a large-norm head (SmolLM2's) starts at a cross-entropy of ~37 nats.
+            with torch.no_grad():
+                head_rms = self.heads.lm_head_weight.float().pow(2).mean().sqrt()
+                self.drafter.norm.weight.fill_(float(1.0 / (head_rms * self.drafter_config.hidden_size ** 0.5)))
         master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
         self.drafter.to(self.device, master).train()
         self.model_fn = self.drafter
@@ -594,6 +593,9 @@ class Trainer:
             return {}
         say(f"speculative decoding on {e.spec_num_prompts or 'all'} prompts of {e.spec_prompts} ...")
         prompts = load_prompts(e.spec_prompts, e.spec_num_prompts or None)
+        # the runner's hooks end target forwards early: decoding needs plain forwards (end of run only)
+        self.runner.close()
+        self.runner = None
         m = speculative_tau(self.target, self.tokenizer, self.drafter, prompts, max_new_tokens=e.spec_max_new_tokens,
                             progress=self.cfg.run.progress)
         keep = {k: m[k] for k in ("tau", "prompts", "rounds", "new_tokens", "seconds")}
