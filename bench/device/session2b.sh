@@ -19,7 +19,7 @@ print(f"converted in {time.time() - t:.1f}s")
 PY
 T=/tmp/smol/hf
 TARGET=$T WORK=$W N_SYNTH=40000 MAX_NEW=384 SLOTS=256 GEN_LIMIT=${GEN_LIMIT:-75} TRAIN_MINUTES=${TRAIN_MINUTES:-1.8} \
-  EVAL_PROMPTS=${EVAL_PROMPTS:-32} EVAL_NEW=128 timeout 300 bash scripts/smollm2_recipe.sh >> $LOG 2>&1
+  EVAL_PROMPTS=${EVAL_PROMPTS:-32} EVAL_NEW=128 TRAIN_ARGS="--run.max_steps 280 --optim.warmup_steps 30" timeout 300 bash scripts/smollm2_recipe.sh >> $LOG 2>&1
 echo "recipe rc=$?" | tee -a $LOG
 timeout 40 python3 bench/fp8_check.py --target $T --data $W/data --out $W/fp8_check.json >> $LOG 2>&1
 python3 - >> $LOG 2>&1 <<'PY'
