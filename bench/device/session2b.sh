@@ -14,7 +14,14 @@ import time, torch
 t = time.time()
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 m = load_causal_lm("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.bfloat16)
-m.save_pretrained("/tmp/smol/hf"); load_tokenizer("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained("/tmp/smol/hf")
+import json, os
+from safetensors.torch import save_file
+os.makedirs("/tmp/smol/hf", exist_ok=True)
+cfg = m.config.to_dict(); cfg.pop("quantization_config", None); cfg["dtype"] = "bfloat16"
+json.dump(cfg, open("/tmp/smol/hf/config.json", "w"))
+sd = {k: v.contiguous() for k, v in m.state_dict().items() if not (k == "lm_head.weight" and m.config.tie_word_embeddings)}
+save_file(sd, "/tmp/smol/hf/model.safetensors", metadata={"format": "pt"})
+load_tokenizer("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained("/tmp/smol/hf")
 print(f"converted in {time.time() - t:.1f}s")
 PY
 T=/tmp/smol/hf
