@@ -25,7 +25,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 import sys
 import time
 from array import array
@@ -39,6 +38,7 @@ import numpy as np
 
 from dflash_train.data.render import ChatRenderer
 from dflash_train.data.sources import DataError, Record, expand_inputs, iter_records
+from dflash_train.utils.fs import atomic_directory_write
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -283,10 +283,9 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
     renderer = ChatRenderer(tok, chat_template=template, text_eos=cfg.text_eos)
 
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    result: dict[str, Any] = {}
+
+    def write(tmp: Path) -> None:
         manifest = _run(cfg, files, renderer, tmp)
         manifest.update(
             tokenizer=identity,
@@ -296,17 +295,11 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
             },
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-        _prepare_output(output, cfg.overwrite)  # someone may have created it meanwhile
-        if output.exists():
-            old = output.parent / f".{output.name}.old-{os.getpid()}"
-            output.rename(old)
-            tmp.rename(output)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        result.update(manifest)
+
+    # written into a temporary directory and renamed: a failed run leaves no half dataset
+    atomic_directory_write(output, write, before_swap=lambda: _prepare_output(output, cfg.overwrite))
+    manifest = result
     return manifest
 
 

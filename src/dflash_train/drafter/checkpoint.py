@@ -11,9 +11,6 @@ code and serving engines load. Writes are atomic: a temporary directory renamed 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.utils.fs import atomic_directory_write
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -90,39 +88,6 @@ def from_hf_config(data: dict) -> DrafterConfig:
         causal_in_block_sliding=causal.get("sliding_attention", True),
         extra=dflash.get("extra", {}),
     )
-
-
-def atomic_directory_write(final: Path, write_into) -> Path:
-    """Run `write_into(tmpdir)`, then move tmpdir to `final` (replacing an older one).
-
-    A crash at any moment leaves either the old directory or the new one, never a half
-    written directory under the final name.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write_into(tmp)
-        for f in tmp.rglob("*"):  # make the file contents durable before the rename
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        dir_fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:

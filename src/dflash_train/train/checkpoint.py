@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import yaml
 
-from dflash_train.drafter.checkpoint import atomic_directory_write, load_drafter, save_drafter
+from dflash_train.drafter.checkpoint import load_drafter, save_drafter
+from dflash_train.utils.fs import atomic_directory_write
 from dflash_train.drafter.model import DFlashDrafter
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
