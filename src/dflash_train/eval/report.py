@@ -1,0 +1,93 @@
+"""The evaluation report: `report.json` (everything) and `report.png` (what a person looks at)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _clean(value):
+    """JSON without NaN (not valid JSON): NaN -> null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(report: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean(report), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def plot_report(report: dict, path: Path, title: str = "") -> Path:
+    """Two panels: accepted drafts per verify forward (histogram, 0..B-1) and acceptance per
+    block position (unconditional and given every earlier slot accepted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    o = report["overall"]
+    B = report["block_size"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    hist = o["accept_hist"]
+    total = max(sum(hist), 1)
+    ax1.bar(range(B), [h / total for h in hist], color="#4C72B0")
+    ax1.set_xticks(range(B))
+    ax1.set_xlabel("accepted drafts per verify forward (tokens committed = accepted + 1)")
+    ax1.set_ylabel("fraction of verify forwards")
+    ax1.axvline(o["tau"] - 1, color="#C44E52", linestyle="--", label=f"mean: tau - 1 = {o['tau'] - 1:.2f}")
+    ax1.legend(loc="upper right")
+    ax1.set_title(f"acceptance histogram ({o['rounds']} verify forwards)")
+    slots = list(range(1, B))
+    nan = float("nan")
+    ax2.plot(slots, [nan if v is None else v for v in o["accept_rate"]], "o-", label="P(slot k accepted)")
+    ax2.plot(slots, [nan if v is None else v for v in o["accept_rate_cond"]], "s--",
+             label="P(slot k accepted | slots < k accepted)")
+    ax2.set_xticks(slots)
+    ax2.set_ylim(0, 1.02)
+    ax2.set_xlabel("draft slot k in the block")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_title("acceptance per block position")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="upper right", fontsize=8)
+    head = f"tau {o['tau']:.3f} tokens/forward"
+    if o.get("speedup") is not None:
+        head += (f" | {o['spec_tok_per_s']:.1f} vs {o['greedy_tok_per_s']:.1f} tok/s greedy "
+                 f"= {o['speedup']:.2f}x | {o['prompts']} prompts")
+    fig.suptitle(f"{title}\n{head}" if title else head, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_lines(report: dict) -> list[str]:
+    o = report["overall"]
+    B = report["block_size"]
+    lines = [f"prompts {o['prompts']}, {o['new_tokens']:,} new tokens, {o['rounds']:,} verify forwards, block {B}",
+             f"tau (tokens per target forward): {o['tau']:.3f}   (mean over prompts {o['tau_mean_of_prompts']:.3f})"]
+    hist = o["accept_hist"]
+    total = max(sum(hist), 1)
+    lines.append("accepted drafts histogram: " + " ".join(f"{a}:{h / total:.0%}" for a, h in enumerate(hist)))
+    rate = [f"{v:.2f}" if v == v else "-" for v in o["accept_rate"]]
+    lines.append("acceptance per slot 1..B-1: " + " ".join(rate))
+    lines.append(f"speculative: {o['spec_tok_per_s']:.1f} tok/s (drafter {o['draft_seconds']:.1f}s, target verify "
+                 f"{o['verify_seconds']:.1f}s of {o['spec_seconds']:.1f}s)")
+    if "speedup" in o:
+        lines.append(f"plain greedy: {o['greedy_tok_per_s']:.1f} tok/s  ->  speedup {o['speedup']:.2f}x")
+        same = o["matches_greedy"]
+        lines.append(f"output equals plain greedy decoding: {same}/{o['prompts']} prompts"
+                     + ("" if same == o["prompts"] else f" (differ: {', '.join(o['mismatched_ids'][:5])}"
+                        f"{' ...' if len(o['mismatched_ids']) > 5 else ''})"))
+    return lines

