@@ -66,13 +66,12 @@ class RemoteTargetSource:
         g = self.requested * self.ctx.num_drafters + self.ctx.drafter_index
         self.requested += 1
         self.receiver.request(g, R, S)
-        self.ahead.append((g, batch))
+        self.ahead.append((g, batch, R, S))
 
     def next(self, timer):
         if not self.ahead:
             raise StopIteration
-        g, batch = self.ahead.popleft()
-        R, S = self.prepare(batch).input_ids.shape
+        g, batch, R, S = self.ahead.popleft()  # shape noted at request time: no second padding copy
         t_wait_start = time.perf_counter()
         t = timer.start()
         out = self.receiver.get(g, R, S)
