@@ -10,7 +10,7 @@ from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import block_input_ids, block_positions
 from dflash_train.eval.metrics import acceptance_stats
 from dflash_train.eval.run import make_proposer, stop_tokens
-from dflash_train.eval.speculative import Round, SpeculativeDecoder
+from dflash_train.generate.speculative import Round, SpeculativeDecoder
 
 from .conftest import ScriptedProposer, plain_greedy, random_drafter
 

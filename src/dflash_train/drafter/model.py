@@ -24,6 +24,7 @@ from torch import nn
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.masks import AttentionMask, attend
+from dflash_train.target.ops import apply_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +34,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32; the result keeps the input's dtype, so that under bf16
-        # autocast q, k and v reach the attention kernel in one dtype.
-        dtype = x.dtype
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(dtype)
+        # the result keeps the input's dtype: under bf16 autocast q, k and v then reach the
+        # attention kernel in one dtype
+        return rms_norm(x, self.weight, self.eps, scale_in_float32=True)
 
 
 def rope_inverse_frequencies(cfg: DrafterConfig, device: Any = None) -> tuple[torch.Tensor, float]:
@@ -85,15 +84,6 @@ class RotaryEmbedding(nn.Module):
         cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
         sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
         return cos, sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
 
 
 class DrafterAttention(nn.Module):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from dflash_train.eval.speculative import DecodeResult, Round
+from dflash_train.generate.speculative import DecodeResult, Round
 
 
 def acceptance_stats(rounds: Iterable[Round], block_size: int) -> dict:

@@ -18,7 +18,7 @@ import torch
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.eval.metrics import PromptResult, overall_report, prompt_report
 from dflash_train.eval.prompts import Prompt, encode_prompt
-from dflash_train.eval.speculative import DFlashProposer, SpeculativeDecoder
+from dflash_train.generate.speculative import DFlashProposer, SpeculativeDecoder
 
 
 class EvalError(ValueError):

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_train.target.ops import apply_rope, rms_norm
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
@@ -74,26 +76,6 @@ def check_supported(model, max_len: int) -> None:
         raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{hint}")
     if head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{hint}")
-
-
-# --- the op sequence of the Hugging Face Llama/Qwen modules, as plain functions ----------
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Exactly LlamaRMSNorm.forward: normalise in fp32, cast back, then scale."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return (x * cos) + (_rotate_half(x) * sin)
 
 
 class _Layer:

@@ -1,0 +1,36 @@
+"""The op sequence of Hugging Face Llama/Qwen decoder modules, as plain functions.
+
+Shared by the built-in generation decoder (generate/decoder.py), which must reproduce a
+target's forward exactly, and the drafter's Qwen3-style layers (drafter/model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, scale_in_float32: bool = False) -> Tensor:
+    """RMSNorm with statistics in float32.
+
+    Default: exactly `LlamaRMSNorm.forward` (cast back to the input dtype, then scale; the
+    result takes the promoted dtype of weight and input). `scale_in_float32`: scale the
+    float32 value and cast the product to the input dtype, so that under bf16 autocast with
+    float32 master weights q, k and v reach the attention kernel in one dtype (the drafter).
+    """
+    dtype = x.dtype
+    normed = x.to(torch.float32)
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (weight * normed).to(dtype)
+    return weight * normed.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding; `cos`/`sin` broadcast against `x` [..., head_dim]."""
+    return (x * cos) + (rotate_half(x) * sin)
