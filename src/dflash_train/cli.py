@@ -1,15 +1,29 @@
-"""`dflash-train <job>`: one subcommand per job.
+"""`dflash-train <job>`: one subcommand per job, one config system, one error policy.
 
-Each job lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`.
-Modules are imported only when their job runs, so `dflash-train --help` stays instant
-and a job's heavy imports (transformers, pyarrow) are paid only by that job.
+Each job module exposes `CONFIG` (its dataclass config class), `run(cfg, args) -> int`
+and optionally `add_arguments(parser)` for flags that are not config (`train --resume`).
+Every job therefore takes `--config FILE`, one option per config field, `--print-config`
+and `--debug`. Job modules are imported only when their job runs, so `dflash-train --help`
+stays instant and a job's heavy imports are paid only by that job.
+
+Errors: a `DFlashError` (bad input, config, data, model) prints one line and exits 2
+(`--debug` adds the traceback); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+
+from dflash_train import __version__
+from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, normalize_argv
+from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError
+from dflash_train.utils.log import setup_logging
+
+log = logging.getLogger("dflash_train.cli")
 
 # job name -> (module, one-line help)
 JOBS: dict[str, tuple[str, str]] = {
@@ -24,8 +38,6 @@ JOBS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dflash_train import __version__
-
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train DFlash block-diffusion drafters for Hugging Face causal LMs.",
@@ -37,23 +49,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_job_parser(name: str, module) -> argparse.ArgumentParser:
+    doc = (module.__doc__ or "").strip()
+    parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of errors and DEBUG log lines")
+    add_config_arguments(parser, module.CONFIG)
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if not argv or argv[0] not in JOBS:
+        parser = build_parser()
         parser.parse_args(argv)  # prints help / version / the unknown-job error
         parser.print_help()
-        return 2
+        return EXIT_USER_ERROR
     name, rest = argv[0], argv[1:]
-    module_name, help_text = JOBS[name]
+    module = importlib.import_module(JOBS[name][0])
+    args = build_job_parser(name, module).parse_args(normalize_argv(rest, module.CONFIG))
+    setup_logging(logging.DEBUG if args.debug else logging.INFO)
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("dflash_train"):
-            print(f"dflash-train {name}: this job is not implemented yet", file=sys.stderr)
-            return 2
-        raise
-    job_parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=help_text)
-    module.add_arguments(job_parser)
-    args = job_parser.parse_args(rest)
-    return int(module.main(args) or 0)
+        cfg = config_from_args(module.CONFIG, args)
+        if args.print_config:
+            print(dump_yaml(cfg))
+            return 0
+        return int(module.run(cfg, args) or 0)
+    except DFlashError as exc:
+        if args.debug:
+            log.exception("the error's traceback:")
+        print(f"dflash-train {name}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `dflash-train prepare ... | head`: the reader left; nothing is lost
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -13,8 +13,9 @@ import pytest
 from dflash_train.data.dataset import TokenDataset
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.render import ChatRenderer
-from dflash_train.data.sources import DataError, iter_records
+from dflash_train.data.sources import iter_records
 from dflash_train.target.loading import tokenizer_identity
+from dflash_train.utils.errors import DataError, InputError, OutputError
 
 from .conftest import DEEPSEEK_TEMPLATE, deepseek_dir
 
@@ -82,7 +83,7 @@ def test_roundtrip_all_formats(smol_tokenizer, tmp_path, inputs, workers):
     assert manifest["format_version"] == 1 and manifest["inputs"] == [str(p.resolve()) for p in inputs]
     assert json.loads((out / "manifest.json").read_text()) == manifest
     ds.check_tokenizer(tokenizer_identity(smol_tokenizer))
-    with pytest.raises(ValueError, match="different tokenizer"):
+    with pytest.raises(DataError, match="different tokenizer"):
         ds.check_tokenizer({**tokenizer_identity(smol_tokenizer), "vocab_sha256": "0"})
 
 
@@ -152,7 +153,7 @@ def test_truncate_vs_drop(smol_tokenizer, tmp_path):
 def test_output_is_never_clobbered(smol_tokenizer, tmp_path, inputs):
     manifest, out = run(smol_tokenizer, tmp_path, inputs[:1])
     before = (out / "manifest.json").read_text()
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(OutputError, match="--overwrite"):
         run(smol_tokenizer, tmp_path, inputs)
     assert (out / "manifest.json").read_text() == before
 
@@ -187,10 +188,10 @@ def test_dataset_is_memory_mapped(smol_tokenizer, tmp_path, inputs):
 
 
 def test_dataset_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a prepared dataset"):
+    with pytest.raises(InputError, match="not a prepared dataset"):
         TokenDataset(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99, "shards": []}))
-    with pytest.raises(ValueError, match="format 99"):
+    with pytest.raises(DataError, match="format 99"):
         TokenDataset(tmp_path)
 
 
@@ -214,4 +215,4 @@ def test_cli_with_tokenizer_dir_and_template(tmp_path, inputs, capsys, deepseek_
     assert not ds[0].loss_mask[0]
 
     rc = main(["prepare", str(inputs[0]), "--target", str(deepseek_dir()), "-o", str(out), "--no-progress"])
-    assert rc == 1 and "already exists" in capsys.readouterr().err
+    assert rc == 2 and "already exists" in capsys.readouterr().err

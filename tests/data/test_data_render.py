@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dflash_train.data.render import ChatRenderer, RenderError, TemplateError
-from dflash_train.data.sources import DataError, parse_row
+from dflash_train.data.sources import parse_row
+from dflash_train.utils.errors import DataError
 
 SYSTEM, USER1, USER2 = "You are terse.", "Hi there", "What is 2+2? Answer with one number."
 ANSWER1, ANSWER2 = "Hello! How can I help? Ünïcödé 🤖 ok.", " 4\n"  # leading space, trailing newline

@@ -8,9 +8,11 @@ import pytest
 
 from dflash_train.cli import main as cli_main
 from dflash_train.drafter.checkpoint import save_drafter
-from dflash_train.eval import prompts as prompts_mod
+from dflash_train.data import prompts as prompts_mod
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
-from dflash_train.eval.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
+from dflash_train.data.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
+
+from dflash_train.utils.errors import DataError
 
 from .conftest import random_drafter
 
@@ -69,7 +71,7 @@ def test_prompt_file_rows(loaded_targets, tmp_path):
     text = tok.decode(encode_prompt(tok, got[0]))
     assert text.endswith("<|im_start|>assistant\n") and "two three" not in text
     (tmp_path / "bad.jsonl").write_text('{"foo": 1}\n')
-    with pytest.raises(PromptError, match="bad.jsonl:1"):
+    with pytest.raises(DataError, match="bad.jsonl:1"):
         load_prompts(str(tmp_path / "bad.jsonl"))
     with pytest.raises(PromptError, match="not found"):
         load_prompts(str(tmp_path / "missing.jsonl"))
@@ -100,7 +102,8 @@ def test_builtin_chat_prompts_are_held_out():
 
 def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny_datasets, tmp_path, capsys):
     from dflash_train.train.config import TrainConfig
-    from dflash_train.train.trainer import Trainer, print_summary
+    from dflash_train.train.run import print_summary
+    from dflash_train.train.trainer import Trainer
     from dflash_train.utils.config import load_config
 
     prompts = _write_prompts(tmp_path / "p.jsonl")
@@ -110,7 +113,7 @@ def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny
         "drafter.block_size": "4", "step.num_anchors": "16", "run.max_steps": "4", "data.eval_fraction": "0.1",
         "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": str(prompts),
         "eval.spec_max_new_tokens": "12"})
-    summary = Trainer(cfg, log=lambda s: None).fit()
+    summary = Trainer(cfg).fit()
     spec = summary["spec_eval"]
     assert spec["prompts"] == 3 and spec["tau"] >= 1.0 and "accept_rate_1" in spec
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

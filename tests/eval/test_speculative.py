@@ -8,8 +8,9 @@ import torch
 
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import block_input_ids, block_positions
-from dflash_train.eval.metrics import acceptance_stats
-from dflash_train.eval.run import make_proposer, stop_tokens
+from dflash_train.generate.spec_metrics import acceptance_stats
+from dflash_train.generate.spec_eval import make_proposer
+from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.generate.speculative import Round, SpeculativeDecoder
 
 from .conftest import ScriptedProposer, plain_greedy, random_drafter
@@ -41,7 +42,7 @@ def test_random_drafter_output_equals_greedy(kind, block_size, sliding, causal_f
     vocab = model.get_input_embeddings().weight.shape[0]
     drafter = random_drafter(model, tok, block_size, sliding=sliding, causal_full=causal_full)
     proposer = make_proposer(drafter, model)
-    stop = stop_tokens(tok, model)
+    stop = stop_token_ids(tok, model)
     assert tok.convert_tokens_to_ids("<|im_end|>") in stop
     with SpeculativeDecoder(model, drafter.config.target_layer_ids, stop) as dec:
         for prompt in _prompts(tok, vocab):

@@ -188,7 +188,7 @@ def test_cli_reports_an_unreachable_server_in_one_line(tmp_path, capsys):
     rc = main(["generate", "--engine", "http", "--base-url", f"http://127.0.0.1:{port}", "--prompts", str(prompts),
                "--output", str(tmp_path / "o.jsonl"), "--retries", "1", "--retry-backoff-s", "0.01", "--progress", "false"])
     err = capsys.readouterr().err
-    assert rc == 1 and f"127.0.0.1:{port}/v1/models after 2 attempts" in err and "Traceback" not in err
+    assert rc == 2 and f"127.0.0.1:{port}/v1/models after 2 attempts" in err and "Traceback" not in err
 
 
 def test_generate_over_http_end_to_end(server, tmp_path):

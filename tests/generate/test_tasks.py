@@ -9,7 +9,8 @@ import pytest
 from dflash_train.data.sources import parse_row
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
-from dflash_train.generate.tasks import conversation_id, normalize_prompt, run_generate, user_header
+from dflash_train.generate.tasks import conversation_id, normalize_prompt, run_generate
+from dflash_train.target.chat_template import user_header
 from dflash_train.utils.config import ConfigError, from_dict
 
 

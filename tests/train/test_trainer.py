@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflash_train.train.trainer as trainer_mod
+import dflash_train.train.setup as setup_mod
+import dflash_train.train.step as step_mod
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.config import TrainConfig
-from dflash_train.train.trainer import Trainer, TrainingError
+from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
+from dflash_train.utils.errors import ConfigError, DataError, InputError, TrainingError
 
 from ..conftest import build_target, build_tokenizer, prepare_dataset, synthetic_conversations
 
@@ -44,7 +46,7 @@ def test_loss_goes_down(kind, tiny_targets, tiny_datasets, tmp_path):
     cfg = make_config(tiny_targets[kind], tiny_datasets[kind], tmp_path / "run", **{
         "run.max_steps": 40, "run.log_every": 10, "run.save_every": 100, "optim.lr": 1e-2,
         "data.eval_fraction": 0.1, "data.plan.token_budget": 256})
-    summary = Trainer(cfg, log=lambda s: None).fit()
+    summary = Trainer(cfg).fit()
     m = read_metrics(tmp_path / "run")
     assert m[40]["loss"] < m[10]["loss"] - 0.15, (m[10]["loss"], m[40]["loss"])
     assert m[40]["tau"] > m[10]["tau"]
@@ -137,7 +139,7 @@ def test_export_then_load_gives_identical_outputs(tiny_targets, tiny_datasets, t
     from dflash_train.train.export_cli import export
 
     cfg = make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "run", **{"run.max_steps": 3})
-    t = Trainer(cfg, log=lambda s: None)
+    t = Trainer(cfg)
     t.fit()
     out = export(tmp_path / "run", tmp_path / "exported", dtype=torch.float32)
     loaded = load_drafter(out)
@@ -154,7 +156,7 @@ def test_export_then_load_gives_identical_outputs(tiny_targets, tiny_datasets, t
     bpos = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
     t.drafter.eval()
     assert torch.equal(t.drafter(ctx, pos, blk, bpos, masks), loaded(ctx, pos, blk, bpos, masks))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputError):
         export(tmp_path / "nothing", tmp_path / "x")
 
 
@@ -164,19 +166,20 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the target model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_mod, "load_target_model", refuse)
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)
 
 
 def test_error_tapped_layer_outside_target(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"drafter.target_layer_ids": "[1, 9]"})
-    with pytest.raises(TrainingError, match=r"outside the target's decoder layers 0\.\.5"):
-        Trainer(cfg, log=lambda s: None)
+    with pytest.raises(ConfigError, match=r"outside the target's decoder layers 0\.\.5"):
+        Trainer(cfg)
 
 
 def test_error_mask_token_outside_embedding(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"drafter.mask_token_id": 300})
-    with pytest.raises(TrainingError, match="outside the embedding table"):
-        Trainer(cfg, log=lambda s: None)
+    with pytest.raises(ConfigError, match="outside the embedding table"):
+        Trainer(cfg)
 
 
 def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, no_model_loading):
@@ -188,8 +191,8 @@ def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, no_model_l
     (other / "chat_template.jinja").unlink(missing_ok=True)
     data = prepare_dataset(other, synthetic_conversations(20), tmp_path / "data")
     cfg = make_config(tiny_targets["llama"], data, tmp_path / "r")
-    with pytest.raises(TrainingError, match="different tokenizer"):
-        Trainer(cfg, log=lambda s: None)
+    with pytest.raises(DataError, match="different tokenizer"):
+        Trainer(cfg)
 
 
 def test_error_empty_dataset(tiny_targets, tmp_path, no_model_loading):
@@ -201,25 +204,25 @@ def test_error_empty_dataset(tiny_targets, tmp_path, no_model_loading):
     prepare(PrepareConfig(target=str(tiny_targets["llama"]), inputs=[str(src)], output=str(data), workers=1,
                           progress=False, max_length=4, overflow="drop"))
     cfg = make_config(tiny_targets["llama"], data, tmp_path / "r")
-    with pytest.raises(TrainingError, match="empty"):
-        Trainer(cfg, log=lambda s: None)
+    with pytest.raises(DataError, match="empty"):
+        Trainer(cfg)
 
 
 def test_error_budget_smaller_than_longest_row(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"data.plan.token_budget": 20})
-    with pytest.raises(TrainingError, match="token budget is smaller than the longest row"):
-        Trainer(cfg, log=lambda s: None)
+    with pytest.raises(ConfigError, match="token budget is smaller than the longest row"):
+        Trainer(cfg)
 
 
 def test_error_existing_run_without_resume(tiny_targets, tiny_datasets, tmp_path):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"run.max_steps": 1})
-    Trainer(cfg, log=lambda s: None).fit()
+    Trainer(cfg).fit()
     with pytest.raises(TrainingError, match="--resume"):
-        Trainer(cfg, log=lambda s: None)
+        Trainer(cfg)
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_targets, tiny_datasets, tmp_path, monkeypatch):
-    real_step = trainer_mod.drafter_step
+    real_step = step_mod.drafter_step
     calls = {"n": 0}
 
     def flaky(*a, **k):
@@ -229,9 +232,9 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_targets, tiny
             stats.loss_sum = stats.loss_sum * float("nan")
         return stats
 
-    monkeypatch.setattr(trainer_mod, "drafter_step", flaky)
+    monkeypatch.setattr(step_mod, "drafter_step", flaky)
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"run.max_bad_steps": 3})
-    t = Trainer(cfg, log=lambda s: None)
+    t = Trainer(cfg)
     with pytest.raises(TrainingError, match="3 non-finite steps in a row"):
         t.fit()
     assert t.state.bad_steps_total == 4 and t.state.step == 3  # steps 1, 2, 4 were applied

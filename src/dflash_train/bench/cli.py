@@ -16,42 +16,80 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+import torch
 
 from dflash_train.bench.flops import step_flops
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.run import run_rank
+from dflash_train.utils.config import load_config
+
+log = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="qwen3-8b", help="smollm2-135m | qwen3-8b | dense-27b | tiny")
-    p.add_argument("--layout", default="single", choices=["single", "colocated", "split"])
-    p.add_argument("--target-ranks", type=int, default=0)
-    p.add_argument("--drafter-ranks", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per packed row (= per step and drafter)")
-    p.add_argument("--doc-len", default=None, help="document length LEN or LO-HI (default: one document per row)")
-    p.add_argument("--anchors", type=int, default=512)
-    p.add_argument("--block", type=int, default=16)
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--window", type=int, default=2048, help="sliding window of the drafter layers (0 = full)")
-    p.add_argument("--labels", default="target", choices=["data", "target"])
-    p.add_argument("--compile", action="store_true", help="fixed shapes + torch.compile (compiled mode)")
-    p.add_argument("--drafter-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--fp8-target", action="store_true", help="float8 decoder matmuls in the target")
-    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the measurement")
-    p.add_argument("--measure", type=int, default=10, help="measured steps (a multiple of --warmup)")
-    p.add_argument("--queue-depth", type=int, default=4)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", type=Path, default=Path("bench.json"))
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="any other training config override")
+@dataclass
+class BenchConfig:
+    preset: Literal["smollm2-135m", "qwen3-8b", "dense-27b", "tiny"] = "qwen3-8b"
+    """target shape (random weights)"""
+    layout: Literal["single", "colocated", "split"] = "single"
+    """rank layout (colocated and split under torchrun)"""
+    target_ranks: int = 0
+    """split: ranks running targets"""
+    drafter_ranks: int = 0
+    """split: ranks running drafters"""
+    tokens: int = 8192
+    """tokens per packed row (= per step and drafter)"""
+    doc_len: str | None = None
+    """document length LEN or LO-HI (default: one document per row)"""
+    anchors: int = 512
+    """anchors per row"""
+    block: int = 16
+    """block size"""
+    layers: int = 5
+    """drafter layers"""
+    window: int = 2048
+    """sliding window of the drafter layers (0 = full attention)"""
+    labels: Literal["data", "target"] = "target"
+    """label source"""
+    compile: bool = False
+    """fixed shapes + torch.compile (compiled mode)"""
+    drafter_dtype: Literal["float32", "bfloat16"] = "float32"
+    """drafter master weights"""
+    fp8_target: bool = False
+    """float8 decoder matmuls in the target"""
+    warmup: int = 5
+    """steps excluded from the measurement"""
+    measure: int = 10
+    """measured steps (a multiple of warmup)"""
+    queue_depth: int = 4
+    """split: batches in flight per drafter"""
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:N"""
+    out: str = "bench.json"
+    """where the JSON result goes"""
+    set: list[str] = field(default_factory=list)
+    """any other training config override, KEY=VALUE"""
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1 or self.measure < 1 or self.measure % self.warmup:
+            raise ValueError("--measure must be a positive multiple of --warmup")
+        bad = [item for item in self.set if "=" not in item]
+        if bad:
+            raise ValueError(f"--set takes KEY=VALUE, got {bad}")
+
+
+CONFIG = BenchConfig
 
 
 def matmul_peak_tflops(device) -> float | None:
     """Measured bf16 dense matmul rate of this device (8192^3, median of 10), TFLOP/s."""
-    import torch
-
     if device.type != "cuda":
         return None
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -69,10 +107,7 @@ def matmul_peak_tflops(device) -> float | None:
     return 2 * 8192**3 / sorted(times)[len(times) // 2] / 1e12
 
 
-def build_config(args, out_dir: Path):
-    from dflash_train.train.config import TrainConfig
-    from dflash_train.utils.config import load_config
-
+def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
     doc = args.doc_len or str(args.tokens)
     steps = args.warmup + args.measure
     overrides = {
@@ -95,22 +130,10 @@ def build_config(args, out_dir: Path):
     return load_config(TrainConfig, None, overrides)
 
 
-def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from dflash_train.pipeline.run import run_rank
-    from dflash_train.train.trainer import TrainingError
-
-    if args.measure % args.warmup:
-        print("error: --measure must be a multiple of --warmup", file=sys.stderr)
-        return 2
+def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     cfg = build_config(args, out_dir)
-    try:
-        summary = run_rank(cfg, resume=False, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except TrainingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    summary = run_rank(cfg, resume=False)
     if summary is None:  # not the main drafter: it reports
         return 0
     rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -144,8 +167,8 @@ def main(args: argparse.Namespace) -> int:
         "bottleneck": (summary.get("pipeline") or {}).get("text"),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print(format_result(result))
     return 0
 

@@ -37,13 +37,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchPlanConfig:
-    token_budget: int = 49152  # max padded tokens per batch (R * S)
-    row_tokens: int | None = None  # max tokens per packed row; default token_budget (one row per batch)
-    bucket_boundaries: list[int] | None = None  # ascending; bucket k holds lengths in [b[k-1], b[k])
-    num_buckets: int = 6  # used when boundaries are derived from length quantiles
+    token_budget: int = 49152
+    """max padded tokens per batch (rows x row length)"""
+    row_tokens: int | None = None
+    """max tokens per packed row (default: token_budget, one row per batch)"""
+    bucket_boundaries: list[int] | None = None
+    """ascending length boundaries; bucket k holds lengths in [b[k-1], b[k])"""
+    num_buckets: int = 6
+    """length buckets from quantiles of the lengths (when no boundaries are given)"""
     seed: int = 0
+    """shuffling seed"""
     shuffle: bool = True
-    drop_last: bool = False  # when sharding: drop the tail (True) or repeat the first batches (False)
+    """shuffle samples within buckets and batches across buckets, per epoch"""
+    drop_last: bool = False
+    """when sharding over consumers: drop the tail (true) or repeat the first batches (false)"""
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:

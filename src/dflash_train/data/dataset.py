@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dflash_train.data.prepare import FORMAT_VERSION, MANIFEST
+from dflash_train.utils.errors import DataError, InputError
 
 
 class Sample(NamedTuple):
@@ -31,11 +32,11 @@ class TokenDataset:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
-            raise FileNotFoundError(f"{self.path}: no {MANIFEST} (not a prepared dataset, or prepare did not finish)")
+            raise InputError(f"{self.path}: no {MANIFEST} (not a prepared dataset, or prepare did not finish)")
         self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
         version = self.manifest.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{self.path}: dataset format {version}, this version reads {FORMAT_VERSION}; re-run prepare")
+            raise DataError(self.path, None, None, f"dataset format {version}, this version reads {FORMAT_VERSION}; re-run prepare")
         self._batches: list = []  # pyarrow RecordBatch objects backed by the mapped files
         counts: list[int] = []
         lengths: list[np.ndarray] = []
@@ -49,7 +50,7 @@ class TokenDataset:
                 lengths.append(batch.column("length").to_numpy())
                 rows += batch.num_rows
             if rows != shard["rows"]:
-                raise ValueError(f"{self.path / shard['file']}: {rows} rows, the manifest says {shard['rows']}")
+                raise DataError(self.path / shard["file"], None, None, f"{rows} rows, the manifest says {shard['rows']}")
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.lengths: np.ndarray = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
         self._views: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * len(self._batches)
@@ -94,7 +95,7 @@ class TokenDataset:
         diff = [k for k in ("vocab_size", "vocab_sha256", "chat_template_sha256") if mine.get(k) != identity.get(k)]
         if diff:
             pairs = ", ".join(f"{k}: data {mine.get(k)!r} vs target {identity.get(k)!r}" for k in diff)
-            raise ValueError(f"{self.path} was prepared with a different tokenizer ({pairs}); re-run prepare")
+            raise DataError(self.path, None, None, f"prepared with a different tokenizer ({pairs}); re-run prepare")
 
     # Workers of a DataLoader get a pickled copy: reopen the files instead of copying views.
     def __getstate__(self) -> dict[str, Any]:

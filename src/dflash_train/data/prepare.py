@@ -37,7 +37,9 @@ from typing import Any, Iterable, Iterator, Literal
 import numpy as np
 
 from dflash_train.data.render import ChatRenderer
-from dflash_train.data.sources import DataError, Record, expand_inputs, iter_records
+from dflash_train.data.sources import Record, expand_inputs, iter_records
+from dflash_train.utils.config import cli
+from dflash_train.utils.errors import DataError, OutputError
 from dflash_train.utils.fs import atomic_directory_write
 
 FORMAT_VERSION = 1
@@ -49,30 +51,43 @@ MAX_LISTED_BAD_ROWS = 1000  # bad rows listed in the manifest itself; bad_rows.j
 
 @dataclass
 class PrepareConfig:
-    target: str = "builtin"  # model dir / .gguf / "builtin" / tokenizer-only dir: whose tokenizer to use
-    inputs: list[str] = field(default_factory=list)
-    output: str = ""
+    inputs: list[str] = field(default_factory=list, metadata=cli(positional=True))
+    """JSONL / JSON / Parquet files of conversations, or directories of them"""
+    output: str = field(default="", metadata=cli(aliases=("-o",)))
+    """output directory (must not exist unless --overwrite)"""
+    target: str = "builtin"
+    """whose tokenizer and chat template: a model directory, a .gguf file, a directory with
+    tokenizer files only, or 'builtin' (SmolLM2-135M-Instruct)"""
     max_length: int = 8192
+    """maximum tokens per row"""
     overflow: Literal["truncate", "drop"] = "truncate"
+    """what to do with longer rows; either way they are counted"""
     skip_bad_rows: bool = False
-    workers: int = 0  # processes; 0 = cores - 1 (the main process reads and writes); 1 = in-process
-    shard_size: int = 100_000  # rows per shard file
+    """count and list malformed rows instead of stopping at the first one"""
+    workers: int = 0
+    """tokenizer processes (0 = cores - 1; 1 = in-process, with the tokenizer's own threads)"""
+    shard_size: int = 100_000
+    """rows per shard file"""
     overwrite: bool = False
-    chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
-    text_eos: bool = False  # append EOS to plain-text rows
+    """replace an existing output directory"""
+    chat_template: str | None = None
+    """a Jinja chat template file to use instead of the tokenizer's"""
+    text_eos: bool = False
+    """append EOS to plain-text rows"""
+    token_budget: int = 49152
+    """tokens per batch of the batch table printed at the end (the training plan's data.plan.token_budget)"""
     progress: bool = True
+    """show a progress bar"""
 
     def __post_init__(self) -> None:
         if not self.inputs:
             raise ValueError("no inputs given")
         if not self.output:
-            raise ValueError("no output directory given")
+            raise ValueError("no output directory given (--output DIR)")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        if self.overflow not in ("truncate", "drop"):
-            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
-        if self.workers < 0 or self.shard_size < 1:
-            raise ValueError("workers must be >= 0 and shard_size >= 1")
+        if self.workers < 0 or self.shard_size < 1 or self.token_budget < 1:
+            raise ValueError("workers must be >= 0, shard_size and token_budget >= 1")
 
 
 # -- tokenizer -------------------------------------------------------------------------------
@@ -265,14 +280,14 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float]:
 
 def _prepare_output(output: Path, overwrite: bool) -> None:
     if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+        raise OutputError(f"{output} already exists; pass --overwrite to replace it")
 
 
 def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     """Run the whole prepare job; returns the manifest. `tokenizer` skips loading `cfg.target`.
 
     Raises DataError on the first malformed row (unless cfg.skip_bad_rows) and
-    FileExistsError when the output exists (unless cfg.overwrite)."""
+    OutputError when the output exists (unless cfg.overwrite)."""
     output = Path(cfg.output).expanduser().resolve()
     _prepare_output(output, cfg.overwrite)  # fail before the expensive part
     files = expand_inputs(cfg.inputs)

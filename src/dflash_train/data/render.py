@@ -35,14 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from dflash_train.data.sources import DataError, Record
+from dflash_train.data.sources import Record
+from dflash_train.utils.errors import DFlashError, DataError, ModelError
 
 
-class TemplateError(ValueError):
+class TemplateError(ModelError):
     """The tokenizer cannot render conversations at all (e.g. it has no chat template)."""
 
 
-class RenderError(ValueError):
+class RenderError(DFlashError):
     """One conversation cannot be rendered; `field` names the message at fault."""
 
     def __init__(self, field: str | None, problem: str):

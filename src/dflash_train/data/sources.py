@@ -14,31 +14,16 @@ arrays) and the field, so a user can fix it without guessing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash_train.utils.errors import DataError, InputError
+from dflash_train.utils.jsonl import iter_json_rows
+
 VALID_ROLES = ("system", "user", "assistant", "tool")
 RESPONSE_KEYS = ("response", "completion", "answer")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class DataError(ValueError):
-    """Bad input data; the message names file, line/row and field."""
-
-    def __init__(self, file: str | Path, line: int | None, field_name: str | None, problem: str):
-        self.file, self.line, self.field, self.problem = str(file), line, field_name, problem
-        where = self.file + (f":{line}" if line is not None else "")
-        what = f" field '{field_name}'" if field_name else ""
-        super().__init__(f"{where}:{what} {problem}")
-
-    def __reduce__(self):  # picklable, so worker processes can hand bad rows back
-        return (type(self), (self.file, self.line, self.field, self.problem))
-
-    def to_dict(self) -> dict:
-        where = self.file + (f":{self.line}" if self.line is not None else "")
-        return {"where": where, "field": self.field, "reason": self.problem}
 
 
 @dataclass
@@ -56,7 +41,8 @@ class Record:
         return f"{self.file}:{self.line}"
 
 
-def _check_messages(value: Any, file: str, line: int) -> list[dict[str, str]]:
+def check_messages(value: Any, file: str, line: int, *, need_assistant: bool = True) -> list[dict[str, str]]:
+    """A validated list of {role, content} messages; DataError names the message at fault."""
     if not isinstance(value, list) or not value:
         raise DataError(file, line, "messages", "must be a non-empty list of {role, content}")
     out = []
@@ -70,7 +56,7 @@ def _check_messages(value: Any, file: str, line: int) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise DataError(file, line, f"{name}.content", f"must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise DataError(file, line, "messages", "has no assistant turn (nothing to learn from)")
     return out
 
@@ -82,7 +68,7 @@ def parse_row(obj: Any, file: str | Path, line: int) -> Record:
         raise DataError(file, line, None, f"row must be a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
         extra = {k: v for k, v in obj.items() if k != "messages"}
-        return Record(file, line, messages=_check_messages(obj["messages"], file, line), extra=extra)
+        return Record(file, line, messages=check_messages(obj["messages"], file, line), extra=extra)
     if "prompt" in obj:
         resp_key = next((k for k in RESPONSE_KEYS if k in obj), None)
         if resp_key is None:
@@ -105,42 +91,32 @@ def parse_row(obj: Any, file: str | Path, line: int) -> Record:
 
 
 def _iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line or row number, decoded object) for every row of one file.
+    """(line or row number, decoded object or DataError) for every row of one file.
 
     An undecodable JSONL line is yielded as a DataError (not raised) so that callers
-    skipping bad rows can carry on with the next line."""
+    skipping bad rows can carry on with the next line; a file that cannot be read at all
+    raises DataError naming it."""
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with path.open("r", encoding="utf-8") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    obj = DataError(path, lineno, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
-                yield lineno, obj
-    elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(path, exc.lineno, None, f"invalid JSON: {exc.msg}") from None
-        if isinstance(data, dict):
-            data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else [data]
-        if not isinstance(data, list):
-            raise DataError(path, None, None, "a .json file must hold a list of rows")
-        for i, obj in enumerate(data, start=1):
-            yield i, obj
+    if suffix in (".jsonl", ".json"):
+        yield from iter_json_rows(path)
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
+        yield from _iter_parquet(path)
+    else:
+        raise DataError(path, None, None, f"unsupported file type {suffix!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
 
-        row = 0
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             for obj in batch.to_pylist():
                 row += 1
                 yield row, obj
-    else:
-        raise DataError(path, None, None, f"unsupported file type {suffix!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(path, row + 1 if row else None, None, f"cannot read this Parquet file: {exc}") from None
 
 
 def expand_inputs(paths: list[str | Path]) -> list[Path]:
@@ -152,9 +128,9 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         else:
-            raise FileNotFoundError(f"input not found: {p}")
+            raise InputError(f"input not found: {p}")
     if not out:
-        raise FileNotFoundError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files in {', '.join(map(str, paths))}")
+        raise InputError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files in {', '.join(map(str, paths))}")
     return out
 
 

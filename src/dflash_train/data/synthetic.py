@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_train.utils.errors import ConfigError
+
 PREFIX = "synthetic:"
 
 
@@ -23,9 +25,9 @@ class SyntheticDataset:
             lo, _, hi = length.partition("-")
             n, lo, hi = int(n), int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"bad synthetic data spec {spec!r}: use synthetic:N:LEN or synthetic:N:LO-HI") from None
+            raise ConfigError(f"bad synthetic data spec {spec!r}: use synthetic:N:LEN or synthetic:N:LO-HI") from None
         if n < 1 or not 2 <= lo <= hi:
-            raise ValueError(f"bad synthetic data spec {spec!r}: need N >= 1 and 2 <= LO <= HI")
+            raise ConfigError(f"bad synthetic data spec {spec!r}: need N >= 1 and 2 <= LO <= HI")
         self.vocab_size, self.seed = vocab_size, seed
         self.lengths = np.random.default_rng([seed, 1]).integers(lo, hi + 1, size=n).astype(np.int64)
         self.manifest = {"synthetic": spec}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -202,3 +202,74 @@ def drafter_config_from_target(
         sliding_window=sliding_window,
         **overrides,
     )
+
+
+@dataclass
+class DrafterSpec:
+    """`drafter:` section of the training config: what to build; the rest comes from the target."""
+
+    num_layers: int = 5
+    """drafter decoder layers"""
+    block_size: int = 16
+    """tokens per block: the anchor plus block_size - 1 drafted tokens"""
+    num_taps: int = 5
+    """tapped target layers (spread from layer 1 to L-3 unless target_layer_ids is given)"""
+    target_layer_ids: list[int] | None = None
+    """0-based target decoder layers whose outputs condition the drafter (default: spread evenly)"""
+    mask_token_id: int | None = None
+    """token id of MASK (default: an unused embedding row or special token)"""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """one per layer (default: all full attention, or all sliding with sliding_window)"""
+    sliding_window: int | None = None
+    """window of sliding-attention layers, in tokens"""
+    intermediate_size: int | None = None
+    """MLP width (default: the target's)"""
+    causal_in_block_full: bool = False
+    """block tokens of full-attention layers see only earlier slots of their block"""
+    causal_in_block_sliding: bool = True
+    """the same for sliding-window layers (serving engines assume causal)"""
+    init_from: str | None = None
+    """an exported drafter directory to start from"""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.num_taps < 1:
+            raise ValueError("drafter.num_layers and drafter.num_taps must be >= 1")
+        if self.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"drafter.layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError("drafter.sliding_window must be >= 1")
+
+
+def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: int) -> DrafterConfig:
+    """The drafter config for `spec` on a target (its Hugging Face config); ValueError if it does not fit."""
+    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return drafter_config_from_target(
+        text_cfg,
+        mask_token_id=mask_token_id,
+        num_hidden_layers=spec.num_layers,
+        block_size=spec.block_size,
+        num_taps=spec.num_taps,
+        target_layer_ids=spec.target_layer_ids,
+        layer_types=spec.layer_types,
+        sliding_window=spec.sliding_window,
+        intermediate_size=spec.intermediate_size,
+        causal_in_block_full=spec.causal_in_block_full,
+        causal_in_block_sliding=spec.causal_in_block_sliding,
+    )
+
+
+def mismatches_with_target(cfg: DrafterConfig, target_config: Any) -> list[str]:
+    """Why a drafter cannot run on a target (empty if it can), from the target's config alone."""
+    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    problems = []
+    if cfg.hidden_size != int(text_cfg.hidden_size):
+        problems.append(f"hidden size {cfg.hidden_size} != target's {text_cfg.hidden_size}")
+    if cfg.num_target_layers != int(text_cfg.num_hidden_layers):
+        problems.append(f"trained for a target with {cfg.num_target_layers} layers, this one has "
+                        f"{text_cfg.num_hidden_layers}")
+    if cfg.mask_token_id >= int(text_cfg.vocab_size):
+        problems.append(f"mask token {cfg.mask_token_id} is outside the target's embedding "
+                        f"({text_cfg.vocab_size} rows)")
+    return problems

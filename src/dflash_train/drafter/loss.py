@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,11 +30,16 @@ def default_gamma(block_size: int) -> float:
 
 @dataclass
 class LossConfig:
-    weighting: str = "decay"
-    gamma: float | None = None  # None: default_gamma(block_size)
+    weighting: Literal["decay", "cap", "cap+decay", "uniform"] = "decay"
+    """per-slot loss weights: exponential decay, acceptance-aware (cap), both, or uniform"""
+    gamma: float | None = None
+    """decay constant (default: 7 for block 16, 5 for 10, 4 for 8)"""
     cap_alpha: float = 0.5
+    """weight of the acceptance-aware term in cap+decay"""
     cap_eps: float = 1e-2
-    chunk_rows: int = 4096  # rows of the [rows, vocab] logits computed at once
+    """floor of the acceptance-aware weights"""
+    chunk_rows: int = 4096
+    """rows of the [rows, vocab] logits computed at once (memory vs speed)"""
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:

@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_train.eval.prompts import CHAT_ASSET, asset_path
+from dflash_train.data.prompts import CHAT_ASSET, asset_path
+from dflash_train.utils.jsonl import read_json_rows
 
 TRAIN_ASSET = "demo_train.jsonl"
 HELDOUT_SIZE = 100
@@ -33,7 +34,7 @@ def user_turns(rows: list[dict]) -> set[str]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row for _, row in read_json_rows(path)]
 
 
 def overlap(train_rows: list[dict], heldout_rows: list[dict]) -> set[str]:

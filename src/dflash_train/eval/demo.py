@@ -15,10 +15,27 @@ the default run takes under 10 minutes; `--quick` (what CI runs) about 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.data.prompts import CHAT_ASSET, asset_path, load_prompts
+from dflash_train.drafter.checkpoint import load_drafter
+from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
+from dflash_train.eval.report import plot_report, summary_lines, write_json
+from dflash_train.generate.spec_eval import build_report, evaluate_prompts, make_proposer
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.export_cli import export
+from dflash_train.train.run import print_summary
+from dflash_train.train.trainer import Trainer
+from dflash_train.utils.config import cli, load_config
+from dflash_train.utils.device import choose_cpu_threads, resolve_device
+from dflash_train.utils.errors import DFlashError, EXIT_INTERRUPTED
+
+log = logging.getLogger(__name__)
 
 MARKER = ".dflash-demo"
 PROFILES = {
@@ -32,26 +49,31 @@ QUICK_OVERRIDES = {"run.max_steps": "3", "run.max_minutes": "0", "run.log_every"
 QUICK_EVAL = (2, 24)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", "-o", type=Path, default=Path("runs/demo"),
-                        help="working directory (default runs/demo; a previous demo there is replaced)")
-    parser.add_argument("--quick", action="store_true", help="a very short run (CI): a few steps, two prompts")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
-    parser.add_argument("--train-minutes", type=float, default=None,
-                        help="time box of the training stage (default: the demo config's run.max_minutes)")
-    parser.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts to decode")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per eval prompt")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (default: the cores other processes leave idle)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+@dataclass
+class DemoConfig:
+    output: str = field(default="runs/demo", metadata=cli(aliases=("-o",)))
+    """working directory (a previous demo there is replaced; any other directory is refused)"""
+    quick: bool = False
+    """a very short run (CI): a few steps, two prompts"""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda"""
+    train_minutes: float | None = None
+    """time box of the training stage (default: the demo config's run.max_minutes)"""
+    eval_prompts: int | None = None
+    """held-out prompts to decode"""
+    max_new_tokens: int | None = None
+    """tokens generated per eval prompt"""
+    threads: int = 0
+    """CPU threads for torch (0: the cores other processes leave idle)"""
+    progress: bool = True
+    """show progress bars (--no-progress: log lines only)"""
 
 
-class DemoError(RuntimeError):
+CONFIG = DemoConfig
+
+
+class DemoError(DFlashError):
     pass
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _prepare_output(out: Path) -> None:
@@ -67,9 +89,6 @@ def _prepare_output(out: Path) -> None:
 
 def check_assets() -> tuple[Path, int, int]:
     """The shipped training set and held-out prompts exist and share no request."""
-    from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
-    from dflash_train.eval.prompts import CHAT_ASSET, asset_path
-
     train_path, held_path = asset_path(TRAIN_ASSET), asset_path(CHAT_ASSET)
     for p in (train_path, held_path):
         if not p.is_file():
@@ -81,53 +100,34 @@ def check_assets() -> tuple[Path, int, int]:
     return train_path, len(train), len(held)
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        return run_demo(args)
-    except DemoError as exc:
-        print(f"dflash-train demo: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from dflash_train.data.prepare import PrepareConfig, prepare
-    from dflash_train.drafter.checkpoint import load_drafter
-    from dflash_train.eval.cli import resolve_device_dtype
-    from dflash_train.eval.prompts import asset_path, load_prompts
-    from dflash_train.eval.report import plot_report, summary_lines, write_json
-    from dflash_train.eval.run import build_report, choose_cpu_threads, evaluate_prompts, make_proposer
-    from dflash_train.train.config import TrainConfig
-    from dflash_train.train.export_cli import export
-    from dflash_train.train.trainer import Trainer, TrainingError, print_summary
-    from dflash_train.utils.config import ConfigError, load_config
-
+def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
     start = time.perf_counter()
-    device, _ = resolve_device_dtype(args.device, "auto")
+    device = resolve_device(args.device)
     if device.type == "cpu":
         threads, why = choose_cpu_threads(args.threads)
-        _say(f"CPU threads: {threads} ({why})")
+        log.info("CPU threads: %d (%s)", threads, why)
     config_name, n_prompts, new_tokens = PROFILES["gpu" if device.type == "cuda" else "cpu"]
     if args.quick:
         n_prompts, new_tokens = QUICK_EVAL
     n_prompts = args.eval_prompts or n_prompts
     new_tokens = args.max_new_tokens or new_tokens
-    progress = not args.no_progress
-    out = args.output
+    progress = args.progress
+    out = Path(args.output)
     _prepare_output(out)
 
     def stage(i: int, text: str) -> None:
-        _say(f"\n[{i}/5 | {time.perf_counter() - start:5.0f}s] {text}")
+        log.info("\n[%d/5 | %5.0fs] %s", i, time.perf_counter() - start, text)
 
     stage(1, "data: conversations written by the built-in target SmolLM2-135M-Instruct itself")
     train_path, n_train, n_held = check_assets()
-    _say(f"  {n_train} training conversations ({train_path.name}); {n_held} held-out chat prompts, none in the "
-         f"training set")
+    log.info("  %d training conversations (%s); %d held-out chat prompts, none in the training set",
+             n_train, train_path.name, n_held)
 
     stage(2, f"prepare -> {out / 'data'}")
     manifest = prepare(PrepareConfig(target="builtin", inputs=[str(train_path)], output=str(out / "data"),
                                      max_length=1024, workers=1, overwrite=True, progress=progress))
-    _say(f"  {manifest['counts']['rows_kept']} rows, {manifest['tokens']['total']:,} tokens "
-         f"({manifest['tokens']['loss']:,} assistant tokens to learn)")
+    log.info("  %d rows, %s tokens (%s assistant tokens to learn)", manifest["counts"]["rows_kept"],
+             f"{manifest['tokens']['total']:,}", f"{manifest['tokens']['loss']:,}")
 
     overrides = {"data.path": str(out / "data"), "run.output_dir": str(out / "train"), "run.device": str(device),
                  "run.progress": str(progress).lower()}
@@ -135,36 +135,30 @@ def run_demo(args: argparse.Namespace) -> int:
         overrides.update(QUICK_OVERRIDES)
     if args.train_minutes is not None:
         overrides["run.max_minutes"] = str(args.train_minutes)
-    try:
-        cfg = load_config(TrainConfig, asset_path(config_name), overrides)
-    except ConfigError as exc:
-        raise DemoError(f"demo config: {exc}") from None
+    cfg = load_config(TrainConfig, asset_path(config_name), overrides)
     budget = f"{cfg.run.max_minutes:g} min time box" if cfg.run.max_minutes else f"{cfg.run.max_steps} steps"
     stage(3, f"train ({config_name}, {budget}) -> {out / 'train'}")
-    try:
-        trainer = Trainer(cfg, log=_say)
-        summary = trainer.fit()
-    except TrainingError as exc:
-        raise DemoError(str(exc)) from None
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
     print_summary(summary)
     if summary.get("interrupted_by"):  # Ctrl-C / SIGTERM: the trainer saved; the demo ends here
-        _say(f"demo stopped by {summary['interrupted_by']}")
-        return 130
+        log.info("demo stopped by %s", summary["interrupted_by"])
+        return EXIT_INTERRUPTED
 
     stage(4, f"export -> {out / 'drafter'}")
     drafter_dir = export(out / "train", out / "drafter")
-    _say(f"  {drafter_dir}: config.json + model.safetensors (bf16)")
+    log.info("  %s: config.json + model.safetensors (bf16)", drafter_dir)
 
     stage(5, f"eval: speculative vs plain greedy decoding, {n_prompts} held-out prompts x {new_tokens} new tokens")
-    trainer.runner.close()  # its hooks end target forwards early; decoding needs plain forwards
-    drafter = load_drafter(drafter_dir)
-    proposer = make_proposer(drafter, trainer.target)
+    trainer.target.runner.close()  # its hooks end target forwards early; decoding needs plain forwards
+    target = trainer.target.model
+    proposer = make_proposer(load_drafter(drafter_dir), target)
     prompts = load_prompts("chat", n_prompts)
-    results = evaluate_prompts(trainer.target, trainer.tokenizer, proposer, prompts, max_new_tokens=new_tokens,
+    results = evaluate_prompts(target, trainer.tokenizer, proposer, prompts, max_new_tokens=new_tokens,
                                progress=progress)
     report = build_report(results, proposer.block_size, target="builtin", drafter=str(drafter_dir), prompts="chat",
                           max_new_tokens=new_tokens, device=str(device),
-                          dtype=str(trainer.target.dtype).removeprefix("torch."),
+                          dtype=str(target.dtype).removeprefix("torch."),
                           training_estimate=summary.get("eval", {}).get("tau"))
     json_path = write_json(report, out / "eval" / "report.json")
     png_path = plot_report(report, out / "eval" / "report.png", title="dflash-train demo: SmolLM2-135M-Instruct")

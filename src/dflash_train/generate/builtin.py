@@ -25,47 +25,9 @@ from torch import Tensor
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.sampling import select_tokens
+from dflash_train.target.chat_template import stop_token_ids
 
 log = logging.getLogger(__name__)
-
-_SENTINEL = "\u2063dflash-sentinel\u2063"
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The special token the chat template puts after an assistant message (ChatML's
-    `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering a sentinel message."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
-        )
-    except Exception:  # noqa: BLE001 - a template that cannot render this simply has no answer
-        return None
-    after = text[text.find(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
-    special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return ids[0] if ids and ids[0] in special else None
-
-
-def stop_token_ids(tokenizer, model) -> set[int]:
-    """EOS ids of the tokenizer and the model's generation config, plus the chat end-of-turn."""
-    ids = set(_as_id_list(getattr(tokenizer, "eos_token_id", None)))
-    gen_cfg = getattr(model, "generation_config", None)
-    ids |= set(_as_id_list(getattr(gen_cfg, "eos_token_id", None)))
-    eot = end_of_turn_id(tokenizer)
-    if eot is not None:
-        ids.add(eot)
-    return ids
-
 
 def _kv_buckets(max_len: int, smallest: int = 128) -> list[int]:
     """Attention lengths to specialise the decode step for: 128, 256, 512, ..., max_len.

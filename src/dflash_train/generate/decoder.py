@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.target.ops import apply_rope, rms_norm
+from dflash_train.utils.errors import ModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
@@ -33,7 +34,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelError):
     """The built-in engine cannot run this model; the message points to the HTTP engine."""
 
 

@@ -30,13 +30,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
+from dflash_train.utils.errors import DFlashError
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ERRORS = (400, 413, 422)
 
 
-class HttpEngineError(RuntimeError):
+class HttpEngineError(DFlashError):
     """The server is unreachable or answers in a way that retrying cannot fix."""
 
 

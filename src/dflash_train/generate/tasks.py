@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dflash_train import __version__
-from dflash_train.data.sources import DataError, Record, expand_inputs, iter_records
+from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.sampling import request_key
+from dflash_train.target.chat_template import special_strings, user_header
+from dflash_train.utils.device import resolve_device, resolve_dtype
+from dflash_train.utils.errors import DataError, ModelError
 
 log = logging.getLogger(__name__)
-
-_SENTINEL = "\u2063dflash-user-sentinel\u2063"
-
 
 def conversation_id(file: str | Path, line: int, messages: list[dict[str, str]]) -> str:
     """Stable id of a prompt row: survives moving the file, changes when the row changes."""
@@ -51,27 +51,6 @@ def synthetic_id(seed: int, attempt: int) -> str:
 def normalize_prompt(text: str) -> str:
     """The de-duplication key of a user turn: case- and whitespace-insensitive."""
     return " ".join(text.lower().split())
-
-
-def user_header(tokenizer, system_prompt: str | None = None) -> str:
-    """The chat template rendered up to where a user message's text starts."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat template: cannot synthesise conversations")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": _SENTINEL}
-    ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    if _SENTINEL not in text:
-        raise ValueError("the chat template does not render the user message verbatim: cannot synthesise")
-    return text[: text.index(_SENTINEL)]
-
-
-def _special_strings(tokenizer) -> list[str]:
-    if tokenizer is None:
-        return []
-    tokens = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    tokens |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
-    return sorted(t for t in tokens if len(t) > 1)
 
 
 @dataclass
@@ -119,7 +98,7 @@ class Driver:
         self.cfg, self.write, self.done_ids = cfg, write, done_ids
         self.records = records
         self.header = header
-        self.specials = _special_strings(tokenizer)
+        self.specials = special_strings(tokenizer)
         self.seen = seen_prompts if seen_prompts is not None else set()
         self.counts = Counters()
         self.on_row = on_row
@@ -272,18 +251,6 @@ class Driver:
 # --- the whole job ----------------------------------------------------------------------
 
 
-def _resolve_device_dtype(cfg: GenerateConfig):
-    import torch
-
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    return torch.device(device), getattr(torch, dtype_name)
-
-
 def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     """(engine, tokenizer or None) for the configured engine and target."""
     from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
@@ -302,8 +269,9 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     source = resolve_model_source(cfg.target)
     tokenizer = load_tokenizer(source)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
-    device, dtype = _resolve_device_dtype(cfg)
+        raise ModelError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     model = load_causal_lm(source, dtype=dtype, device=device)
     engine = BuiltinEngine(
         model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,

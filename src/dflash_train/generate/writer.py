@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash_train.utils.errors import OutputError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: no advisory lock
@@ -27,7 +29,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory lock
 log = logging.getLogger(__name__)
 
 
-class OutputBusyError(RuntimeError):
+class OutputBusyError(OutputError):
     """Another process holds the output file's lock."""
 
 

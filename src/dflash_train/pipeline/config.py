@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 LAYOUTS = ("auto", "single", "colocated", "split")
 TRANSPORTS = ("auto", "device", "host")
@@ -20,22 +21,24 @@ TRANSPORTS = ("auto", "device", "host")
 
 @dataclass
 class PipelineConfig:
-    layout: str = "auto"
-    target_ranks: int = 0  # split: how many of the world's ranks run targets
-    drafter_ranks: int = 0  # split: how many run drafters (target_ranks + drafter_ranks = world size)
-    queue_depth: int = 4  # batches in flight per drafter (>= optim.grad_accum)
-    # device: hidden states go GPU to GPU over NCCL (ranks on distinct GPUs);
-    # host: through pinned host memory over gloo (always works; needed when a target and a
-    # drafter share one GPU, which NCCL refuses); auto picks per pair.
-    transport: str = "auto"
-    timeout_s: float = 60.0  # a blocked collective or transfer fails after this long
-    startup_timeout_s: float = 1800.0  # model loading may take long: the first barrier waits this long
+    layout: Literal["auto", "single", "colocated", "split"] = "auto"
+    """how ranks are laid out (see above)"""
+    target_ranks: int = 0
+    """split: how many of the world's ranks run targets"""
+    drafter_ranks: int = 0
+    """split: how many run drafters (target_ranks + drafter_ranks = world size)"""
+    queue_depth: int = 4
+    """batches in flight per drafter (>= optim.grad_accum)"""
+    transport: Literal["auto", "device", "host"] = "auto"
+    """device: hidden states GPU to GPU over NCCL (ranks on distinct GPUs); host: through pinned
+    host memory over gloo (always works; needed when a target and a drafter share one GPU,
+    which NCCL refuses); auto picks per pair"""
+    timeout_s: float = 60.0
+    """a blocked collective or transfer fails after this long"""
+    startup_timeout_s: float = 1800.0
+    """model loading may take long: the first barrier waits this long"""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"pipeline.layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"pipeline.transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
         if self.queue_depth < 1:
             raise ValueError("pipeline.queue_depth must be >= 1")
         if self.target_ranks < 0 or self.drafter_ranks < 0:

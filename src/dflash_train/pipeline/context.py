@@ -19,6 +19,8 @@ into an error within that time instead of a hang.
 from __future__ import annotations
 
 import os
+import socket
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.pipeline.config import PipelineConfig
+from dflash_train.utils.device import resolve_device
+from dflash_train.utils.errors import ConfigError
 
 
 @dataclass
@@ -96,21 +100,20 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     layout = resolve_layout(cfg)
     if layout == "single":
         if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ValueError("pipeline.layout=single under torchrun with several processes: use colocated or split")
-        dev = _pick_device(device_name, 0)
-        return DistContext(layout="single", device=dev)
+            raise ConfigError("pipeline.layout=single under torchrun with several processes: use colocated or split")
+        return DistContext(layout="single", device=resolve_device(device_name))
     if not launched_by_torchrun():
-        raise ValueError(f"pipeline.layout={layout} needs several processes: launch with torchrun "
+        raise ConfigError(f"pipeline.layout={layout} needs several processes: launch with torchrun "
                          f"(see docs/pipeline.md)")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if layout == "split":
         if cfg.target_ranks + cfg.drafter_ranks != world:
-            raise ValueError(f"pipeline.target_ranks ({cfg.target_ranks}) + pipeline.drafter_ranks "
+            raise ConfigError(f"pipeline.target_ranks ({cfg.target_ranks}) + pipeline.drafter_ranks "
                              f"({cfg.drafter_ranks}) must equal the number of processes ({world})")
         targets, drafters = list(range(cfg.target_ranks)), list(range(cfg.target_ranks, world))
     else:
         targets = drafters = list(range(world))
-    device = _pick_device(device_name, local)
+    device = resolve_device(device_name, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -120,18 +123,21 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
                       target_ranks=targets, drafter_ranks=drafters)
     ctx.control = dist.new_group(backend="gloo", timeout=working)
     ctx.drafters = dist.new_group(drafters, backend="nccl" if device.type == "cuda" else "gloo", timeout=working)
-    if layout == "split" and device.type == "cuda" and _devices_distinct(ctx):
+    if layout == "split" and _device_transport(cfg.transport, ctx):
         ctx.data = dist.new_group(backend="nccl", timeout=working)
     return ctx
 
 
-def _pick_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        # several processes may share a GPU (e.g. a target and a drafter on one H200)
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(name)
+def _device_transport(transport: str, ctx: DistContext) -> bool:
+    """Whether hidden states go GPU to GPU over NCCL (`pipeline.transport`): `host` never,
+    `device` always (an error where NCCL cannot: CPU ranks, two ranks on one GPU), `auto`
+    whenever it can."""
+    if transport == "host":
+        return False
+    possible = ctx.device.type == "cuda" and _devices_distinct(ctx)  # collective: every rank asks
+    if transport == "device" and not possible:
+        raise ConfigError("pipeline.transport=device needs every rank on its own GPU; use host or auto")
+    return possible
 
 
 def _devices_distinct(ctx: DistContext) -> bool:
@@ -144,9 +150,6 @@ def _devices_distinct(ctx: DistContext) -> bool:
 
 
 def _host_id() -> int:
-    import socket
-    import zlib
-
     return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 

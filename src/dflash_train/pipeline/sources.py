@@ -1,9 +1,13 @@
 """Where a drafter's (batch, target output) pairs come from.
 
-* `LocalTargetSource`: single process and colocated layout; the trainer runs the
-  target itself on each batch.
+* `LocalTargetSource`: single process and colocated layout; the target runs in this
+  process on each batch.
 * `RemoteTargetSource`: split layout; the target ran on a target rank and the hidden
   states arrive through `HiddenStateReceiver`, requested `queue_depth` batches ahead.
+
+Both hand out batches already `prepare`d (padded to the compiled shape, or as they are),
+still on the CPU, with the target output on the device. `next` raises StopIteration at
+the end of the data; it also returns whether the batch is a stop-request placeholder.
 """
 
 from __future__ import annotations
@@ -14,18 +18,26 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.loss import StepStats
 from dflash_train.pipeline.transport import HiddenStateReceiver
+from dflash_train.target.runner import TargetOutput, TargetRunner
 
 
 class LocalTargetSource:
     stop_requested = False
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, runner: TargetRunner, device: torch.device, prepare=lambda batch: batch):
+        self.loader, self.runner, self.device, self.prepare = loader, runner, device, prepare
 
-    def next(self, timer):
-        return next(self.loader), None, False
+    def next(self, timer) -> tuple[PackedBatch, TargetOutput, bool]:
+        t = time.perf_counter()
+        batch = self.prepare(next(self.loader))
+        timer.add_host("data", time.perf_counter() - t)
+        t = timer.start()
+        out = self.runner.run_batch(batch, self.device)
+        timer.stop("target", t)
+        return batch, out, False
 
     def stats(self) -> dict:
         return {}
@@ -62,7 +74,8 @@ class RemoteTargetSource:
             self.budget = 0
             return
         self.budget -= 1
-        R, S = self.prepare(batch).input_ids.shape
+        batch = self.prepare(batch)
+        R, S = batch.input_ids.shape
         g = self.requested * self.ctx.num_drafters + self.ctx.drafter_index
         self.requested += 1
         self.receiver.request(g, R, S)
@@ -71,14 +84,16 @@ class RemoteTargetSource:
     def next(self, timer):
         if not self.ahead:
             raise StopIteration
-        g, batch, R, S = self.ahead.popleft()  # shape noted at request time: no second padding copy
+        g, batch, R, S = self.ahead.popleft()
         t_wait_start = time.perf_counter()
         t = timer.start()
         out = self.receiver.get(g, R, S)
         timer.stop("queue_wait", t)
         poisoned = self.receiver.stop_requested
+        t = time.perf_counter()
         self._request_one()
         now = time.perf_counter()
+        timer.add_host("data", now - t)
         if self._last_handoff is not None:  # the drafter's work on the previous batch
             self.receiver.stats.busy_ms.append((t_wait_start - self._last_handoff) * 1000)
         self._last_handoff = now

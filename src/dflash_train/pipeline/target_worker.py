@@ -8,17 +8,17 @@ states cross the network, never token data.
 
 from __future__ import annotations
 
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 
 from dflash_train.data.batching import build_batch
+from dflash_train.data.splits import DataSplits
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.transport import HiddenStateSender
-from dflash_train.target.loading import load_target_model, open_target
-from dflash_train.target.runner import TargetRunner, unpack_documents
+from dflash_train.target.runner import TargetRunner
+from dflash_train.utils.signals import StopSignals
 
 
 def broadcast_start(ctx: DistContext, **start) -> dict:
@@ -41,38 +41,29 @@ def drafter_positions(planner, start_epoch: int, start_index: int, world: int):
 
 
 class TargetWorker:
-    def __init__(self, cfg, ctx: DistContext, *, log=print):
-        from dflash_train.train.trainer import build_drafter_config, open_data, target_dtype
+    """Runs the frozen target on its share of the global batch order and sends the taps on.
 
-        self.cfg, self.ctx, self.log = cfg, ctx, log
-        target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
-        drafter_config = build_drafter_config(cfg, target_config, tokenizer)
-        self.data = open_data(cfg, tokenizer, drafter_config.vocab_size)
-        t0 = time.perf_counter()
-        model = load_target_model(cfg.target.path, dtype=target_dtype(cfg.target.dtype, ctx.device),
-                                  device=ctx.device, trust_remote_code=cfg.target.trust_remote_code,
-                                  attn_implementation=cfg.target.attn_implementation, fp8=cfg.target.fp8)
-        self.runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
-        self.load_s = time.perf_counter() - t0
+    Built by the training job (train/run.py) from the same data splits and runner a
+    colocated rank would use; `start` is the main drafter's broadcast (cursor, budget)."""
+
+    def __init__(self, ctx: DistContext, runner: TargetRunner, data: DataSplits, *, queue_depth: int,
+                 padding: tuple[int, int] | None, load_s: float = 0.0):
+        self.ctx, self.runner, self.data = ctx, runner, data
+        self.queue_depth, self.padding, self.load_s = queue_depth, padding, load_s
         self.start = broadcast_start(ctx)
-        self.stop_signal: str | None = None
-
-    def _on_signal(self, signum, frame):
-        self.stop_signal = signal.Signals(signum).name
 
     def run(self) -> dict:
-        cfg, ctx = self.cfg, self.ctx
+        ctx = self.ctx
         T, D, t = ctx.num_targets, ctx.num_drafters, ctx.target_index
         total = self.start["batches"] * D  # global batches the drafters will take
-        sender = HiddenStateSender(ctx, cfg.pipeline.queue_depth)
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        sender = HiddenStateSender(ctx, self.queue_depth)
         plan = self.data.planner
         positions = drafter_positions(plan, self.start["epoch"], self.start["index"], D)
         pos_of_q: list[tuple[int, int]] = []
         ended: set[int] = set()
         mine = {ctx.drafter_of(g) for g in range(t, t + T * D, T)}
         compute_s, tokens, wall0 = 0.0, 0, time.perf_counter()
-        try:
+        with StopSignals(second_ctrl_c_aborts=False) as signals:
             for g in range(t, total, T):
                 if ended >= mine:
                     break
@@ -86,18 +77,15 @@ class TargetWorker:
                 epoch, index = pos_of_q[q]
                 rows = plan.shard(epoch, d, D)[index]
                 batch = build_batch(self.data.train, rows, epoch=epoch, index=index)
-                if cfg.run.compile:
-                    batch = batch.pad_to(cfg.data.plan.max_rows, int(cfg.data.plan.row_tokens))
-                b = batch.to(ctx.device, non_blocking=True)
+                if self.padding is not None:
+                    batch = batch.pad_to(*self.padding)
                 c0 = time.perf_counter()
-                if self.stop_signal is None:
-                    flat, doc, pos, nd, nl = unpack_documents(batch.document_ids, batch.position_ids)
-                    layout = (*(x.to(ctx.device, non_blocking=True) for x in (flat, doc, pos)), nd, nl)
-                    out = self.runner(b.input_ids, b.position_ids, b.document_ids, layout=layout)
+                if signals.received is None:
+                    out = self.runner.run_batch(batch, ctx.device)
                     tensors = [out.taps] + ([out.final_hidden] if out.final_hidden is not None else [])
                     tokens += batch.num_tokens
                 else:  # placeholders: the drafters discard this step and stop
-                    R, S = b.input_ids.shape
+                    R, S = batch.input_ids.shape
                     width = len(self.runner.layer_ids) * self.runner.hidden_size
                     dtype = next(self.runner.model.parameters()).dtype
                     tensors = [torch.zeros(R, S, width, dtype=dtype, device=ctx.device)]
@@ -107,16 +95,13 @@ class TargetWorker:
                     torch.cuda.current_stream().synchronize()  # honest compute time (once per batch)
                 compute_s += time.perf_counter() - c0
                 sender.stats.busy_ms.append((time.perf_counter() - c0) * 1000)
-                sender.send(drafter_rank, g, tensors, stop_request=self.stop_signal is not None)
+                sender.send(drafter_rank, g, tensors, stop_request=signals.received is not None)
             # every drafter ends its stream with END: read what is left of each
             for drafter_rank in sorted(mine - ended):
                 if sender.wait_credit(drafter_rank, -1):
                     raise RuntimeError(f"drafter rank {drafter_rank} credited a batch past the end of the plan")
             sender.flush()
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
         wall = time.perf_counter() - wall0
         return {"role": "target", "rank": ctx.rank, "batches": sender.stats.items, "tokens": tokens,
                 "compute_s": compute_s, "wall_s": wall, "load_s": self.load_s, "tok_per_s": tokens / max(wall, 1e-9),
-                **sender.stats.as_dict(), "stop_signal": self.stop_signal}
+                **sender.stats.as_dict(), "stop_signal": signals.received}

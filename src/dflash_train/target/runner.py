@@ -169,3 +169,13 @@ class TargetRunner:
             final_packed[flat_index] = final[doc, pos]
             final_packed = final_packed.view(R, S, H)
         return TargetOutput(packed.view(R, S, n * H), final_packed)
+
+    def run_batch(self, batch, device: torch.device, *, need_final: bool | None = None) -> TargetOutput:
+        """A packed batch still on the CPU (`data.batch.PackedBatch`) -> TargetOutput on `device`.
+
+        The index maps are computed on the CPU copy and moved with non-blocking copies, so
+        their data-dependent shapes never cost a host sync on the GPU."""
+        flat, doc, pos, D, L = unpack_documents(batch.document_ids, batch.position_ids)
+        layout = (*(x.to(device, non_blocking=True) for x in (flat, doc, pos)), D, L)
+        b = batch.to(device, non_blocking=True)
+        return self(b.input_ids, b.position_ids, b.document_ids, need_final=need_final, layout=layout)

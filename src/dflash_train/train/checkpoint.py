@@ -18,7 +18,7 @@ import json
 import random
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ import torch
 import yaml
 
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
-from dflash_train.utils.fs import atomic_directory_write
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.utils.errors import TrainingError
+from dflash_train.utils.fs import atomic_directory_write
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "state.json"
@@ -42,9 +43,9 @@ class TrainState:
     epoch: int = 0  # data cursor: the next batch to read is (epoch, index)
     index: int = 0
     tokens: int = 0  # sequence tokens consumed
+    batches: int = 0  # micro-batches consumed (skipped steps included)
     bad_steps_total: int = 0
     elapsed_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -128,7 +129,7 @@ def load_checkpoint(path: Path, *, drafter: DFlashDrafter, optimizer: torch.opti
     payload = json.loads((path / STATE).read_text())
     saved = load_drafter(path / "drafter")
     if saved.config != drafter.config:
-        raise ValueError(f"{path}: the checkpoint's drafter config differs from this run's; "
+        raise TrainingError(f"{path}: the checkpoint's drafter config differs from this run's; "
                          f"start a new output_dir or use the same config")
     drafter.load_state_dict(saved.state_dict())
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))

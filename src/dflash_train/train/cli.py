@@ -1,34 +1,28 @@
-"""`dflash-train train --config run.yaml [--section.field value ...] [--resume]`."""
+"""Train a drafter against a frozen target.
+
+    dflash-train train --config run.yaml --optim.lr 3e-4 --run.max_steps 2000
+    torchrun --nproc-per-node 8 -m dflash_train train --config run.yaml --pipeline.layout split \\
+        --pipeline.target_ranks 5 --pipeline.drafter_ranks 3
+
+The whole config is validated before any model or dataset is opened; the resolved config
+is saved next to the checkpoints. Stopped by Ctrl-C or SIGTERM, a run saves a checkpoint
+and continues with `--resume`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dflash_train.train.config import TrainConfig
-from dflash_train.utils.config import ConfigError, add_config_arguments, load_config, overrides_from_args
+from dflash_train.train.run import run_training
+
+CONFIG = TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in run.output_dir")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_config_arguments(parser, TrainConfig)
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(TrainConfig, args.config, overrides_from_args(args))
-    except ConfigError as exc:
-        print(f"error: invalid config: {exc}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import yaml
-
-        from dflash_train.utils.config import to_dict
-
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        return 0
-    from dflash_train.train.trainer import run_training
-
+def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     return run_training(cfg, resume=args.resume)

@@ -1,4 +1,6 @@
-"""`dflash-train export RUN_DIR|CHECKPOINT_DIR --output DIR`: the spec's inference checkpoint.
+"""Write the spec's inference checkpoint (config.json + model.safetensors) of a training run.
+
+    dflash-train export runs/qwen3-8b --output drafters/qwen3-8b-dflash
 
 Accepts a run directory (its latest complete checkpoint is used), one training
 checkpoint (`.../checkpoints/step-00000500`), or an exported drafter directory.
@@ -7,17 +9,37 @@ checkpoint (`.../checkpoints/step-00000500`), or an exported drafter directory.
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from dflash_train.drafter.checkpoint import load_drafter, save_drafter
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.utils.config import cli
+from dflash_train.utils.device import DTYPES
+from dflash_train.utils.errors import InputError
 
 
-def find_drafter_dir(path: Path) -> Path:
-    from dflash_train.train.checkpoint import latest_checkpoint
+@dataclass
+class ExportConfig:
+    source: str = field(default="", metadata=cli(positional=True))
+    """run directory, training checkpoint, or drafter directory"""
+    output: str = field(default="", metadata=cli(aliases=("-o",)))
+    """directory to write"""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the exported weights"""
 
+    def __post_init__(self) -> None:
+        if not self.source or not self.output:
+            raise ValueError("give the run/checkpoint directory and --output DIR")
+
+
+CONFIG = ExportConfig
+
+
+def find_drafter_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
@@ -26,26 +48,14 @@ def find_drafter_dir(path: Path) -> Path:
     latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
     if latest is not None:
         return latest / "drafter"
-    raise FileNotFoundError(f"{path}: no drafter, training checkpoint or run directory with checkpoints")
+    raise InputError(f"{path}: no drafter, training checkpoint or run directory with checkpoints")
 
 
-def export(source: Path, output: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    from dflash_train.drafter.checkpoint import load_drafter, save_drafter
-
-    return save_drafter(load_drafter(find_drafter_dir(source)), output, dtype=dtype)
+def export(source: str | Path, output: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    return save_drafter(load_drafter(find_drafter_dir(source)), Path(output), dtype=dtype)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", type=Path, help="run directory, training checkpoint, or drafter directory")
-    parser.add_argument("--output", "-o", type=Path, required=True, help="directory to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        out = export(args.source, args.output, DTYPES[args.dtype])
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"exported {find_drafter_dir(args.source)} -> {out} ({args.dtype})")
+def run(cfg: ExportConfig, args: argparse.Namespace | None = None) -> int:
+    out = export(cfg.source, cfg.output, DTYPES[cfg.dtype])
+    print(f"exported {find_drafter_dir(cfg.source)} -> {out} ({cfg.dtype})")
     return 0

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
+import time
 from pathlib import Path
 
+import torch
+from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
+
+from dflash_train.data.batch import PackedBatch
+from dflash_train.drafter.loss import StepStats, summarize
+from dflash_train.pipeline.sources import reduce_stats
+from dflash_train.train.timing import StageTimer
+
+STAGES = ("data", "queue_wait", "target", "forward", "backward", "optimizer")
+
+log = logging.getLogger(__name__)
 
 
 def _fmt_rate(x: float) -> str:
@@ -20,13 +33,8 @@ class MetricsLogger:
         self.enabled = enabled  # data-parallel replicas other than the main one record nothing
         self.path = Path(output_dir) / "metrics.jsonl"
         self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
-            except ImportError:  # tensorboard is a dependency, but stay usable without it
-                print("tensorboard is not installed: metrics go to metrics.jsonl only", file=sys.stderr)
+        if tensorboard and enabled:
+            self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not progress, file=sys.stderr)
 
@@ -55,14 +63,41 @@ class MetricsLogger:
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
 
     def line(self, text: str) -> None:
-        if not self.enabled or not text:
-            return
-        self.bar.write(text, file=sys.stderr) if not self.bar.disable else print(text, file=sys.stderr, flush=True)
+        if self.enabled and text:
+            log.info("%s", text)
 
     def close(self) -> None:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+class Window:
+    """Step statistics since the last log line."""
+
+    def __init__(self) -> None:
+        self.stats: list[StepStats] = []
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, micro: list[StepStats], tokens: int) -> None:
+        self.stats.extend(micro)
+        self.tokens += tokens
+
+    def tok_per_s(self, num_drafters: int) -> float:
+        return self.tokens * num_drafters / max(time.perf_counter() - self.start, 1e-9)
+
+    def metrics(self, timer: StageTimer, *, group, num_drafters: int, lr: float, grad_norm: float,
+                device: torch.device) -> tuple[dict, dict]:
+        """(metrics summed over the drafter replicas, stage seconds); one collective when D > 1."""
+        seconds = time.perf_counter() - self.start
+        stats = reduce_stats(self.stats, group) if num_drafters > 1 else self.stats
+        m = summarize(stats)
+        m.update(lr=lr, tok_per_s=self.tokens * num_drafters / max(seconds, 1e-9), grad_norm=grad_norm,
+                 window_tokens=self.tokens * num_drafters, window_s=seconds)
+        if device.type == "cuda":
+            m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return m, timer.collect()
 
 
 def format_train_line(step: int, total: int, m: dict[str, float], block_size: int) -> str:
@@ -72,3 +107,20 @@ def format_train_line(step: int, total: int, m: dict[str, float], block_size: in
     mem = f" | mem {m['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in m else ""
     return (f"step {step}/{total} | loss {m['loss']:.4f} ce {m['ce']:.3f} | tau {m['tau']:.3f} | acc {accs} | "
             f"lr {m['lr']:.2e} | {_fmt_rate(m['tok_per_s'])} tok/s | {split_txt}{mem}")
+
+
+class ConsumedSamples:
+    """Which samples this drafter trained on, as count/sum/sum of squares of the dataset ids:
+    enough to check 'every sample exactly once' across ranks without listing millions."""
+
+    def __init__(self):
+        self.count = self.total = self.squares = 0
+
+    def add(self, batch: PackedBatch) -> None:
+        ids = batch.sample_ids.tolist()
+        self.count += len(ids)
+        self.total += sum(ids)
+        self.squares += sum(i * i for i in ids)
+
+    def as_dict(self) -> dict:
+        return {"samples": self.count, "sample_id_sum": self.total, "sample_id_sq_sum": self.squares}

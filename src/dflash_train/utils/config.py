@@ -1,31 +1,54 @@
-"""Typed dataclass configs: YAML in, validated objects out, every field overridable.
+"""Typed dataclass configs for every job: YAML in, validated objects out, every field an option.
 
-A job declares its config as (nested) dataclasses whose `__post_init__` validates
-values. This module turns a YAML file plus command-line overrides into such an object:
+A job declares its config as (nested) dataclasses. Each field's help is the string literal
+written under it (or `metadata={"help": ...}`); choices are `Literal[...]` types; ranges
+and cross-field rules live in `__post_init__`. This module turns a YAML file plus
+command-line options into such an object:
 
     cfg = load_config(TrainConfig, "run.yaml", overrides={"optim.lr": "3e-4"})
 
+and builds the command line of a job from its config class (`add_config_arguments`):
+`--section.field VALUE` for every leaf field (`--field-name` also accepted for `field_name`),
+`--flag` / `--no-flag` for booleans, positional arguments and short aliases where a field's
+metadata asks for them (`cli(positional=True)`, `cli(aliases=("-o",))`).
+
 Unknown keys are errors that name the key and the file (a typo must never be silently
-ignored), and values are coerced to the declared field types so `--optim.lr 3e-4`
-works the same as `lr: 3.0e-4` in YAML.
+ignored); values are coerced to the declared types, so `--optim.lr 3e-4` works like
+`lr: 3.0e-4` in YAML; floats must be finite and integers exact (`1.5e0` is not an int).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import math
+import textwrap
 import types
 import typing
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from dflash_train.utils.errors import ConfigError
+
 T = TypeVar("T")
+_DEST = "cfg__"
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names where it came from."""
+def cli(*, positional: bool = False, aliases: tuple[str, ...] = (), help: str | None = None) -> dict:
+    """Field metadata for the command line: `field(default=..., metadata=cli(aliases=("-o",)))`."""
+    out: dict[str, Any] = {"positional": positional, "aliases": tuple(aliases)}
+    if help is not None:
+        out["help"] = help
+    return out
+
+
+# -- reading the config classes ----------------------------------------------------------------
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -44,6 +67,68 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(typing.get_args(tp)) == 2:
             return args[0], True
     return tp, False
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (its help text), base classes included."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    name: str  # dotted
+    type: Any
+    help: str
+    default: Any
+    positional: bool
+    aliases: tuple[str, ...]
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[Leaf]:
+    """Every leaf field of a nested dataclass config, with its dotted name and help."""
+    out: list[Leaf] = []
+    docs, types_ = field_docs(cls), _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = types_[f.name]
+        inner, _ = _strip_optional(tp)
+        name = f"{prefix}{f.name}"
+        if _is_dataclass_type(inner):
+            out.extend(leaf_fields(inner, prefix=f"{name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        meta = f.metadata
+        out.append(Leaf(name, tp, meta.get("help") or docs.get(f.name, ""), default,
+                        bool(meta.get("positional")), tuple(meta.get("aliases", ()))))
+    return out
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+def _listify(value: Any) -> Any:
+    """A command-line list value: ["1,2,3"], ["[1, 2]"], "1,2", or a plain list."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and (
+            "," in value[0] or value[0].strip().startswith("[")):
+        value = value[0]
+    if isinstance(value, str):
+        loaded = yaml.safe_load(value) if value.strip().startswith("[") else None
+        value = loaded if isinstance(loaded, list) else [v.strip() for v in value.split(",") if v.strip()]
+    return value
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -68,27 +153,33 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if inner is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if inner in (int, float, str):
-        if inner is int and isinstance(value, float) and not value.is_integer():
+    if inner is int:
+        if isinstance(value, bool):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        if inner is int and isinstance(value, str):
-            try:
-                return int(float(value)) if "e" in value.lower() else int(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
         try:
-            return inner(value)
+            number = float(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+        if not isinstance(number, (int, float)) or not math.isfinite(number) or number != int(number):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value) if isinstance(value, str) and value.lstrip("+-").isdigit() else int(number)
+    if inner is float:
+        try:
+            number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {inner.__name__}, got {value!r}") from None
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(number) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
+    if inner is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
     if origin in (list, tuple):
-        if isinstance(value, str):
-            loaded = yaml.safe_load(value)
-            value = loaded if isinstance(loaded, list) else [v for v in value.split(",") if v.strip()]
+        value = _listify(value)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         args = typing.get_args(inner)
@@ -114,15 +205,13 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
             f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
             f"valid keys{' under ' + where if where else ''}: {', '.join(sorted(fields))}"
         )
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(value, fields[name], f"{where}.{name}" if where else name)
+    kwargs = {name: _coerce(value, fields[name], f"{where}.{name}" if where else name) for name, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+        raise ConfigError(f"{where + ': ' if where else ''}{exc}") from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -149,41 +238,7 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted name, type, help) for every leaf field of a nested dataclass."""
-    out = []
-    for f in dataclasses.fields(cls):
-        tp = _field_types(cls)[f.name]
-        inner, _ = _strip_optional(tp)
-        name = f"{prefix}{f.name}"
-        if _is_dataclass_type(inner):
-            out.extend(leaf_fields(inner, prefix=f"{name}."))
-        else:
-            out.append((name, tp, f.metadata.get("help", "")))
-    return out
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """`--config FILE` plus one `--a.b VALUE` option per leaf field of `cls`."""
-    parser.add_argument("--config", type=Path, default=None, help="YAML config file")
-    group = parser.add_argument_group("config overrides (any field of the config file)")
-    for name, tp, help_text in leaf_fields(cls):
-        group.add_argument(
-            f"--{name}",
-            dest=f"cfg__{name}",
-            default=argparse.SUPPRESS,
-            metavar=getattr(_strip_optional(tp)[0], "__name__", "VALUE").upper(),
-            help=help_text or None,
-        )
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
-    return {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
-
-
-def load_config(
-    cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None
-) -> T:
+def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
     """YAML file (optional) + dotted overrides -> validated `cls`. Errors name the file."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -191,8 +246,8 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
@@ -203,3 +258,98 @@ def load_config(
         return from_dict(cls, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def _is_bool(tp: Any) -> bool:
+    return _strip_optional(tp)[0] is bool
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(_strip_optional(tp)[0]) in (list, tuple)
+
+
+def _spellings(name: str) -> list[str]:
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
+def _metavar(tp: Any) -> str:
+    inner = _strip_optional(tp)[0]
+    if typing.get_origin(inner) is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(inner))) + "}"
+    return getattr(inner, "__name__", "VALUE").upper()
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """`--config FILE` plus one option (or positional argument) per leaf field of `cls`."""
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="YAML file with any of the fields below (options override it)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    group = parser.add_argument_group("config (every field can also be set in the --config file)")
+    for leaf in leaf_fields(cls):
+        default = "" if leaf.default is dataclasses.MISSING else f" (default: {to_dict(leaf.default)})"
+        help_text = (leaf.help + default).strip().replace("%", "%%") or None
+        if leaf.positional:
+            nargs = "+" if _is_list(leaf.type) else ("?" if leaf.default is not dataclasses.MISSING else None)
+            parser.add_argument(f"{_DEST}{leaf.name}", metavar=leaf.name.upper(), nargs=nargs, help=help_text,
+                                default=argparse.SUPPRESS)
+            continue
+        if _is_bool(leaf.type):
+            help_text = (help_text or "") + " (--no-" + leaf.name.replace("_", "-") + " to turn off)"
+        group.add_argument(*leaf.aliases, *_spellings(leaf.name), dest=f"{_DEST}{leaf.name}",
+                           default=argparse.SUPPRESS, nargs="+" if _is_list(leaf.type) else None,
+                           metavar=_metavar(leaf.type), help=help_text)
+
+
+def normalize_argv(argv: list[str], cls: type) -> list[str]:
+    """Command-line spellings argparse cannot take as they are, rewritten as `--name=value`:
+    a bare boolean flag (`--flag` -> true, `--no-flag` -> false; `--flag false` also works)
+    and a negative number as a value (`--optim.lr -1e-3`)."""
+    bools, values = set(), set()
+    for leaf in leaf_fields(cls):
+        names = _spellings(leaf.name) + list(leaf.aliases)
+        (bools if _is_bool(leaf.type) else values).update(names)
+    out, i = [], 0
+    while i < len(argv):
+        token, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        if token == "--":
+            out.extend(argv[i:])
+            break
+        if token in bools:
+            if nxt is not None and nxt.lower() in _TRUE + _FALSE:
+                out.append(f"{token}={nxt}")
+                i += 2
+                continue
+            out.append(f"{token}=true")
+        elif token.startswith("--no-") and f"--{token[5:]}" in bools:
+            out.append(f"--{token[5:]}=false")
+        elif token in values and nxt is not None and nxt.startswith("-") and _is_number(nxt):
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        else:
+            out.append(token)
+        i += 1
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    return load_config(cls, args.config, overrides_from_args(args))
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

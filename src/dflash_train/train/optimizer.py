@@ -1,0 +1,28 @@
+"""The optimizer and its learning-rate schedule: AdamW, linear warmup, cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dflash_train.train.config import OptimConfig
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base lr for optimizer step `step` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio))

@@ -1,0 +1,114 @@
+"""One process of a training job: pick its role, run it, report, shut down.
+
+Single process, or one rank of a torchrun job: a drafter rank runs the `Trainer` (the
+target too, in the single and colocated layouts); a target rank of the split layout runs
+a `TargetWorker`. The main drafter gathers every rank's numbers into the pipeline report.
+
+Failure policy: any exception on any rank propagates out of `run_rank`, the process exits
+non-zero, and torchrun stops every other rank of the job (its default behaviour, within
+seconds). A rank blocked on a dead peer that torchrun cannot see (another node) fails by
+the process-group timeout, `pipeline.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dflash_train.data.splits import open_data
+from dflash_train.pipeline.context import DistContext, init_distributed, shutdown
+from dflash_train.pipeline.report import pipeline_report
+from dflash_train.pipeline.target_worker import TargetWorker
+from dflash_train.target.loading import load_target_model, open_target, tokenizer_identity
+from dflash_train.target.runner import TargetRunner
+from dflash_train.train import setup
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.trainer import Trainer
+from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
+from dflash_train.utils.log import set_main_process
+
+log = logging.getLogger(__name__)
+
+
+def build_target_worker(cfg: TrainConfig, ctx: DistContext) -> TargetWorker:
+    """A split layout's target rank: the same data and drafter config as the drafters, the whole target."""
+    set_main_process(False)
+    target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    drafter_config = setup.resolve_drafter_config(cfg, target_config, tokenizer)
+    data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=drafter_config.vocab_size,
+                     tokenizer_identity=tokenizer_identity(tokenizer) if tokenizer is not None else None)
+    t0 = time.perf_counter()
+    t = cfg.target
+    model = load_target_model(t.path, dtype=resolve_dtype(t.dtype, ctx.device), device=ctx.device,
+                              trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation,
+                              fp8=t.fp8)
+    runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
+    return TargetWorker(ctx, runner, data, queue_depth=cfg.pipeline.queue_depth,
+                        padding=setup.compile_padding(cfg), load_s=time.perf_counter() - t0)
+
+
+def run_rank(cfg: TrainConfig, *, resume: bool) -> dict | None:
+    """Run this process's part; returns the training summary on the main drafter, else None."""
+    resolve_device(cfg.run.device)  # a clear error for device=cuda without CUDA, before any collective
+    ctx = init_distributed(cfg.pipeline, cfg.run.device)
+    if ctx.device.type == "cpu":
+        threads, why = choose_cpu_threads(cfg.run.threads)
+        log.debug("CPU threads: %d (%s)", threads, why)
+    try:
+        if ctx.is_drafter:
+            summary = Trainer(cfg, resume=resume, ctx=ctx).fit()
+            mine = {"role": "drafter" if ctx.layout == "split" else ctx.layout, "rank": ctx.rank,
+                    "steps": summary["steps"], "tok_per_s": summary["tok_per_s"], "wall_s": summary["elapsed_s"],
+                    "batches": summary["steps"] * cfg.optim.grad_accum, **summary.get("transport", {}),
+                    **summary.get("consumed", {})}
+        else:
+            mine = build_target_worker(cfg, ctx).run()
+            summary = None
+        if ctx.distributed:
+            everyone = [None] * ctx.world if ctx.is_main_drafter else None
+            dist.gather_object(mine, everyone, dst=ctx.drafter_ranks[0], group=ctx.control)
+            if ctx.is_main_drafter:
+                report = pipeline_report(ctx, everyone)
+                log.info("%s", report["text"])
+                Path(cfg.run.output_dir, "pipeline_stats.json").write_text(json.dumps(report, indent=1, default=str))
+                summary["pipeline"] = report
+        return summary if ctx.is_main_drafter else None
+    finally:
+        shutdown(ctx)
+
+
+def run_training(cfg: TrainConfig, *, resume: bool) -> int:
+    summary = run_rank(cfg, resume=resume)
+    if summary is not None:
+        print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    lines = ["", "training summary", "----------------"]
+    lines.append(f"steps {summary['steps']}, {summary['tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
+                 f"({summary['tok_per_s']:,.0f} tok/s)")
+    if "loss" in summary:
+        lines.append(f"last window: loss {summary['loss']:.4f}, tau {summary['tau']:.3f} ({summary.get('labels', 0):,.0f} labels)")
+    if summary.get("eval"):
+        e = summary["eval"]
+        lines.append(f"eval (target labels): tau {e['tau']:.3f}, acc_1 {e.get('acc_1', float('nan')):.3f}")
+    if summary.get("spec_eval"):
+        measured = summary["spec_eval"]["tau"]
+        line = f"tau by speculative decoding ({summary['spec_eval']['prompts']} held-out prompts): {measured:.3f}"
+        if summary.get("eval"):
+            estimate = summary["eval"]["tau"]
+            line += f"; training estimate {estimate:.3f} (target labels), relative gap {(estimate - measured) / measured:+.1%}"
+        lines.append(line)
+    if summary.get("bad_steps"):
+        lines.append(f"skipped non-finite steps: {summary['bad_steps']}")
+    lines.append(f"checkpoint: {summary['checkpoint']}")
+    if summary.get("final_drafter"):
+        lines.append(f"drafter (inference format): {summary['final_drafter']}")
+    if summary.get("interrupted_by"):
+        lines.append(f"stopped by {summary['interrupted_by']}: continue with --resume")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,149 @@
+"""Building what a training run needs, cheapest checks first: the drafter config, the frozen
+target (or only its embedding and LM head), the drafter itself, its data-parallel and
+compiled wrappers, and where each step's (batch, target output) pairs come from.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_train.data.batch import PackedBatch
+from dflash_train.data.batching import BatchPlanner
+from dflash_train.data.splits import DataSplits
+from dflash_train.drafter.checkpoint import load_drafter
+from dflash_train.drafter.config import DrafterConfig, build_drafter_config
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.drafter.step import FrozenHeads
+from dflash_train.pipeline.context import DistContext
+from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource
+from dflash_train.target.loading import choose_mask_token_id, load_target_heads, load_target_model
+from dflash_train.target.runner import TargetRunner
+from dflash_train.train.config import RunConfig, TrainConfig
+from dflash_train.train.loader import PrefetchLoader
+from dflash_train.utils.device import resolve_dtype
+from dflash_train.utils.errors import ConfigError, TrainingError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> DrafterConfig:
+    """The drafter config on this target; a clear error when the drafter section does not fit."""
+    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    mask_id = cfg.drafter.mask_token_id
+    if mask_id is None:
+        try:
+            mask_id = (choose_mask_token_id(tokenizer, int(text_cfg.vocab_size)) if tokenizer is not None
+                       else int(text_cfg.vocab_size) - 1)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        return build_drafter_config(cfg.drafter, text_cfg, mask_id)
+    except ValueError as exc:
+        raise ConfigError(f"the drafter section does not fit the target {cfg.target.path}: {exc}") from None
+
+
+def total_optimizer_steps(run: RunConfig, grad_accum: int, planner: BatchPlanner, num_drafters: int) -> int:
+    """Optimizer steps of the run: run.max_steps, or run.epochs over each drafter's share of
+    the real per-epoch batch counts (they vary slightly between epochs: packing follows the
+    shuffle). Micro-batches run on across epoch boundaries, so a step may straddle two."""
+    if run.max_steps:
+        return run.max_steps
+    whole, fraction = int(run.epochs), run.epochs - int(run.epochs)
+    batches = sum(planner.batches_per_epoch(num_drafters, e) for e in range(whole))
+    if fraction:
+        batches += math.ceil(fraction * planner.batches_per_epoch(num_drafters, whole))
+    return max(1, math.ceil(batches / grad_accum))
+
+
+@dataclass
+class FrozenTarget:
+    """This process's part of the target: the whole model and its runner (single and
+    colocated layouts), or only the embedding and LM head (a split layout's drafter rank)."""
+
+    heads: FrozenHeads
+    model: torch.nn.Module | None = None
+    runner: TargetRunner | None = None
+
+
+def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: torch.device, *,
+                       whole_model: bool) -> FrozenTarget:
+    t0 = time.perf_counter()
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    t = cfg.target
+    if not whole_model:
+        heads = FrozenHeads(*load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code))
+        log.info("loaded the target's embedding and LM head in %.1fs", time.perf_counter() - t0)
+        return FrozenTarget(heads)
+    model = load_target_model(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code,
+                              attn_implementation=t.attn_implementation, fp8=t.fp8)
+    runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    log.info("loaded the target in %.1fs", time.perf_counter() - t0)
+    return FrozenTarget(FrozenHeads(embed, head.weight if head is not None else embed), model, runner)
+
+
+def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: FrozenHeads,
+                  device: torch.device) -> DFlashDrafter:
+    """The drafter in its master dtype on `device`: loaded from drafter.init_from, or new."""
+    if cfg.drafter.init_from:
+        drafter = load_drafter(cfg.drafter.init_from)
+        if drafter.config != drafter_config:
+            raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: its config differs from this run's")
+    else:
+        drafter = DFlashDrafter(drafter_config)
+        # Start with near-uniform predictions: scale the output norm so that logits
+        # through the target's LM head have unit standard deviation. With unit norm
+        # weights a large-norm head (SmolLM2's) starts at a cross-entropy of ~37 nats.
+        with torch.no_grad():
+            head_rms = heads.lm_head_weight.float().pow(2).mean().sqrt()
+            drafter.norm.weight.fill_(float(1.0 / (head_rms * drafter_config.hidden_size ** 0.5)))
+    master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
+    return drafter.to(device, master).train()
+
+
+def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool) -> torch.nn.Module:
+    """What the step calls: the drafter, data-parallel over the drafter ranks, compiled if asked."""
+    model: torch.nn.Module = drafter
+    if ctx.num_drafters > 1:
+        # the drafter's only buffer (RoPE frequencies) is identical everywhere: no syncing
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        model = DistributedDataParallel(drafter, process_group=ctx.drafters, broadcast_buffers=False,
+                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    return torch.compile(model) if compile else model
+
+
+def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The fixed [rows, row length] every batch is padded to in compiled mode, else None."""
+    plan = cfg.data.plan
+    return (plan.max_rows, int(plan.row_tokens)) if cfg.run.compile else None
+
+
+def pad_batch(batch: PackedBatch, shape: tuple[int, int] | None) -> PackedBatch:
+    return batch if shape is None else batch.pad_to(*shape)
+
+
+def build_batch_source(cfg: TrainConfig, ctx: DistContext, data: DataSplits, target: FrozenTarget,
+                       drafter_config: DrafterConfig, *, start: tuple[int, int], budget: int):
+    """(batch, target output) pairs for this drafter: the target runs here (Local), or on a
+    target rank of the split layout and the hidden states arrive (Remote)."""
+    epochs = None if cfg.run.max_steps else int(math.ceil(cfg.run.epochs))
+    batches = data.planner.iter_batches(data.train, start=start, epochs=epochs,
+                                        rank=ctx.drafter_index if ctx.num_drafters > 1 else 0, world=ctx.num_drafters)
+    loader = PrefetchLoader(batches, depth=max(cfg.data.prefetch, cfg.pipeline.queue_depth + 1),
+                            pin_memory=ctx.device.type == "cuda")
+    shape = compile_padding(cfg)
+    if target.runner is not None:
+        return LocalTargetSource(loader, target.runner, ctx.device, prepare=lambda b: pad_batch(b, shape))
+    return RemoteTargetSource(
+        loader, ctx, taps_width=drafter_config.num_taps * drafter_config.hidden_size,
+        hidden=drafter_config.hidden_size, need_final=cfg.step.label_source != "data",
+        dtype=resolve_dtype(cfg.target.dtype, ctx.device), queue_depth=cfg.pipeline.queue_depth,
+        budget=budget, prepare=lambda b: pad_batch(b, shape))

@@ -1,0 +1,86 @@
+"""One training step, in two parts.
+
+`micro_step`: one micro-batch through the drafter (anchors, labels, masks, forward, loss
+sums; backward when training), with the batch's own anchor/noise generator.
+
+`apply_gradients`: after all micro-batches of the step and the one agreement between
+drafter replicas (train/stopping.py): normalise the gradients by the global loss weight
+(the spec's global normalisation), clip, check finiteness (the step's one host sync) and
+apply the optimizer and schedule, or skip a non-finite step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_train.data.batch import PackedBatch
+from dflash_train.drafter.loss import LossConfig, StepStats
+from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
+from dflash_train.target.runner import TargetOutput
+from dflash_train.train.timing import StageTimer
+
+
+def batch_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
+    """Seed of the anchor/noise generator for one batch: the same batch always draws the
+    same anchors in the same run, whichever process trains it or after a resume.
+    `stream` separates training (0) from evaluation (1) draws."""
+    return int(np.random.SeedSequence([seed, stream, epoch, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on GPU; CPU runs stay in the parameters' dtype."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def micro_step(model, heads: FrozenHeads, batch: PackedBatch, target_out: TargetOutput, *, step_cfg: StepConfig,
+               loss_cfg: LossConfig, device: torch.device, seed: int, timer: StageTimer,
+               train: bool = True) -> StepStats:
+    """Drafter forward (+ backward) on one prepared CPU batch and its target output on `device`."""
+    b = batch.to(device, non_blocking=True)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    t = timer.start()
+    with autocast_for(device):
+        stats = drafter_step(
+            model, heads, input_ids=b.input_ids, position_ids=b.position_ids, document_ids=b.document_ids,
+            loss_mask=b.loss_mask, taps=target_out.taps, final_hidden=target_out.final_hidden,
+            step_cfg=step_cfg, loss_cfg=loss_cfg, generator=generator,
+        )
+    timer.stop("forward", t)
+    if train:
+        t = timer.start()
+        stats.loss_sum.backward()
+        timer.stop("backward", t)
+    return stats.detached()
+
+
+@dataclass
+class GradientStep:
+    applied: bool  # False: a non-finite loss or gradient, the step was skipped
+    grad_norm: torch.Tensor
+
+
+def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, *,
+                    global_weight: torch.Tensor, global_loss: torch.Tensor, num_replicas: int,
+                    grad_clip: float) -> GradientStep:
+    """`global_weight`/`global_loss` are the step's sums over every micro-batch and replica,
+    the same on every replica, so every replica takes the same decision without talking."""
+    # DDP averaged the replicas' gradients of the loss *sums*: times D / (global weight sum)
+    # gives the gradient of the globally normalised loss.
+    scale = num_replicas / global_weight.clamp(min=1e-12)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    finite = bool(torch.isfinite(norm) & torch.isfinite(global_loss))  # the step's one host sync
+    if finite:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return GradientStep(finite, norm)

@@ -1,0 +1,83 @@
+"""Devices, dtypes and CPU threads: the one place that turns config strings into torch objects."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Literal
+
+import torch
+
+from dflash_train.utils.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """`auto` -> this process's GPU (local rank modulo the visible GPUs; several processes
+    may share one) or the CPU; otherwise the named device, checked to exist."""
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name} was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on GPU, float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def busy_cores_elsewhere(window_s: float = 0.5) -> float | None:
+    """Cores kept busy by other processes right now (Linux /proc/stat), or None if unknown."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            values = [int(v) for v in fh.readline().split()[1:9]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait (jiffies over all cores)
+
+    try:
+        total0, idle0 = sample()
+        self0 = sum(os.times()[:2])
+        time.sleep(window_s)
+        total1, idle1 = sample()
+        self1 = sum(os.times()[:2])
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = os.cpu_count() or 1
+    if total1 <= total0:
+        return None
+    busy = cores * (1 - (idle1 - idle0) / (total1 - total0))  # cores busy on the whole machine
+    return max(0.0, busy - (self1 - self0) / window_s)
+
+
+def choose_cpu_threads(requested: int = 0) -> tuple[int, str]:
+    """Torch CPU threads: `requested`, or (0) as many cores as other processes leave idle.
+
+    OpenMP threads wait for each other at every parallel region: when another process
+    holds one of the cores, a 2-thread matmul ran 10-30x slower than a 1-thread one on a
+    shared 2-core machine. So the threads are fitted to the cores idle right now.
+    """
+    if requested:
+        torch.set_num_threads(requested)
+        return requested, "as requested"
+    cores = torch.get_num_threads()
+    busy = busy_cores_elsewhere()
+    if busy is None:
+        return cores, "default"
+    free = max(1, min(cores, int(cores - busy + 0.5)))
+    if free < cores:
+        torch.set_num_threads(free)
+        return free, f"other processes keep {busy:.1f} of {cores} cores busy; --threads overrides"
+    return cores, "all cores idle"

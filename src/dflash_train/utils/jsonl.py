@@ -1,0 +1,90 @@
+"""The one reader of JSON rows: a `.jsonl` file (one object per line) or a `.json` list.
+
+Text is UTF-8; a byte-order mark at the start of the file is ignored (editors on Windows
+write one). A line that is not UTF-8 or not JSON is yielded as a `DataError` naming
+file:line (and the column), not raised, so callers that skip bad rows go on with the next
+line; callers that do not skip raise it. A `.json` file is one document: if it cannot be
+decoded the error names the file (and the line/column of the JSON error).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_train.utils.errors import DataError, InputError
+
+BOM = b"\xef\xbb\xbf"
+
+
+def _decode(raw: bytes, path: Path, line: int | None) -> str | DataError:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return DataError(path, line, None, f"not UTF-8 text (byte {exc.start + 1} is {raw[exc.start:exc.start + 1]!r}); "
+                                           f"convert the file to UTF-8")
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded object or DataError) for every non-blank line of a JSONL file."""
+    path = Path(path)
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    with fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if lineno == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
+            text = _decode(raw, path, lineno)
+            if isinstance(text, DataError):
+                yield lineno, text
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield lineno, DataError(path, lineno, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+
+
+def load_json(path: str | Path) -> Any:
+    """A whole `.json` document; a file that cannot be read or decoded raises DataError."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    text = _decode(raw.removeprefix(BOM), path, None)
+    if isinstance(text, DataError):
+        raise text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(path, exc.lineno, None, f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+
+
+def iter_json_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Rows of a `.jsonl` file, or of a `.json` file holding a list (or one object, or an
+    object whose single value is the list): (1-based line/row number, object or DataError)."""
+    path = Path(path)
+    if path.suffix.lower() != ".json":
+        yield from iter_jsonl(path)
+        return
+    data = load_json(path)
+    if isinstance(data, dict):
+        data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else [data]
+    if not isinstance(data, list):
+        raise DataError(path, None, None, "a .json file must hold a list of rows")
+    yield from enumerate(data, start=1)
+
+
+def read_json_rows(path: str | Path) -> list[tuple[int, Any]]:
+    """All rows of a file, raising the first bad one."""
+    rows = []
+    for n, obj in iter_json_rows(path):
+        if isinstance(obj, DataError):
+            raise obj
+        rows.append((n, obj))
+    return rows
