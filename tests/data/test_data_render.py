@@ -48,7 +48,7 @@ def expected_from_pieces(tok, pieces: list[tuple[str, bool]]) -> tuple[list[int]
 
 
 def check(tok, renderer, messages, pieces, runs):
-    ids, mask = renderer.encode_messages(messages)
+    [(ids, mask)] = renderer.encode_messages(messages)
     exp_ids, exp_mask = expected_from_pieces(tok, pieces)
     assert "".join(p for p, _ in pieces) == tok.decode(ids.tolist(), skip_special_tokens=False)
     assert ids.tolist() == exp_ids
@@ -101,14 +101,14 @@ def test_prompt_response_and_text_rows(smol_tokenizer):
     tok = smol_tokenizer
     r = ChatRenderer(tok)
     rec = parse_row({"prompt": "Name a color.", "response": "Blue."}, "f.jsonl", 3)
-    ids, mask = r.encode_record(rec)
+    [(ids, mask)] = r.encode_record(rec)
     assert masked_runs(tok, ids, mask) == ["Blue.<|im_end|>"]
 
     rec = parse_row({"text": "Just some text."}, "f.jsonl", 4)
-    ids, mask = r.encode_record(rec)
+    [(ids, mask)] = r.encode_record(rec)
     assert ids.tolist() == tok.backend_tokenizer.encode("Just some text.").ids
     assert mask.all()
-    ids_eos, mask_eos = ChatRenderer(tok, text_eos=True).encode_record(rec)
+    [(ids_eos, mask_eos)] = ChatRenderer(tok, text_eos=True).encode_record(rec)
     assert ids_eos.tolist() == ids.tolist() + [tok.eos_token_id] and mask_eos.all()
 
 
@@ -124,20 +124,32 @@ def test_template_that_rejects_system_names_the_row(smol_tokenizer):
     rec = parse_row({"messages": CONVERSATION}, "chats.jsonl", 7)
     with pytest.raises(DataError, match=r"chats.jsonl:7: field 'messages'.*System role not supported"):
         r.encode_record(rec)
-    ids, mask = r.encode_messages(CONVERSATION[1:])  # without the system message it works
+    [(ids, mask)] = r.encode_messages(CONVERSATION[1:])  # without the system message it works
     assert masked_runs(smol_tokenizer, ids, mask) == [f"{ANSWER1}<|im_end|>", f"{ANSWER2}<|im_end|>"]
 
 
-def test_template_that_rerenders_history_is_refused(smol_tokenizer):
-    # Drops the content of every assistant turn but the last, like templates that strip old reasoning.
+def test_template_that_rerenders_history_gives_one_row_per_assistant_turn(smol_tokenizer):
+    # Drops the content of every assistant turn but the last, like templates that strip old reasoning (Qwen3).
     template = (
         "{% for m in messages %}<{{ m['role'] }}>"
         "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if add_generation_prompt %}<{{ 'assistant' }}>{% endif %}"
     )
-    r = ChatRenderer(smol_tokenizer, chat_template=template)
-    with pytest.raises(RenderError, match=r"messages\[2\].*differently once the conversation goes on"):
-        r.encode_messages(CONVERSATION)
+    tok = smol_tokenizer
+    r = ChatRenderer(tok, chat_template=template)
+    rows = r.encode_messages(CONVERSATION)
+    assert len(rows) == 2
+    (ids1, mask1), (ids2, mask2) = rows
+    # each row: the conversation up to that turn as the model sees it then, loss on that turn only
+    assert tok.decode(ids1.tolist()) == (f"<system>{SYSTEM}<|im_end|><user>{USER1}<|im_end|>"
+                                         f"<assistant>{ANSWER1}<|im_end|>")
+    assert masked_runs(tok, ids1, mask1) == [f"{ANSWER1}<|im_end|>"]
+    assert tok.decode(ids2.tolist()) == (f"<system>{SYSTEM}<|im_end|><user>{USER1}<|im_end|><assistant><|im_end|>"
+                                         f"<user>{USER2}<|im_end|><assistant>{ANSWER2}<|im_end|>")
+    assert masked_runs(tok, ids2, mask2) == [f"{ANSWER2}<|im_end|>"]
+    out = r.encode_records([parse_row({"messages": CONVERSATION}, "f.jsonl", 1)])
+    assert [[a.tolist() for a in row] for row in out[0]] == [[ids1.tolist(), mask1.tolist()],
+                                                            [ids2.tolist(), mask2.tolist()]]
 
 
 def test_bad_conversations(smol_tokenizer):
@@ -180,7 +192,7 @@ def test_byte_length_fast_path_equals_offsets(which, request):
     broken = ChatRenderer(tok)  # wrong table: every row must fail the byte check and fall back
     broken._byte_len = fast._byte_len + 1
     convs = random_conversations(0, 60) + [CONVERSATION]
-    rendered = [fast.assistant_spans(m) for m in convs]
+    rendered = [row for m in convs for row in fast.assistant_spans(m)]
     for a, b, c in zip(fast._encode_rendered(rendered), slow._encode_rendered(rendered), broken._encode_rendered(rendered)):
         assert a[0].tolist() == b[0].tolist() == c[0].tolist()
         assert a[1].tolist() == b[1].tolist() == c[1].tolist()
@@ -194,5 +206,5 @@ def test_encode_records_keeps_order_and_returns_bad_rows(smol_tokenizer):
     out = r.encode_records(rows)
     assert isinstance(out[2], DataError) and out[2].line == 3
     for k in (0, 1, 3):
-        ids, mask = r.encode_record(rows[k])
-        assert out[k][0].tolist() == ids.tolist() and out[k][1].tolist() == mask.tolist()
+        [(ids, mask)] = r.encode_record(rows[k])
+        assert len(out[k]) == 1 and out[k][0][0].tolist() == ids.tolist() and out[k][0][1].tolist() == mask.tolist()

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.labels import build_block_labels
-from dflash_train.drafter.loss import LossConfig, default_gamma, drafter_loss, head_cross_entropy, slot_weights, summarize
+from dflash_train.drafter.loss import (
+    LossConfig,
+    default_gamma,
+    drafter_loss,
+    head_cross_entropy,
+    slot_weights,
+    summarize,
+)
 
 from .reference import cap_ref, decay_ref, random_packed_layout, tau_ref
 

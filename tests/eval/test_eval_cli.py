@@ -7,11 +7,10 @@ import json
 import pytest
 
 from dflash_train.cli import main as cli_main
-from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.data import prompts as prompts_mod
-from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
 from dflash_train.data.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
-
+from dflash_train.drafter.checkpoint import save_drafter
+from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
 from dflash_train.utils.errors import DataError
 
 from .conftest import random_drafter

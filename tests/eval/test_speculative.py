@@ -8,10 +8,10 @@ import torch
 
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import block_input_ids, block_positions
-from dflash_train.generate.spec_metrics import acceptance_stats
 from dflash_train.generate.spec_eval import make_proposer
-from dflash_train.target.chat_template import stop_token_ids
+from dflash_train.generate.spec_metrics import acceptance_stats
 from dflash_train.generate.speculative import Round, SpeculativeDecoder
+from dflash_train.target.chat_template import stop_token_ids
 
 from .conftest import ScriptedProposer, plain_greedy, random_drafter
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dflash_train.generate.writer import JsonlAppender, OutputBusyError, read_rows, recover
+from dflash_train.utils.errors import DataError
 
 
 def test_recover_drops_only_a_torn_last_line(tmp_path):
@@ -25,10 +26,10 @@ def test_recover_drops_only_a_torn_last_line(tmp_path):
 def test_a_broken_line_in_the_middle_is_an_error(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
-    with pytest.raises(ValueError, match="out.jsonl:2"):
+    with pytest.raises(DataError, match="out.jsonl:2"):
         list(read_rows(path))
     path.write_text('{"no_id": 1}\n')
-    with pytest.raises(ValueError, match="no string 'id'"):
+    with pytest.raises(DataError, match="no string 'id'"):
         list(read_rows(path))
 
 

@@ -22,7 +22,7 @@ from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import ConfigError, DataError, InputError, TrainingError
 
-from ..conftest import build_target, build_tokenizer, prepare_dataset, synthetic_conversations
+from ..conftest import build_tokenizer, prepare_dataset, synthetic_conversations
 
 
 def make_config(target, data, out, **overrides) -> TrainConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_train.drafter.config import default_target_layer_ids
+from dflash_train.target.presets import preset_config
 
 
 def _doc_length(spec: str) -> float:
@@ -21,8 +22,6 @@ def _doc_length(spec: str) -> float:
 
 
 def step_flops(cfg, preset: str) -> dict:
-    from dflash_train.target.presets import preset_config
-
     t = preset_config(f"preset:{preset}")
     H, V, L = t.hidden_size, t.vocab_size, t.num_hidden_layers
     h, g = t.num_attention_heads, t.num_key_value_heads

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from dflash_train.data.prepare import FORMAT_VERSION, MANIFEST
 from dflash_train.utils.errors import DataError, InputError
@@ -27,8 +28,6 @@ class Sample(NamedTuple):
 
 class TokenDataset:
     def __init__(self, path: str | Path):
-        import pyarrow as pa
-
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():

@@ -35,10 +35,17 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
+from dflash_train import __version__
 from dflash_train.data.render import ChatRenderer
 from dflash_train.data.sources import Record, expand_inputs, iter_records
+from dflash_train.target.loading import load_tokenizer, tokenizer_identity
 from dflash_train.utils.config import cli
+from dflash_train.utils.device import busy_cores_elsewhere
 from dflash_train.utils.errors import DataError, OutputError
 from dflash_train.utils.fs import atomic_directory_write
 
@@ -65,7 +72,7 @@ class PrepareConfig:
     skip_bad_rows: bool = False
     """count and list malformed rows instead of stopping at the first one"""
     workers: int = 0
-    """tokenizer processes (0 = cores - 1; 1 = in-process, with the tokenizer's own threads)"""
+    """tokenizer processes (0 = idle cores - 1; 1 = in-process, with the tokenizer's own threads)"""
     shard_size: int = 100_000
     """rows per shard file"""
     overwrite: bool = False
@@ -96,19 +103,17 @@ class PrepareConfig:
 def load_target_tokenizer(target: str):
     """The tokenizer of `target`: anything `load_tokenizer` takes, or a directory holding
     only tokenizer files (tokenizer.json / tokenizer_config.json)."""
-    from dflash_train.target.loading import load_tokenizer
-
     path = Path(target).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return load_tokenizer(target)
 
 
 # -- per-row work (runs in worker processes) ---------------------------------------------------
 
-# One result per input row, in input order:
+# Per input row, in input order, a list of results: one per output row (a conversation
+# becomes one row per assistant turn under a template that re-renders history), or one
+# ("bad", DataError):
 #   ("ok", input_ids, loss_mask, source, truncated) | ("too_long", source, length)
 #   ("no_loss", source) | ("bad", DataError)
 Result = tuple
@@ -123,16 +128,17 @@ def _init_worker(renderer: ChatRenderer, max_length: int, overflow: str, threads
 
 
 def default_workers() -> int:
-    """One process per core but one: the main process parses rows and writes shards. With a
-    single worker, tokenisation runs in-process and the Rust tokenizer uses its own threads
-    (on a 2-core machine that beats two processes fighting the main one for the cores)."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """One process per idle core but one: the main process parses rows and writes shards.
+    With a single worker, tokenisation runs in-process and the Rust tokenizer uses its own
+    threads (on a 2-core machine that beats two processes fighting the main one for the
+    cores). Cores other processes keep busy are left to them, as `eval` does."""
+    cores = os.cpu_count() or 1
+    busy = busy_cores_elsewhere() or 0.0
+    return max(1, int(cores - busy + 0.5) - 1)
 
 
-def _apply_limits(encoded: tuple[np.ndarray, np.ndarray] | DataError, where: str, max_length: int,
+def _apply_limits(encoded: tuple[np.ndarray, np.ndarray], where: str, max_length: int,
                   overflow: str) -> Result:
-    if isinstance(encoded, DataError):
-        return ("bad", encoded)
     ids, mask = encoded
     truncated = False
     if len(ids) > max_length:
@@ -144,10 +150,16 @@ def _apply_limits(encoded: tuple[np.ndarray, np.ndarray] | DataError, where: str
     return ("ok", ids, mask.astype(np.uint8), where, truncated)
 
 
-def _encode_chunk(chunk: list[Record]) -> list[Result]:
+def _encode_chunk(chunk: list[Record]) -> list[list[Result]]:
     s = _worker_state
-    encoded = s["renderer"].encode_records(chunk)  # one tokenizer call for the whole chunk
-    return [_apply_limits(e, rec.where, s["max_length"], s["overflow"]) for e, rec in zip(encoded, chunk)]
+    out = []
+    for rows, rec in zip(s["renderer"].encode_records(chunk), chunk):  # one tokenizer call for the chunk
+        if isinstance(rows, DataError):
+            out.append([("bad", rows)])
+            continue
+        names = [rec.where] if len(rows) == 1 else [f"{rec.where}#{k}" for k in range(len(rows))]
+        out.append([_apply_limits(row, name, s["max_length"], s["overflow"]) for row, name in zip(rows, names)])
+    return out
 
 
 def _chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
@@ -193,8 +205,6 @@ def _encode_all(chunks: Iterator[list[Record]], workers: int, init_args: tuple) 
 
 class _ShardWriter:
     def __init__(self, directory: Path, shard_size: int):
-        import pyarrow as pa
-
         self.pa = pa
         self.schema = pa.schema(
             [
@@ -262,8 +272,6 @@ def _count_rows(paths: list[Path]) -> int | None:
             with p.open("rb") as fh:
                 total += sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 22), b""))
         elif suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             total += pq.ParquetFile(p).metadata.num_rows
         else:
             return None
@@ -291,8 +299,6 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     output = Path(cfg.output).expanduser().resolve()
     _prepare_output(output, cfg.overwrite)  # fail before the expensive part
     files = expand_inputs(cfg.inputs)
-    from dflash_train.target.loading import tokenizer_identity
-
     tok = tokenizer if tokenizer is not None else load_target_tokenizer(cfg.target)
     identity = tokenizer_identity(tok)  # of the tokenizer as the target ships it: the trainer compares this
     template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
@@ -319,14 +325,13 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
 
 
 def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Path) -> dict[str, Any]:
-    from tqdm import tqdm
-
     workers = cfg.workers or default_workers()
     parse_bad: list[DataError] = []  # rows that fail to parse land here (skip mode) ...
     render_bad: list[DataError] = []  # ... and rows the chat template rejects here
     records = iter_records(files, skip_bad=cfg.skip_bad_rows, bad=parse_bad)
     writer = _ShardWriter(out, cfg.shard_size)
-    counts = dict.fromkeys(["rows_read", "rows_kept", "truncated", "dropped_too_long", "dropped_no_loss"], 0)
+    counts = dict.fromkeys(["rows_read", "rows_kept", "truncated", "dropped_too_long", "dropped_no_loss",
+                            "split_rows"], 0)
     lengths, loss_tokens = array("i"), 0
     started = time.time()
     total = _count_rows(files) if cfg.progress else None
@@ -334,7 +339,7 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
                desc="prepare")
     seen_parse_bad = 0
     for results in _encode_all(_chunks(records, CHUNK_ROWS), workers, (renderer, cfg.max_length, cfg.overflow)):
-        for res in results:
+        for res in (r for row_results in results for r in row_results):
             kind = res[0]
             if kind == "ok":
                 _, ids, mask, source, truncated = res
@@ -352,6 +357,7 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
             else:
                 render_bad.append(res[1])
         counts["rows_read"] += len(results)
+        counts["split_rows"] += sum(len(r) for r in results if len(r) > 1)
         bar.update(len(results) + len(parse_bad) - seen_parse_bad)
         seen_parse_bad = len(parse_bad)
     counts["rows_read"] += len(parse_bad)
@@ -366,8 +372,6 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
         with (out / "bad_rows.jsonl").open("w") as fh:
             fh.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in bad_list)
     lens = np.frombuffer(lengths, dtype=np.int32) if len(lengths) else np.zeros(0, np.int32)
-    from dflash_train import __version__
-
     return {
         "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -27,6 +27,9 @@ def run(cfg: PrepareConfig, args: argparse.Namespace | None = None) -> int:
           f"in {len(manifest['shards'])} shard(s) to {cfg.output} in {manifest['seconds']:.1f} s")
     print(f"read {c['rows_read']:,} rows: {c['truncated']:,} truncated, {c['dropped_too_long']:,} dropped as too long, "
           f"{c['dropped_no_loss']:,} dropped with no loss tokens, {c['bad_rows']:,} bad")
+    if c.get("split_rows"):
+        print(f"{c['split_rows']:,} rows come from multi-turn conversations split into one row per assistant turn "
+              f"(the chat template renders earlier turns differently once the conversation goes on)")
     for bad in manifest["bad_rows"][:20]:
         print(f"  bad row {bad['where']}: " + (f"field '{bad['field']}' " if bad["field"] else "") + bad["reason"])
     if c["bad_rows"] > 20:

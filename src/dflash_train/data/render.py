@@ -16,9 +16,11 @@ the model before it starts writing, so `F_i[len(P_i):]` is what the model itself
 for that turn, plus whatever separator the template appends after the turn. Trailing
 whitespace of that segment is that separator and is cut; the rest is the span. The full
 text is F_last (messages after the last assistant turn carry no loss and are dropped).
-Each F_i must be a prefix of the full text, and each P_i a prefix of F_i; a template
-that re-renders earlier turns once the conversation goes on (e.g. one that drops the
-reasoning of old turns) breaks this and the row is rejected with an error saying so.
+Each P_i must be a prefix of F_i, and normally each F_i is a prefix of the full text. A
+template that re-renders earlier turns once the conversation goes on (Qwen3 and DeepSeek-R1
+drop the reasoning of old turns) breaks the second rule; such a conversation becomes one
+row per assistant turn: F_i, the conversation up to turn i as the model sees it then, with
+that turn's span only.
 
 The full text is tokenized once, without extra special tokens (the template writes
 them, e.g. DeepSeek's BOS), and a token is in the mask iff its first character lies in
@@ -31,12 +33,13 @@ tokens (e.g. a BOS) as it would for any text, and `text_eos=True` appends EOS.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from dflash_train.data.sources import Record
-from dflash_train.utils.errors import DFlashError, DataError, ModelError
+from dflash_train.utils.errors import DataError, DFlashError, ModelError
 
 
 class TemplateError(ModelError):
@@ -84,8 +87,9 @@ class ChatRenderer:
             raise TemplateError(f"apply_chat_template returned {type(text).__name__}, expected text")
         return text
 
-    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-        """Full rendered text and the character span [start, end) of every assistant turn."""
+    def assistant_spans(self, messages: list[dict[str, str]]) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The rows of one conversation: (rendered text, character spans [start, end) of the
+        assistant's tokens). One row, unless the template re-renders history (see above)."""
         if not self.chat_template:
             raise TemplateError(
                 "the tokenizer has no chat template, so chat rows cannot be rendered; "
@@ -94,37 +98,38 @@ class ChatRenderer:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not turns:
             raise RenderError("messages", "has no assistant turn (nothing to learn from)")
+        if turns[0] == 0:
+            # Hugging Face refuses to render an empty conversation, so there is no
+            # generation prompt to diff against (and templates inject a system prompt here).
+            raise RenderError("messages[0]", "the conversation must not open with an assistant turn")
         full = self._render(messages[: turns[-1] + 1], False, turns[-1])
         spans = []
         for i in turns:
-            if i == 0:
-                # Hugging Face refuses to render an empty conversation, so there is no
-                # generation prompt to diff against (and templates inject a system prompt here).
-                raise RenderError("messages[0]", "the conversation must not open with an assistant turn")
-            prompt = self._render(messages[:i], True, i - 1)
             done = full if i == turns[-1] else self._render(messages[: i + 1], False, i)
-            if not done.startswith(prompt):
-                raise RenderError(
-                    f"messages[{i}]",
-                    "the chat template's generation prompt is not a prefix of the rendered assistant turn; "
-                    "cannot tell where the assistant's tokens start",
-                )
-            if not full.startswith(done):
-                raise RenderError(
-                    f"messages[{i}]",
-                    "the chat template renders this assistant turn differently once the conversation goes on "
-                    "(e.g. it drops earlier reasoning); split the conversation into one row per assistant turn",
-                )
-            start = len(prompt)
-            end = start + len(done[start:].rstrip())  # trailing whitespace = the template's separator
-            spans.append((start, end))
-        return full, spans
+            if not full.startswith(done):  # history is re-rendered: one row per assistant turn
+                return [(text, [self._turn_span(messages, j, text)])
+                        for j, text in ((j, self._render(messages[: j + 1], False, j)) for j in turns)]
+            spans.append(self._turn_span(messages, i, done))
+        return [(full, spans)]
+
+    def _turn_span(self, messages: list[dict[str, str]], i: int, done: str) -> tuple[int, int]:
+        """The span of assistant turn i inside `done` = render(messages[:i + 1])."""
+        prompt = self._render(messages[:i], True, i - 1)
+        if not done.startswith(prompt):
+            raise RenderError(
+                f"messages[{i}]",
+                "the chat template's generation prompt is not a prefix of the rendered assistant turn; "
+                "cannot tell where the assistant's tokens start",
+            )
+        start = len(prompt)
+        return start, start + len(done[start:].rstrip())  # trailing whitespace = the template's separator
 
     # -- tokenization ----------------------------------------------------------------------
 
-    def encode_messages(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids int32, loss_mask bool) of one conversation. Raises RenderError/TemplateError."""
-        return self._encode_rendered([self.assistant_spans(messages)])[0]
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(input_ids int32, loss_mask bool) of each row of one conversation (see `assistant_spans`).
+        Raises RenderError/TemplateError."""
+        return self._encode_rendered(self.assistant_spans(messages))
 
     def _encode_rendered(self, rendered: list[tuple[str, list[tuple[int, int]]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokenize rendered conversations in one call (the Rust tokenizer may use several threads)."""
@@ -170,37 +175,39 @@ class ChatRenderer:
             ids.append(eos)
         return np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool)
 
-    def encode_record(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens of one Record; a row the template rejects raises DataError naming file:line."""
+    def encode_record(self, record: Record) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Token rows of one Record; a row the template rejects raises DataError naming file:line."""
         out = self.encode_records([record])[0]
         if isinstance(out, DataError):
             raise out
         return out
 
-    def encode_records(self, records: list[Record]) -> list[tuple[np.ndarray, np.ndarray] | DataError]:
-        """Tokens of many Records, in order; rows the template rejects come back as DataError.
-        Configuration problems (no chat template at all) raise TemplateError."""
+    def encode_records(self, records: list[Record]) -> list[list[tuple[np.ndarray, np.ndarray]] | DataError]:
+        """Token rows of many Records, in order (one per record, or one per assistant turn
+        for templates that re-render history); records the template rejects come back as
+        DataError. Configuration problems (no chat template at all) raise TemplateError."""
         out: list[Any] = [None] * len(records)
-        rendered, where = [], []
+        rendered, owner = [], []
         for k, rec in enumerate(records):
             if rec.messages is None:
-                out[k] = self.encode_text(rec.text or "")
+                out[k] = [self.encode_text(rec.text or "")]
                 continue
             try:
-                rendered.append(self.assistant_spans(rec.messages))
-                where.append(k)
+                rows = self.assistant_spans(rec.messages)
             except RenderError as err:
                 out[k] = DataError(rec.file, rec.line, err.field, err.problem)
-        for k, encoded in zip(where, self._encode_rendered(rendered)):
-            out[k] = encoded
+                continue
+            out[k] = []
+            rendered.extend(rows)
+            owner.extend([k] * len(rows))
+        for k, encoded in zip(owner, self._encode_rendered(rendered)):  # one tokenizer call for all
+            out[k].append(encoded)
         return out
 
 
 def _byte_lengths(backend: Any) -> np.ndarray | None:
     """Bytes of text each token id stands for, for byte-level BPE tokenizers without a
     normalizer (GPT-2 style: SmolLM2, Qwen, Llama 3, DeepSeek); None for any other kind."""
-    import json
-
     normalizer = backend.normalizer
     if type(backend.decoder).__name__ != "ByteLevel":
         return None

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from dflash_train.utils.errors import DataError, InputError
 from dflash_train.utils.jsonl import iter_json_rows
 
@@ -106,9 +109,6 @@ def _iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     row = 0
     try:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):

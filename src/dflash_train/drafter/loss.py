@@ -18,8 +18,6 @@ from typing import Literal
 
 import torch
 
-from dflash_train.drafter.labels import IGNORE
-
 WEIGHTINGS = ("decay", "cap", "cap+decay", "uniform")
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.masks import AttentionMask, attend
@@ -47,9 +49,6 @@ def rope_inverse_frequencies(cfg: DrafterConfig, device: Any = None) -> tuple[to
         return inv.float(), 1.0
     # Scaled variants (llama3, yarn, linear, ...) are delegated to transformers' own
     # implementation so the drafter matches the target bit for bit.
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     scaling = dict(cfg.rope_scaling)
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type not in ROPE_INIT_FUNCTIONS:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.data.prompts import load_prompts, prompt_set_name
+from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.eval.report import plot_report, summary_lines, write_json
 from dflash_train.generate.spec_eval import build_report, evaluate_prompts, make_proposer
 from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source

@@ -33,7 +33,7 @@ from dflash_train.train.run import print_summary
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import cli, load_config
 from dflash_train.utils.device import choose_cpu_threads, resolve_device
-from dflash_train.utils.errors import DFlashError, EXIT_INTERRUPTED
+from dflash_train.utils.errors import EXIT_INTERRUPTED, DFlashError
 
 log = logging.getLogger(__name__)
 

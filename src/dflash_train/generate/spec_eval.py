@@ -13,11 +13,12 @@ import time
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
+from dflash_train.data.prompts import Prompt, encode_prompt
 from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.spec_metrics import PromptResult, overall_report, prompt_report
-from dflash_train.data.prompts import Prompt, encode_prompt
 from dflash_train.generate.speculative import DFlashProposer, SpeculativeDecoder
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.utils.errors import EvalError, ModelError
@@ -90,8 +91,6 @@ def evaluate_prompts(
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc="eval prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
 
 

@@ -27,13 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tqdm import tqdm
+
 from dflash_train import __version__
 from dflash_train.data.sources import Record, expand_inputs, iter_records
+from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
+from dflash_train.generate.http_engine import HttpEngine
 from dflash_train.generate.sampling import request_key
+from dflash_train.generate.writer import JsonlAppender, read_rows, recover
 from dflash_train.target.chat_template import special_strings, user_header
-from dflash_train.utils.device import resolve_device, resolve_dtype
+from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
+from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import DataError, ModelError
 
 log = logging.getLogger(__name__)
@@ -253,18 +259,12 @@ class Driver:
 
 def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     """(engine, tokenizer or None) for the configured engine and target."""
-    from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
-
     if cfg.engine == "http":
-        from dflash_train.generate.http_engine import HttpEngine
-
         engine = HttpEngine(
             cfg.base_url, cfg.model, concurrency=cfg.concurrency, retries=cfg.retries,
             backoff_s=cfg.retry_backoff_s, timeout_s=cfg.request_timeout_s,
         )  # fmt: skip
         return engine, (load_tokenizer(cfg.target) if need_tokenizer else None)
-
-    from dflash_train.generate.builtin import BuiltinEngine
 
     source = resolve_model_source(cfg.target)
     tokenizer = load_tokenizer(source)
@@ -272,6 +272,9 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
         raise ModelError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if device.type == "cpu":
+        threads, why = choose_cpu_threads(0)
+        log.info("CPU threads: %d (%s)", threads, why)
     model = load_causal_lm(source, dtype=dtype, device=device)
     engine = BuiltinEngine(
         model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -293,10 +296,6 @@ def _count_prompt_rows(cfg: GenerateConfig, done_ids: set[str]) -> int:
 
 def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[str, Any]:
     """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests)."""
-    from tqdm import tqdm
-
-    from dflash_train.generate.writer import JsonlAppender, read_rows, recover
-
     if cfg.prompts:
         expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_train.utils.errors import OutputError
+from dflash_train.utils.errors import DataError, OutputError
+from dflash_train.utils.jsonl import iter_jsonl
 
 try:
     import fcntl
@@ -70,17 +71,13 @@ def read_rows(path: str | Path) -> Iterator[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg}); fix or move the file") from None
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-                raise ValueError(f"{path}:{lineno}: not a generate output row (no string 'id')")
-            yield row
+    for lineno, row in iter_jsonl(path):
+        if isinstance(row, DataError):
+            raise DataError(path, lineno, None, f"{row.problem}: not a JSON line of a generate output; "
+                                                f"fix or move the file")
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            raise DataError(path, lineno, None, "not a generate output row (no string 'id')")
+        yield row
 
 
 class JsonlAppender:

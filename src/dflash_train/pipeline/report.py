@@ -11,7 +11,6 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
     lines = [f"pipeline: layout {ctx.layout}, {ctx.num_targets} target rank(s), {ctx.num_drafters} drafter rank(s)"]
     lines.append(f"{'rank':>4}  {'role':<9} {'batches':>8} {'tok/s':>10} {'queue wait':>11} {'mean fill':>9}")
     for r in sorted(ranks, key=lambda x: x["rank"]):
-        wall = r.get("wall_s") or 0
         wait = r.get("queue_wait_s", 0.0)
         lines.append(f"{r['rank']:>4}  {r['role']:<9} {r.get('batches', r.get('steps', 0)):>8} "
                      f"{r.get('tok_per_s', 0):>10,.0f} {wait:>10.1f}s {r.get('mean_queue_fill', 0):>9.2f}")

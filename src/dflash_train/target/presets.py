@@ -6,6 +6,11 @@ target without the 16 GB checkpoint. Weights are created directly on the device.
 
 from __future__ import annotations
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash_train.utils.errors import ConfigError
+
 PRESETS: dict[str, dict] = {
     # SmolLM2-135M-Instruct (Llama)
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -37,11 +42,9 @@ def is_preset(spec) -> bool:
 
 def preset_config(spec: str):
     """The Hugging Face config of `preset:NAME`."""
-    from transformers import AutoConfig
-
     name = spec[len(PREFIX):]
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     kwargs = dict(PRESETS[name])
     model_type = kwargs.pop("model_type")
     return AutoConfig.for_model(model_type, **kwargs)
@@ -49,9 +52,6 @@ def preset_config(spec: str):
 
 def build_random_target(spec: str, *, dtype, device, attn_implementation: str = "sdpa", seed: int = 0):
     """A frozen, eval-mode causal LM of the preset's shape with N(0, 0.02) weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = preset_config(spec)
     config._attn_implementation = attn_implementation
     with torch.device("meta"):

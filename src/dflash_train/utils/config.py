@@ -272,7 +272,12 @@ def _is_list(tp: Any) -> bool:
 
 
 def _spellings(name: str) -> list[str]:
-    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    """`--field-name` first for top-level fields (the documented style), `--section.field_name`
+    first for nested ones; the other spelling is accepted too."""
+    dashed = f"--{name.replace('_', '-')}"
+    if "_" not in name:
+        return [dashed]
+    return [f"--{name}", dashed] if "." in name else [dashed, f"--{name}"]
 
 
 def _metavar(tp: Any) -> str:
@@ -289,7 +294,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     group = parser.add_argument_group("config (every field can also be set in the --config file)")
     for leaf in leaf_fields(cls):
-        default = "" if leaf.default is dataclasses.MISSING else f" (default: {to_dict(leaf.default)})"
+        shown = to_dict(leaf.default) if leaf.default is not dataclasses.MISSING else None
+        default = f" (default: {shown})" if shown not in (None, "", []) else ""
         help_text = (leaf.help + default).strip().replace("%", "%%") or None
         if leaf.positional:
             nargs = "+" if _is_list(leaf.type) else ("?" if leaf.default is not dataclasses.MISSING else None)

@@ -1,0 +1,152 @@
+"""One config system and one error policy for every job (cli.py, utils/config.py)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+import dflash_train.cli as cli_mod
+from dflash_train.cli import JOBS, main
+from dflash_train.utils.config import cli, leaf_fields, load_config, normalize_argv
+from dflash_train.utils.errors import ConfigError, DataError
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_field_of_every_job_has_a_help_line(job):
+    config = importlib.import_module(JOBS[job][0]).CONFIG
+    missing = [leaf.name for leaf in leaf_fields(config) if not leaf.help]
+    assert not missing, f"{job}: fields without a help line: {missing}"
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_job_answers_help(job, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([job, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config FILE" in out and "--print-config" in out and "--debug" in out
+
+
+def _train(*options: str) -> list[str]:
+    return ["train", "--data.path", "d", *options, "--print-config"]
+
+
+def test_resolved_config_from_options(capsys):
+    assert main(_train("--optim.lr", "3e-4", "--run.max_steps", "2e3", "--run.compile", "--no-run.tensorboard",
+                       "--drafter.target_layer_ids", "1,3,5", "--run.progress", "false")) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["optim"]["lr"] == 3e-4 and cfg["run"]["max_steps"] == 2000
+    assert cfg["run"]["compile"] is True and cfg["run"]["tensorboard"] is False and cfg["run"]["progress"] is False
+    assert cfg["drafter"]["target_layer_ids"] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--optim.lr", "-1e-3"], "optim.lr must be > 0"),  # a negative number is a value, not an option
+    (["--optim.lr", "nan"], "optim.lr: expected a finite number"),
+    (["--run.epochs", "inf"], "run.epochs: expected a finite number"),
+    (["--step.noise_sigma", "nan"], "step.noise_sigma: expected a finite number"),
+    (["--run.max_steps", "1.5e0"], "run.max_steps: expected an integer"),
+    (["--optim.eps", "-1"], "optim.eps must be > 0"),
+    (["--optim.weight_decay", "-0.1"], "optim.weight_decay >= 0"),
+    (["--step.attention", "fast"], "step.attention: 'fast' is not one of ['auto', 'flex', 'dense']"),
+    (["--run.compile=maybe"], "run.compile: expected true/false"),
+])
+def test_bad_values_are_one_line_errors_before_anything_loads(options, message, capsys):
+    assert main(_train(*options)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_abbreviated_and_unknown_options_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(_train("--optim.warm", "7"))
+    assert exc.value.code == 2 and "unrecognized arguments: --optim.warm" in capsys.readouterr().err
+
+
+def test_unknown_key_in_a_config_file_names_the_file(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lrr: 1e-3\n")
+    assert main(["train", "--config", str(path), "--data.path", "d"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "optim.lrr" in err and "valid keys under optim" in err
+
+
+@dataclass
+class _Flags:
+    inputs: list[str] = field(default_factory=list, metadata=cli(positional=True))
+    """files"""
+    skip_bad_rows: bool = False
+    """skip"""
+    output: str = field(default="", metadata=cli(aliases=("-o",)))
+    """out"""
+    lr: float = 1.0
+    """rate"""
+
+
+def test_flags_values_positionals_and_aliases():
+    norm = normalize_argv(["--skip-bad-rows", "a.jsonl", "-o", "x", "--lr", "-2", "b.jsonl"], _Flags)
+    assert norm == ["--skip-bad-rows=true", "a.jsonl", "-o", "x", "--lr=-2", "b.jsonl"]
+    assert normalize_argv(["--no-skip-bad-rows", "--skip_bad_rows", "false"], _Flags) == [
+        "--skip-bad-rows=false", "--skip_bad_rows=false"]
+    parser = cli_mod.argparse.ArgumentParser(allow_abbrev=False)
+    cli_mod.add_config_arguments(parser, _Flags)
+    args = parser.parse_intermixed_args(norm)
+    cfg = cli_mod.config_from_args(_Flags, args)
+    assert cfg == _Flags(inputs=["a.jsonl", "b.jsonl"], skip_bad_rows=True, output="x", lr=-2.0)
+
+
+def test_integers_are_exact():
+    @dataclass
+    class C:
+        n: int = 0
+        """n"""
+
+    assert load_config(C, None, {"n": "12345678901234567890"}).n == 12345678901234567890
+    assert load_config(C, None, {"n": "2e3"}).n == 2000
+    for bad in ("1.5", "1e-1", "true", "nan"):
+        with pytest.raises(ConfigError, match="expected an integer"):
+            load_config(C, None, {"n": bad})
+
+
+def test_a_bug_keeps_its_traceback_and_debug_shows_user_errors_too(monkeypatch, capsys, caplog):
+    module = importlib.import_module(JOBS["export"][0])
+
+    def buggy(cfg, args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(module, "run", buggy)
+    with pytest.raises(KeyError):  # not a DFlashError: not turned into a one-line error
+        main(["export", "src", "-o", "out"])
+
+    def user_error(cfg, args):
+        raise DataError("rows.jsonl", 3, "messages", "is empty")
+
+    monkeypatch.setattr(module, "run", user_error)
+    assert main(["export", "src", "-o", "out"]) == 2
+    assert capsys.readouterr().err.strip() == "dflash-train export: error: rows.jsonl:3: field 'messages' is empty"
+    with caplog.at_level(logging.ERROR, logger="dflash_train"):
+        logging.getLogger("dflash_train").propagate = True
+        try:
+            assert main(["export", "src", "-o", "out", "--debug"]) == 2
+        finally:
+            logging.getLogger("dflash_train").propagate = False
+    assert any(r.exc_info and "is empty" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_broken_pipe_is_quiet(monkeypatch, capsys):
+    module = importlib.import_module(JOBS["export"][0])
+
+    def pipe(cfg, args):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(module, "run", pipe)
+    redirected = []
+    monkeypatch.setattr(sys.stdout, "fileno", lambda: 1, raising=False)
+    monkeypatch.setattr(cli_mod.os, "dup2", lambda src, dst: redirected.append(dst))
+    assert main(["export", "src", "-o", "out"]) == 0  # `dflash-train ... | head`: quiet, stdout to /dev/null
+    assert redirected == [1] and "Traceback" not in capsys.readouterr().err
