@@ -126,7 +126,7 @@ class Trainer:
         with StopControl(cfg.run, self.ctx, elapsed_before_s=state.elapsed_s) as control:
             try:
                 while state.step < self.total_steps and not exhausted:
-                    cursor = (state.epoch, state.index)
+                    cursor = (state.epoch, state.index, state.batches)
                     micro, tokens, redo, exhausted = self._accumulate(source, timer)
                     if not micro:
                         break
@@ -136,7 +136,7 @@ class Trainer:
                                            stop_requested=source.stop_requested, redo=redo)
                     if agreed.redo:  # placeholders from a stopping target: redo these batches after resume
                         self.optimizer.zero_grad(set_to_none=True)
-                        state.epoch, state.index = cursor
+                        state.epoch, state.index, state.batches = cursor
                         break
                     step = apply_gradients(self.params, self.optimizer, self.scheduler, global_weight=agreed.weight,
                                            global_loss=agreed.loss, num_replicas=D, grad_clip=cfg.optim.grad_clip)
