@@ -8,8 +8,8 @@ import torch
 
 from dflash_train.eval.run import make_proposer, stop_tokens
 from dflash_train.generate.decoder import StaticDecoder
-from dflash_train.generate.lossless import bf16_ulp, first_divergence
-from dflash_train.generate.spec_engine import HFSpecDecoder, SpecEngine, make_spec_decoder
+from dflash_train.generate.spec_eval import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
+from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
 from dflash_train.generate.static_drafter import StaticDrafter
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
@@ -333,18 +333,19 @@ def test_factory_falls_back_for_unsupported_targets(targets):
 def test_divergence_classification():
     assert bf16_ulp(1.0) == 2**-7 and bf16_ulp(1.99) == 2**-7 and bf16_ulp(16.0) == 0.125
     assert bf16_ulp(-3.0) == 2**-6 and bf16_ulp(9.0) == 2**-4 and bf16_ulp(0.0) == 0.0
-    ref = DecodeResult([5, 6, 7, 8], [], "length", 1.0, 0.1, margins=[1.0, 0.2, 0.25, 3.0],
+    ref = DecodeResult([5, 6, 7, 8], [], "length", 1.0, 0.1, margins=[1.0, 0.2, 0.5, 3.0],
                        top_logits=[10.0, 20.0, -17.0, 9.0])
     same = first_divergence([5, 6, 7, 8], ref)
     assert (same.position, same.margin, same.kind) == (None, None, "identical")
-    tie = first_divergence([5, 9, 1], ref)  # |20| in [16, 32): ulp 1/8, tolerance 2 ulps
-    assert (tie.position, tie.margin, tie.tolerance, tie.kind) == (1, 0.2, 0.25, "near_tie")
+    tie = first_divergence([5, 9, 1], ref)  # |20| in [16, 32): ulp 1/8, tolerance 4 ulps
+    assert (tie.position, tie.margin, tie.tolerance, tie.kind) == (1, 0.2, 0.5, "near_tie")
     edge = first_divergence([5, 6, 1, 1], ref)
-    assert (edge.position, edge.margin, edge.tolerance, edge.kind) == (2, 0.25, 0.25, "near_tie")
+    assert (edge.position, edge.margin, edge.tolerance, edge.kind) == (2, 0.5, 0.5, "near_tie")
     real = first_divergence([5, 6, 7, 1], ref)  # |9| in [8, 16): ulp 1/16
-    assert (real.position, real.margin, real.tolerance, real.kind) == (3, 3.0, 0.125, "mismatch")
+    assert (real.position, real.margin, real.tolerance, real.kind) == (3, 3.0, 0.25, "mismatch")
     assert first_divergence([5, 6, 7, 1], ref, tolerance=3.0).kind == "near_tie"
     assert first_divergence([5, 6, 7, 1], ref, ulps=48).kind == "near_tie"  # 48/16 = 3.0
+    assert first_divergence([5, 6, 7, 1], ref, ulps=47).kind == "mismatch"
     short = first_divergence([5, 6], ref)
     assert (short.position, short.margin, short.kind) == (2, None, "mismatch")
     bare = first_divergence([4], DecodeResult([5], [], "length", 1.0, 0.1))

@@ -15,7 +15,8 @@ Every slot holds one sequence; all per-slot state lives in static device buffers
     one host synchronisation: the committed tokens and counts come back (one small copy)
 
 Plain greedy decoding is the same verify step with T = 1 and no drafter; it also returns
-each token's top-1 logit and top-1 minus top-2 margin, for generate/lossless.py.
+each token's top-1 logit and top-1 minus top-2 margin, for the lossless check in
+generate/spec_eval.py.
 
 Batched mode schedules like the built-in generate engine: a slot whose sequence finished
 (on device it just stops committing) is refilled with the next prompt while the others
@@ -41,8 +42,8 @@ from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.builtin import _kv_buckets
-from dflash_train.generate.decoder import StaticDecoder, UnsupportedModelError, check_supported
-from dflash_train.generate.speculative import DecodeResult, DFlashProposer, Round, SpeculativeDecoder
+from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.speculative import DecodeResult, Round
 from dflash_train.generate.static_drafter import StaticDrafter
 
 log = logging.getLogger(__name__)
@@ -299,9 +300,8 @@ class SpecEngine:
         capture lands inside a timed run. Only between runs (all slots idle)."""
         if self._n_active():
             raise RuntimeError("warm_up needs an idle engine")
-        for kv in self.buckets:
-            if max_kv is not None and kv > max(max_kv, self.buckets[0]):
-                break
+        last = next((b for b in self.buckets if b >= max_kv), self.max_len) if max_kv else self.max_len
+        for kv in [b for b in self.buckets if b <= last]:
             for step in self._steps():
                 step(kv)
         self._sync()
@@ -449,56 +449,3 @@ class SpecEngine:
         event.synchronize()
         return self._report_host.tolist(), (self._top2_host.tolist() if with_top2 else None)
 
-
-class HFSpecDecoder:
-    """The generic Hugging Face path (`SpeculativeDecoder` + `DFlashProposer`, batch 1) behind
-    the engine's interface, for targets the static engine does not support."""
-
-    def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter | None, stop_ids: set[int] | Sequence[int]):
-        # (plain greedy needs no taps, but SpeculativeDecoder always taps some layer)
-        self.decoder = SpeculativeDecoder(target, drafter.config.target_layer_ids if drafter else [0], stop_ids)
-        self.proposer = None
-        self.block_size = 1
-        if drafter is not None:
-            embed = target.get_input_embeddings().weight
-            head = target.get_output_embeddings()
-            drafter = drafter.to(device=embed.device, dtype=embed.dtype).eval()
-            self.proposer = DFlashProposer(drafter, embed, head.weight if head is not None else embed)
-            self.block_size = drafter.config.block_size
-
-    def warm_up(self, max_kv: int | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        """Remove the forward hooks from the target."""
-        self.decoder.close()
-
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, speculative: bool = True) -> DecodeResult:
-        return self.decoder.generate(prompt_ids, max_new_tokens, self.proposer if speculative else None)
-
-    def generate_batch(self, prompts, max_new_tokens: int, *, speculative: bool = True, on_result=None):
-        results = []
-        for i, p in enumerate(prompts):
-            results.append(self.generate(p, max_new_tokens, speculative=speculative))
-            if on_result is not None:
-                on_result(i, results[-1])
-        return results
-
-
-def make_spec_decoder(
-    target: torch.nn.Module,
-    drafter: DFlashDrafter | None,
-    stop_ids: set[int] | Sequence[int],
-    *,
-    slots: int = 1,
-    max_len: int = 2048,
-    **engine_kwargs: Any,
-) -> SpecEngine | HFSpecDecoder:
-    """The static engine when it supports `target` (decoder.check_supported), else the
-    generic Hugging Face path. Both offer generate / generate_batch / warm_up / block_size."""
-    try:
-        check_supported(target, -(-max_len // 64) * 64)
-    except UnsupportedModelError as exc:
-        log.warning("static speculative engine unavailable (%s); using the Hugging Face path, batch 1", exc)
-        return HFSpecDecoder(target, drafter, stop_ids)
-    return SpecEngine(target, drafter, stop_ids, slots=slots, max_len=max_len, **engine_kwargs)

@@ -125,26 +125,27 @@ class StaticDrafter:
     def kv_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
-    def _write_context(self, taps: Tensor, start: Tensor, rows: Tensor) -> None:
+    def _write_context(self, taps: Tensor, start: Tensor, rows: Tensor, context_kv: Callable[..., tuple]) -> None:
         """Context K/V of taps [R, T, n*H] at positions start[r] + 0..T-1 of cache rows `rows` [R]."""
         t = taps.shape[1]
         grid = start[:, None] + self.key_positions[None, :t]  # [R, T]
         ctx = _norm(F.linear(taps.to(self.dtype), self.fc_w), self.hidden_norm_w, self.hidden_norm_eps)  # [R, T, H]
         cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [R, T, 1, d]
         for i, lay in enumerate(self.layers):
-            k, v = self.context_kv(ctx, cos, sin, *lay.kv, qk_eps=lay.qk_eps, n_kv=self.n_kv, head_dim=self.head_dim)
+            k, v = context_kv(ctx, cos, sin, *lay.kv, qk_eps=lay.qk_eps, n_kv=self.n_kv, head_dim=self.head_dim)
             self.k_cache[i][rows[:, None], :, grid] = k  # [R, T, g, d] at (row r, position grid[r, t])
             self.v_cache[i][rows[:, None], :, grid] = v
 
     def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
         """After a prefill: the prompts' taps [n, T, n*H] (right padded) become the context of
         cache rows `slot_ids` [n] at positions 0..T-1 (padding rows: garbage past the length,
-        never read). `ids`/`lengths` are unused here (test doubles read them)."""
-        self._write_context(taps, torch.zeros_like(slot_ids), slot_ids)
+        never read). `ids`/`lengths` are unused here (test doubles read them). Eager and
+        uncompiled: prompt widths vary, and a compiled function would recompile for each."""
+        self._write_context(taps, torch.zeros_like(slot_ids), slot_ids, _context_kv)
 
     def extend(self, taps: Tensor, start: Tensor) -> None:
         """Taps [S, B, n*H] of the block verified last, at positions start[s] + 0..B-1 of every slot."""
-        self._write_context(taps, start, self.rows)
+        self._write_context(taps, start, self.rows, self.context_kv)
 
     def _bias(self, positions: Tensor, kv_len: int, window: int | None, causal: bool) -> Tensor:
         """Additive mask [S, 1, rep*B, kv_len] of one (window, causal_in_block) layer variant."""
