@@ -314,8 +314,10 @@ def test_factory_falls_back_for_unsupported_targets(targets):
     drafter = random_drafter(model, tok, 4)
     stop = stop_tokens(tok, model)
     prompt = random_prompts(model.config.vocab_size, (6,))[0]
-    fast = make_spec_decoder(model, drafter, stop, max_len=128)
+    fast = make_spec_decoder(model, drafter.to(torch.float64), stop, max_len=128)
     assert isinstance(fast, SpecEngine)
+    assert drafter.fc.weight.dtype == torch.float64  # the engine runs a converted copy; the caller's is unchanged
+    drafter.float()
     model.config.hidden_act = "gelu"  # check_supported refuses it
     try:
         slow = make_spec_decoder(model, drafter, stop, max_len=128)

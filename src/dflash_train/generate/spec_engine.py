@@ -30,6 +30,7 @@ On CPU the same steps run eagerly (what the exactness tests check).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -63,6 +64,16 @@ class DraftSource(Protocol):
 
     def propose(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """Drafts [S, B-1] after each slot's last committed token tokens[s] at positions[s]."""
+
+
+def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
+    """`drafter` on the device and in the dtype of `like`: itself if it already is, else a
+    converted copy, so the caller's module (say, a drafter in training with fp32 master
+    weights) is never changed."""
+    w = drafter.fc.weight
+    if w.device == like.device and w.dtype == like.dtype:
+        return drafter
+    return copy.deepcopy(drafter).to(device=like.device, dtype=like.dtype)
 
 
 class _GraphedStep:
@@ -157,8 +168,8 @@ class _Row:
 class SpecEngine:
     """Greedy speculative decoding of `target` with `drafter` over `slots` static slots.
 
-    `drafter`: a DFlashDrafter (moved in place to the target's device and dtype, as
-    `eval.run.make_proposer` does), any `DraftSource`, or None (plain greedy only).
+    `drafter`: a DFlashDrafter (run in the target's device and dtype: `drafter_like`), any
+    `DraftSource`, or None (plain greedy only).
     `max_len`: cache positions per slot; a prompt needs len + max_new_tokens + B of them."""
 
     def __init__(
@@ -180,8 +191,8 @@ class SpecEngine:
         self.slots, self.max_len = slots, max_len
         self.stop_ids = {int(t) for t in stop_ids}
         if isinstance(drafter, DFlashDrafter):
-            drafter = drafter.to(device=dev, dtype=self.decoder.dtype).eval()
-            drafter = StaticDrafter(drafter, self.decoder.embed_w, self.decoder.lm_head_w, slots, max_len)
+            drafter = StaticDrafter(drafter_like(drafter, self.decoder.embed_w), self.decoder.embed_w,
+                                    self.decoder.lm_head_w, slots, max_len)
         self.drafter = drafter
         self.block_size = drafter.block_size if drafter is not None else 1
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []

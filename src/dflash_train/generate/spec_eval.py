@@ -21,6 +21,7 @@ token decides:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ class HFSpecDecoder:
         if drafter is not None:
             embed = target.get_input_embeddings().weight
             head = target.get_output_embeddings()
-            drafter = drafter.to(device=embed.device, dtype=embed.dtype).eval()
+            # a copy: DFlashProposer switches its module to eval mode, and the caller's stays as it is
+            drafter = copy.deepcopy(drafter).to(device=embed.device, dtype=embed.dtype)
             self.proposer = DFlashProposer(drafter, embed, head.weight if head is not None else embed)
             self.block_size = drafter.config.block_size
 
