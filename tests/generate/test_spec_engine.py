@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from dflash_train.eval.run import make_proposer, stop_tokens
-from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.decoder import StaticDecoder, _pre_attention
 from dflash_train.generate.spec_eval import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
+from dflash_train.generate import spec_engine
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
-from dflash_train.generate.static_drafter import StaticDrafter
+from dflash_train.generate.static_drafter import StaticDrafter, _block_qkv
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 from ..eval.conftest import ScriptedProposer, plain_greedy, random_drafter
@@ -307,6 +308,57 @@ def test_batched_commits_what_batch_one_commits(targets):
                 else:
                     assert r.margins is None
     assert finish_reasons == {"stop", "length"}
+
+
+def test_capture_protocol_replays_each_step_exactly_once(targets, monkeypatch):
+    """What a CUDA-graph capture does to a step, emulated on CPU: two warm-up runs (state
+    restored after each), then replays. Captures happen mid-run, whenever a round first needs
+    a bigger kv bucket; the output must not change."""
+    model, tok = targets["qwen3"]
+    drafter = random_drafter(model, tok, 4, sliding=3)
+    prompts = random_prompts(model.config.vocab_size, (100, 20, 3), seed=6)  # 100 + 40 crosses the 128 bucket
+    captured = []
+
+    def emulated_capture(step, kv_len):
+        saved = [t.clone() for t in step.state]
+        for _ in range(2):
+            step.fn(kv_len)
+            for t, s in zip(step.state, saved):
+                t.copy_(s)
+        captured.append((step.name, kv_len))
+        return type("Graph", (), {"replay": lambda self: step.fn(kv_len)})()
+
+    monkeypatch.setattr(spec_engine._GraphedStep, "_capture", emulated_capture)
+    plain = SpecEngine(model, drafter, set(), slots=2, max_len=256)
+    graphed = SpecEngine(model, drafter, set(), slots=2, max_len=256)
+    for step in graphed._steps():
+        step.use_graphs = True
+    for speculative in (True, False):
+        expected = plain.generate_batch(prompts, NEW, speculative=speculative)
+        got = graphed.generate_batch(prompts, NEW, speculative=speculative)
+        assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
+    assert sorted(captured) == sorted((name, kv) for name in ("draft", "verify", "greedy") for kv in (128, 256))
+
+
+def test_compiled_layer_functions_trace_once_and_match(targets):
+    """The GPU path compiles the per-layer functions; on CPU, with a non-fusing backend: one
+    graph per function and step width, reused by every layer, slot count and round."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, tok = targets["llama"]
+    drafter = random_drafter(model, tok, 4, sliding=3)
+    prompts = random_prompts(model.config.vocab_size, (9, 30), seed=7)
+    expected = SpecEngine(model, drafter, set(), slots=2, max_len=128).generate_batch(prompts, 24)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = SpecEngine(model, drafter, set(), slots=2, max_len=128)
+    engine._compile_layer_functions(backend="aot_eager")
+    assert engine.decoder.pre_attention is not _pre_attention and engine.drafter.block_qkv is not _block_qkv
+    got = engine.generate_batch(prompts, 24)
+    assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
+    # target pre/post attention at widths B and 1, drafter block q/k/v, context k/v, post attention
+    assert counters["stats"]["unique_graphs"] == 7
 
 
 def test_factory_falls_back_for_unsupported_targets(targets):

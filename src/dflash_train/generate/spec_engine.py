@@ -282,9 +282,10 @@ class SpecEngine:
 
     # --- setup ------------------------------------------------------------------------------
 
-    def _compile_layer_functions(self, backend: str = "inductor") -> None:  # pragma: no cover - CUDA only
+    def _compile_layer_functions(self, backend: str = "inductor") -> None:
         """Fuse the elementwise work of the per-layer functions (as BuiltinEngine does); their
-        shapes do not depend on the kv bucket, so each compiles once per step width."""
+        shapes do not depend on the kv bucket, so each compiles once per step width. (The CPU
+        tests run this with a non-fusing backend.)"""
         dec, dr = self.decoder, self.drafter
         plain = (dec.pre_attention, dec.post_attention)
         plain_dr = (dr.block_qkv, dr.context_kv, dr.post_attention) if isinstance(dr, StaticDrafter) else None
@@ -298,7 +299,7 @@ class SpecEngine:
         try:  # compile now (all slots idle: the steps change no state), so a failure falls back cleanly
             for step in self._steps():
                 step.fn(self.buckets[0])
-            torch.cuda.synchronize()
+            self._sync()
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
             warnings.warn(f"torch.compile of the engine's layers failed, running them uncompiled: {exc}", stacklevel=2)
             dec.pre_attention, dec.post_attention = plain
