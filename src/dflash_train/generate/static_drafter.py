@@ -21,7 +21,10 @@ taps). A round of the engine, for a slot whose last committed token t sits at po
                           drafts = argmax of the target's LM head over slots 1..B-1.
 
 Fixed shapes for a given `kv_len`, no host synchronisation: both calls can be captured in one
-CUDA graph.
+CUDA graph. One exception to "nothing is copied": the context K/V of all layers come from one
+matmul over the layers' k_proj/v_proj weights concatenated at construction (a round then
+launches 2 matmuls for them instead of 2 per layer), so build the StaticDrafter after the
+drafter's weights are final (as an evaluation does).
 """
 
 from __future__ import annotations
@@ -42,14 +45,13 @@ def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class _DrafterLayer:
-    """References to one drafter layer's weights, grouped as the arguments of `_block_qkv`,
-    `_context_kv` and `_post_attention` (plain tensors: a compiled version serves all layers)."""
+    """References to one drafter layer's weights, grouped as the arguments of `_block_qkv` and
+    `_post_attention` (plain tensors: a compiled version serves all layers)."""
 
     def __init__(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                     attn.q_norm.weight, attn.k_norm.weight)
-        self.kv = (attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
         self.post = (attn.o_proj.weight, layer.post_attention_layernorm.weight,
                      mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         self.eps = float(layer.input_layernorm.eps)
@@ -71,12 +73,15 @@ def _block_qkv(
 
 
 def _context_kv(
-    ctx: Tensor, cos: Tensor, sin: Tensor, wk: Tensor, wv: Tensor, kn_w: Tensor, *, qk_eps: float, n_kv: int, head_dim: int
-) -> tuple[Tensor, Tensor]:
-    """Projected context ctx [S, T, H] -> k/v [S, T, g, d] (the context never passes through q)."""
-    lead = ctx.shape[:-1]
-    k = _norm(F.linear(ctx, wk).view(*lead, n_kv, head_dim), kn_w, qk_eps)
-    return apply_rope(k, cos, sin), F.linear(ctx, wv).view(*lead, n_kv, head_dim)
+    ctx: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor, kn_w: Tensor, *, qk_eps: float, n_layers: int, n_kv: int,
+    head_dim: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Projected context ctx [S, T, H] -> k/v [S, T, layers, g, d] of every layer (the context
+    never passes through q). w_kv [layers*2*g*d, H]: each layer's k_proj then v_proj rows;
+    kn_w [layers, 1, d]: the k_norm weights; cos/sin [S, T, 1, 1, d]."""
+    kv = F.linear(ctx, w_kv).view(*ctx.shape[:-1], n_layers, 2, n_kv, head_dim)
+    k = _norm(kv[..., 0, :, :], kn_w, qk_eps)
+    return apply_rope(k, cos, sin), kv[..., 1, :, :]
 
 
 def _post_attention(
@@ -102,6 +107,12 @@ class StaticDrafter:
         self.hidden_norm_w, self.hidden_norm_eps = drafter.hidden_norm.weight, float(drafter.hidden_norm.eps)
         self.norm_w, self.norm_eps = drafter.norm.weight, float(drafter.norm.eps)
         self.layers = [_DrafterLayer(layer) for layer in drafter.layers]
+        attns = [layer.self_attn for layer in drafter.layers]
+        self.context_w = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns]).detach()
+        self.context_kn_w = torch.stack([a.k_norm.weight for a in attns])[:, None, :].detach()  # [layers, 1, d]
+        if len({a.k_norm.eps for a in attns}) != 1:
+            raise ValueError("the drafter's layers use different k_norm eps")
+        self.context_eps = float(attns[0].k_norm.eps)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.fc_w.dtype, self.fc_w.device
@@ -130,11 +141,12 @@ class StaticDrafter:
         t = taps.shape[1]
         grid = start[:, None] + self.key_positions[None, :t]  # [R, T]
         ctx = _norm(F.linear(taps.to(self.dtype), self.fc_w), self.hidden_norm_w, self.hidden_norm_eps)  # [R, T, H]
-        cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [R, T, 1, d]
-        for i, lay in enumerate(self.layers):
-            k, v = context_kv(ctx, cos, sin, *lay.kv, qk_eps=lay.qk_eps, n_kv=self.n_kv, head_dim=self.head_dim)
-            self.k_cache[i][rows[:, None], :, grid] = k  # [R, T, g, d] at (row r, position grid[r, t])
-            self.v_cache[i][rows[:, None], :, grid] = v
+        cos, sin = self.cos[grid][:, :, None, None, :], self.sin[grid][:, :, None, None, :]  # [R, T, 1, 1, d]
+        k, v = context_kv(ctx, cos, sin, self.context_w, self.context_kn_w, qk_eps=self.context_eps,
+                          n_layers=len(self.layers), n_kv=self.n_kv, head_dim=self.head_dim)  # [R, T, layers, g, d]
+        # element (r, t) of the two advanced indices -> all layers, cache row rows[r], position grid[r, t]
+        self.k_cache[:, rows[:, None], :, grid] = k
+        self.v_cache[:, rows[:, None], :, grid] = v
 
     def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
         """After a prefill: the prompts' taps [n, T, n*H] (right padded) become the context of
