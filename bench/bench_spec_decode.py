@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import sys
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"bench_spec_decode: {args.target} + {config['drafter']} drafter (B = {B}), {len(prompts)} prompts x "
         f"{args.max_new_tokens} new tokens, {device} {config['dtype']}")
     engine_kw = dict(cuda_graphs=not args.no_cuda_graphs, compile=config["compile"])
+    say("building the batch-1 engine (compiling, capturing CUDA graphs, warm-up runs) ...")
     one = make_spec_decoder(model, drafter, stop, slots=1, max_len=max_len, **engine_kw)
     config["engine"] = type(one).__name__
     warm(one, prompts, max_len, 1)
@@ -202,11 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"config": config, "setup_seconds": round(time.perf_counter() - t_setup, 2)}
     say(f"setup (load, compile, graph capture, warm-up) {results['setup_seconds']:.1f} s; batch 1:")
     results["batch1"], greedy = batch_one(one, prompts, args.max_new_tokens)
+    getattr(one, "close", lambda: None)()  # the Hugging Face fallback's hooks
     del one
+    gc.collect()  # the engine's graphs and caches (lambdas hold reference cycles)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if args.batch_slots and static_engine_supported(model, max_len):
         batch_prompts = [prompts[i % len(prompts)] for i in range(args.batch_prompts)]
-        many = SpecEngine(model, drafter, stop, slots=args.batch_slots, max_len=max_len, **engine_kw)
         t0 = time.perf_counter()
+        say(f"building the batched engine ({args.batch_slots} slots) ...")
+        many = SpecEngine(model, drafter, stop, slots=args.batch_slots, max_len=max_len, **engine_kw)
         warm(many, batch_prompts, max_len, args.batch_slots)
         say(f"batched: {args.batch_slots} slots, warm-up {time.perf_counter() - t0:.1f} s")
         reference = {tuple(p): g.tokens for (_, p), g in zip(prompts, greedy)}
