@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[args.dtype]
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+              "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
+    dtype = dtypes[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
     t_setup = time.perf_counter()

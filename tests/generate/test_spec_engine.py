@@ -298,7 +298,7 @@ def test_batched_commits_what_batch_one_commits(targets):
         one = SpecEngine(model, make(), stop, slots=1, max_len=128)
         expected = [one.generate(p, NEW, speculative=name != "greedy") for p in prompts]
         finish_reasons |= {r.finish_reason for r in expected}
-        for slots, refill in [(3, 0.125), (4, 0.5)]:
+        for slots, refill in [(3, 0.125)] + ([(4, 0.5)] if name == "scripted" else []):  # (4, 0.5): refills wait for 2
             many = SpecEngine(model, make(), stop, slots=slots, max_len=128, refill_fraction=refill)
             got = many.generate_batch(prompts, NEW, speculative=name != "greedy")
             for e, r in zip(expected, got):
@@ -378,7 +378,8 @@ def test_factory_falls_back_for_unsupported_targets(targets):
     assert isinstance(slow, HFSpecDecoder)
     try:
         for speculative in (True, False):
-            a, b = fast.generate(prompt, 12, speculative=speculative), slow.generate(prompt, 12, speculative=speculative)
+            a = fast.generate(prompt, 12, speculative=speculative)
+            b = slow.generate(prompt, 12, speculative=speculative)
             assert (a.tokens, a.rounds) == (b.tokens, b.rounds)
     finally:
         slow.close()  # its forward hooks stay on the shared model otherwise

@@ -284,7 +284,9 @@ class StaticDecoder:
             kc[rows, :, grid] = k
             vc[rows, :, grid] = v
             q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, self.head_dim)
-            o = F.scaled_dot_product_attention(q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias, scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias, scale=self.scale
+            )  # [S, kv, rep*T, D]
             o = o.view(s, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(s, t, self.n_heads * self.head_dim)
             x = self.post_attention(x, o, *lay.post, eps=lay.ln2_eps)
             if i in tap_layers:

@@ -98,7 +98,8 @@ class _GraphedStep:
             try:
                 self._graphs[kv_len] = self._capture(kv_len)
             except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
-                warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}", stacklevel=2)
+                warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
+                              stacklevel=2)
                 self.use_graphs = False
                 self.fn(kv_len)
                 return

@@ -194,7 +194,8 @@ class StaticDrafter:
             vc[rows, :, grid] = v
             # GQA without repeating the cache (as StaticDecoder.verify): row r*B + k of kv head j
             q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * b, self.head_dim)
-            o = F.scaled_dot_product_attention(q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=biases[self.variants[i]])
+            bias = biases[self.variants[i]]
+            o = F.scaled_dot_product_attention(q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias)
             o = o.view(s, self.n_heads, b, self.head_dim).transpose(1, 2).reshape(s, b, self.n_heads * self.head_dim)
             x = self.post_attention(x, o, *lay.post, eps=lay.post_eps)
         return _norm(x, self.norm_w, self.norm_eps)
