@@ -30,13 +30,12 @@ On CPU the same steps run eagerly (what the exactness tests check).
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -45,35 +44,9 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.builtin import _kv_buckets
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.speculative import DecodeResult, Round
-from dflash_train.generate.static_drafter import StaticDrafter
+from dflash_train.generate.static_drafter import DraftSource, StaticDrafter, drafter_like
 
 log = logging.getLogger(__name__)
-
-
-class DraftSource(Protocol):
-    """What proposes drafts inside the engine: `StaticDrafter`, or a test double."""
-
-    block_size: int
-    target_layer_ids: list[int]
-
-    def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
-        """Prompts ids [n, T] (right padded, `lengths` [n]) were prefilled into `slot_ids`; taps [n, T, n*H]."""
-
-    def extend(self, taps: Tensor, start: Tensor) -> None:
-        """Taps [S, B, n*H] of the block verified last, at positions start[s] + 0..B-1."""
-
-    def propose(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-        """Drafts [S, B-1] after each slot's last committed token tokens[s] at positions[s]."""
-
-
-def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
-    """`drafter` on the device and in the dtype of `like`: itself if it already is, else a
-    converted copy, so the caller's module (say, a drafter in training with fp32 master
-    weights) is never changed."""
-    w = drafter.fc.weight
-    if w.device == like.device and w.dtype == like.dtype:
-        return drafter
-    return copy.deepcopy(drafter).to(device=like.device, dtype=like.dtype)
 
 
 class _GraphedStep:

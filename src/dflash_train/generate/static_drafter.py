@@ -29,7 +29,8 @@ drafter's weights are final (as an evaluation does).
 
 from __future__ import annotations
 
-from typing import Callable
+import copy
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,34 @@ from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.target.ops import apply_rope, rms_norm
+
+
+class DraftSource(Protocol):
+    """What proposes drafts inside the engine (generate/spec_engine.py): `StaticDrafter` or a
+    test double."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
+        """Prompts ids [n, T] (right padded, `lengths` [n]) were prefilled into `slot_ids`, with
+        taps [n, T, n*H]."""
+
+    def extend(self, taps: Tensor, start: Tensor) -> None:
+        """Taps [S, B, n*H] of the block verified last, at positions start[s] + 0..B-1."""
+
+    def propose(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """Drafts [S, B-1] after each slot's last committed token tokens[s] at positions[s]."""
+
+
+def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
+    """`drafter` on the device and in the dtype of `like`: itself if it already is, else a
+    converted copy, so the caller's module (say, a drafter in training with fp32 master
+    weights) is never changed."""
+    w = drafter.fc.weight
+    if w.device == like.device and w.dtype == like.dtype:
+        return drafter
+    return copy.deepcopy(drafter).to(device=like.device, dtype=like.dtype)
 
 
 def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
