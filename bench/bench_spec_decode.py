@@ -42,7 +42,7 @@ from dflash_train.eval.prompts import encode_prompt, load_prompts
 from dflash_train.generate.builtin import stop_token_ids
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.spec_eval import first_divergence, make_spec_decoder
+from dflash_train.generate.spec_decoder import first_divergence, make_spec_decoder
 from dflash_train.generate.speculative import DecodeResult
 from dflash_train.target.loading import choose_mask_token_id, load_target_model, load_tokenizer
 from dflash_train.target.presets import is_preset

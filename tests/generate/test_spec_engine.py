@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.eval.run import make_proposer, stop_tokens
 from dflash_train.generate.decoder import StaticDecoder, _pre_attention
-from dflash_train.generate.spec_eval import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
+from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.generate import spec_engine
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
