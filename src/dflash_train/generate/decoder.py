@@ -19,7 +19,7 @@ yarn, ...), tied or untied lm_head.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -188,10 +188,26 @@ class StaticDecoder:
         Returns the logits [B, V] after each prompt's last token. Causal attention over a
         right-padded batch never lets a real token see padding, so no padding mask is needed;
         the cache entries written for padding are never read (decode masks by position)."""
+        return self._prefill(ids, lengths, slot_ids, ())[0]
+
+    def prefill_with_taps(
+        self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, tap_layers: Sequence[int]
+    ) -> tuple[Tensor, Tensor]:
+        """`prefill`, also returning the taps [B, T, n*H] of every position: the outputs of
+        decoder layers `tap_layers` (pre final norm, HF `hidden_states[l + 1]`), concatenated
+        in that order. Rows past a prompt's length hold padding garbage."""
+        logits, taps = self._prefill(ids, lengths, slot_ids, tap_layers)
+        assert taps is not None, "tap_layers must name at least one layer"
+        return logits, taps
+
+    def _prefill(
+        self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, tap_layers: Sequence[int]
+    ) -> tuple[Tensor, Tensor | None]:
         b, t = ids.shape
         x = F.embedding(ids, self.embed_w)
         cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]  # [T, 1, D] over [B, T, heads, D]
         rep = self.n_heads // self.n_kv
+        taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
             q, k, v = _pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv, T, D]
@@ -202,8 +218,14 @@ class StaticDecoder:
                 v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
             x = _post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, eps=lay.ln2_eps)
+            if i in tap_layers:
+                taps[i] = x
         last = x[torch.arange(b, device=x.device), lengths - 1]
-        return self._logits(last)
+        return self._logits(last), self._concat_taps(taps, tap_layers)
+
+    @staticmethod
+    def _concat_taps(taps: dict[int, Tensor], tap_layers: Sequence[int]) -> Tensor | None:
+        return torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
 
     def decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """One token for every slot: tokens/positions [slots] -> logits [slots, V].
@@ -231,3 +253,43 @@ class StaticDecoder:
             )
             x = self.post_attention(x, o.reshape(s, self.n_heads * self.head_dim), *lay.post, eps=lay.ln2_eps)
         return self._logits(x)
+
+    def verify(
+        self, tokens: Tensor, positions: Tensor, kv_len: int, tap_layers: Sequence[int] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """T tokens for every slot: tokens [S, T] at positions[s] + 0..T-1 (positions [S]).
+
+        Returns logits [S, T, V] and, if `tap_layers` names any, the taps [S, T, n*H]
+        (outputs of those decoder layers, pre final norm). The tokens' K/V are written into
+        the cache at their positions; each query attends to the slot's cache positions
+        <= its own, so entries a slot wrote earlier beyond its committed length (rejected
+        drafts) are never read, and this call overwrites them. Like `decode`: fixed shapes
+        for a given `kv_len`, no host synchronisation, safe to capture in a CUDA graph; the
+        caller guarantees max(positions) + T <= kv_len <= max_len."""
+        s, t = tokens.shape
+        rep = self.n_heads // self.n_kv
+        grid = positions[:, None] + self.key_positions[None, :t]  # [S, T] each token's position
+        x = F.embedding(tokens, self.embed_w)  # [S, T, H]
+        cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [S, T, 1, D]
+        visible = self.key_positions[None, None, :kv_len] <= grid[:, :, None]  # [S, T, L]
+        # GQA without repeating the cache, as in `decode`: the `rep` query heads of a kv head
+        # become rep*T query rows of that head (row r*T + t), so the mask repeats per r.
+        # An additive mask built once serves every layer (SDPA would convert a bool one each call).
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)
+        rows = self.rows[:s, None]  # [S, 1] with grid [S, T]: element (s, t) -> cache row s, position grid[s, t]
+        taps: dict[int, Tensor] = {}
+        for i, lay in enumerate(self.layers):
+            q, k, v = self.pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))  # q [S,T,h,D], k/v [S,T,kv,D]
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [S, kv, max_len, D]
+            kc[rows, :, grid] = k
+            vc[rows, :, grid] = v
+            q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias, scale=self.scale
+            )  # [S, kv, rep*T, D]
+            o = o.view(s, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(s, t, self.n_heads * self.head_dim)
+            x = self.post_attention(x, o, *lay.post, eps=lay.ln2_eps)
+            if i in tap_layers:
+                taps[i] = x
+        return self._logits(x), self._concat_taps(taps, tap_layers)

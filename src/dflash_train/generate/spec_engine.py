@@ -1,0 +1,437 @@
+"""Greedy speculative decoding (and its plain greedy baseline) on the static-KV engine.
+
+One engine serves generation and evaluation, batch 1 (latency) or many sequences at once.
+Every slot holds one sequence; all per-slot state lives in static device buffers
+(last committed token, its position, tokens generated, limit, active flag). A round:
+
+    draft step   (one CUDA graph per kv bucket)
+        drafter.extend(taps of the block verified last round)   context K/V at their positions
+        drafts = drafter.propose(last token, position)          [slots, B-1]
+    verify step  (one CUDA graph per kv bucket)
+        logits, taps = target.verify([last, drafts], position)  [slots, B, V], [slots, B, n*H]
+        greedy acceptance on device: a = longest prefix of drafts equal to the target's argmax
+        (capped so the output never passes max_new_tokens), commit a + 1 tokens, cut after a
+        stop token; update position / last token / count / active flag in place
+    one host synchronisation: the committed tokens and counts come back (one small copy)
+
+Plain greedy decoding is the same verify step with T = 1 and no drafter; it also returns
+each token's top-1 logit and top-1 minus top-2 margin, for the lossless check in
+generate/spec_eval.py.
+
+Batched mode schedules like the built-in generate engine: a slot whose sequence finished
+(on device it just stops committing) is refilled with the next prompt while the others
+keep decoding. Refills wait until `refill_fraction` of the slots are free (or the queue
+is shorter than that, or nothing is running), so one eager prefill serves several prompts.
+Every slot's rounds depend only on its own sequence, so a prompt commits exactly what it
+commits at batch 1 (up to kernel rounding in bf16).
+
+On CPU the same steps run eagerly (what the exactness tests check).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.builtin import _kv_buckets
+from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.speculative import DecodeResult, Round
+from dflash_train.generate.static_drafter import DraftSource, StaticDrafter, drafter_like
+
+log = logging.getLogger(__name__)
+
+
+class _GraphedStep:
+    """A step `fn(kv_len)` that works on static buffers in place, per kv bucket.
+
+    On CUDA each bucket is captured in a CUDA graph the first time it is needed, after
+    warm-up runs on a side stream (as `builtin._DecodeStep._capture`). Steps may update
+    state in place (positions += committed, ...): `state` lists those buffers, which are
+    restored after every warm-up run, so the replay that follows the capture performs the
+    step exactly once. Everything else a step writes (caches, outputs) is a function of the
+    state, so writing it again is harmless."""
+
+    def __init__(self, fn: Callable[[int], None], state: Sequence[Tensor], *, use_graphs: bool, name: str) -> None:
+        self.fn, self.state, self.use_graphs, self.name = fn, list(state), use_graphs, name
+        self._graphs: dict[int, Any] = {}
+
+    def __call__(self, kv_len: int) -> None:
+        if not self.use_graphs:
+            self.fn(kv_len)
+            return
+        if kv_len not in self._graphs:
+            try:
+                self._graphs[kv_len] = self._capture(kv_len)
+            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
+                warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
+                              stacklevel=2)
+                self.use_graphs = False
+                self.fn(kv_len)
+                return
+        self._graphs[kv_len].replay()
+
+    def _capture(self, kv_len: int) -> Any:  # pragma: no cover - CUDA only
+        saved = [t.clone() for t in self.state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy init, cuBLAS handles, autotuning, torch.compile: never in the capture
+                self.fn(kv_len)
+                for t, s in zip(self.state, saved):
+                    t.copy_(s)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.fn(kv_len)  # recorded, not run: the state is untouched until the replay
+        log.info("captured the %s step for %d cache positions in a CUDA graph", self.name, kv_len)
+        return graph
+
+
+class _RoundTimer:
+    """Draft and verify time of a round: CUDA events on a GPU, read after the round's one
+    synchronisation (no extra wait); the wall clock on CPU, where every op is synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else []
+        self.marks = [0.0, 0.0, 0.0]
+
+    def mark(self, i: int) -> None:
+        if self.cuda:  # pragma: no cover
+            self.events[i].record()
+        else:
+            self.marks[i] = time.perf_counter()
+
+    def seconds(self) -> tuple[float, float]:
+        """(draft, verify) of the last round; call after the round's synchronisation."""
+        if self.cuda:  # pragma: no cover
+            e = self.events
+            return e[0].elapsed_time(e[1]) / 1000, e[1].elapsed_time(e[2]) / 1000
+        m = self.marks
+        return m[1] - m[0], m[2] - m[1]
+
+
+@dataclass(eq=False)
+class _Row:
+    """Host record of the sequence in a slot."""
+
+    index: int  # in the caller's prompt list
+    prompt_len: int
+    limit: int  # max_new_tokens
+    position: int  # of the last committed token
+    t_start: float
+    prefill_seconds: float
+    greedy: bool
+    out: list[int] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    top_logits: list[float] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+class SpecEngine:
+    """Greedy speculative decoding of `target` with `drafter` over `slots` static slots.
+
+    `drafter`: a DFlashDrafter (run in the target's device and dtype: `drafter_like`), any
+    `DraftSource`, or None (plain greedy only).
+    `max_len`: cache positions per slot; a prompt needs len + max_new_tokens + B of them."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        drafter: DFlashDrafter | DraftSource | None,
+        stop_ids: set[int] | Sequence[int],
+        *,
+        slots: int = 1,
+        max_len: int = 2048,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+        refill_fraction: float = 0.125,
+        prefill_tokens: int = 16384,
+    ) -> None:
+        max_len = -(-max_len // 64) * 64
+        self.decoder = StaticDecoder(target, slots, max_len)
+        dev, self.device = self.decoder.device, self.decoder.device
+        self.slots, self.max_len = slots, max_len
+        self.stop_ids = {int(t) for t in stop_ids}
+        if isinstance(drafter, DFlashDrafter):
+            drafter = StaticDrafter(drafter_like(drafter, self.decoder.embed_w), self.decoder.embed_w,
+                                    self.decoder.lm_head_w, slots, max_len)
+        self.drafter = drafter
+        self.block_size = drafter.block_size if drafter is not None else 1
+        self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []
+        self.refill_min = max(1, int(slots * refill_fraction))
+        self.prefill_tokens = prefill_tokens
+        B, long = self.block_size, dict(dtype=torch.long, device=dev)
+
+        # Per-slot state, static device buffers (see module doc).
+        self.tokens = torch.zeros(slots, **long)  # last committed token
+        self.positions = torch.zeros(slots, **long)  # its position
+        self.n_out = torch.zeros(slots, **long)  # tokens generated so far
+        self.limit = torch.ones(slots, **long)  # max_new_tokens
+        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.drafts = torch.zeros(slots, max(B - 1, 1), **long)
+        self.block_start = torch.zeros(slots, **long)  # where the block verified last starts
+        taps_width = len(self.tap_layers) * self.decoder.embed_w.shape[1]
+        self.taps = torch.zeros(slots, B, taps_width, dtype=self.decoder.dtype, device=dev)
+        self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
+        self.columns = torch.arange(B, **long)
+        # What a round reports to the host: greedy tokens [B], committed, accepted, drafted.
+        self.report = torch.zeros(slots, B + 3, **long)
+        self.top2 = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # greedy: top-1 logit, margin
+        pinned = dev.type == "cuda"
+        self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
+        self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
+
+        self.buckets = _kv_buckets(max_len)
+        graphs = cuda_graphs and dev.type == "cuda" and (drafter is None or isinstance(drafter, StaticDrafter))
+        state = [self.tokens, self.positions, self.n_out, self.active]
+        self._verify = {1: _GraphedStep(lambda kv: self._verify_step(1, kv), state, use_graphs=graphs, name="greedy")}
+        if drafter is not None:
+            self._verify[B] = _GraphedStep(lambda kv: self._verify_step(B, kv), state, use_graphs=graphs, name="verify")
+            self._draft = _GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
+        self.timer = _RoundTimer(dev)
+        self._rows: list[_Row | None] = [None] * slots
+        self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        if compile and dev.type == "cuda":
+            self._compile_layer_functions()
+        log.info("speculative engine: %d slots x %d positions, block %d, %s", slots, max_len, B,
+                 "CUDA graphs" if graphs else "eager")
+
+    @property
+    def use_graphs(self) -> bool:
+        return all(step.use_graphs for step in self._steps())
+
+    def _steps(self) -> list[_GraphedStep]:
+        return list(self._verify.values()) + ([self._draft] if self.drafter is not None else [])
+
+    # --- the two captured steps ------------------------------------------------------------
+
+    @torch.no_grad()
+    def _draft_step(self, kv_len: int) -> None:
+        self.drafter.extend(self.taps, self.block_start)
+        self.drafts.copy_(self.drafter.propose(self.tokens, self.positions, kv_len))
+
+    @torch.no_grad()
+    def _verify_step(self, width: int, kv_len: int) -> None:
+        """Verify `width` tokens per slot, accept greedily and commit, all on device."""
+        inp = self.tokens[:, None] if width == 1 else torch.cat([self.tokens[:, None], self.drafts], 1)  # [S, T]
+        logits, taps = self.decoder.verify(inp, self.positions, kv_len, self.tap_layers if width > 1 else ())
+        greedy = logits.argmax(-1)  # [S, T]: greedy[:, k] is the target's choice after input k
+        if width > 1:
+            self.taps.copy_(taps)
+            self.block_start.copy_(self.positions)
+            drafted = (self.limit - self.n_out - 1).clamp(0, width - 1)  # never draft past max_new_tokens
+            match = (self.drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
+            accepted = torch.minimum(match, drafted)
+        else:
+            drafted = accepted = torch.zeros_like(self.n_out)
+            top = logits[:, 0].float().topk(2, dim=-1).values  # [S, 2]
+            self.top2.copy_(torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
+        # The accepted drafts equal greedy[:, :a], so the commit is greedy[:, :a + 1], cut after a stop token.
+        candidate = accepted + 1
+        is_stop = (greedy[..., None] == self.stop_table).any(-1) & (self.columns[None, :width] < candidate[:, None])
+        stopped = is_stop.any(1)
+        first_stop = torch.where(stopped, is_stop.long().argmax(1), width)
+        committed = torch.minimum(candidate, first_stop + 1) * self.active
+        self.n_out.add_(committed)
+        last = greedy.gather(1, (committed - 1).clamp(min=0)[:, None])[:, 0]
+        self.tokens.copy_(torch.where(committed > 0, last, self.tokens))
+        self.active.logical_and_(~(stopped | (self.n_out >= self.limit)))
+        # Finished slots keep stepping (on stale input, committing nothing) until refilled, at
+        # position 0: in range, and every query of theirs sees at least its own block.
+        self.positions.add_(committed).mul_(self.active)
+        self.report[:, :width].copy_(greedy)
+        self.report[:, -3:].copy_(torch.stack([committed, accepted, drafted], 1))
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _compile_layer_functions(self, backend: str = "inductor") -> None:
+        """Fuse the elementwise work of the per-layer functions (as BuiltinEngine does); their
+        shapes do not depend on the kv bucket, so each compiles once per step width. (The CPU
+        tests run this with a non-fusing backend.)"""
+        dec, dr = self.decoder, self.drafter
+        plain = (dec.pre_attention, dec.post_attention)
+        plain_dr = (dr.block_qkv, dr.context_kv, dr.post_attention) if isinstance(dr, StaticDrafter) else None
+
+        def compiled(fn):
+            return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+
+        dec.pre_attention, dec.post_attention = map(compiled, plain)
+        if plain_dr is not None:
+            dr.block_qkv, dr.context_kv, dr.post_attention = map(compiled, plain_dr)
+        try:  # compile now (all slots idle: the steps change no state), so a failure falls back cleanly
+            for step in self._steps():
+                step.fn(self.buckets[0])
+            self._sync()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
+            warnings.warn(f"torch.compile of the engine's layers failed, running them uncompiled: {exc}", stacklevel=2)
+            dec.pre_attention, dec.post_attention = plain
+            if plain_dr is not None:
+                dr.block_qkv, dr.context_kv, dr.post_attention = plain_dr
+
+    @torch.no_grad()
+    def warm_up(self, max_kv: int | None = None) -> None:
+        """Capture every step's CUDA graph for every kv bucket up to `max_kv` now, so no
+        capture lands inside a timed run. Only between runs (all slots idle)."""
+        if self._n_active():
+            raise RuntimeError("warm_up needs an idle engine")
+        last = next((b for b in self.buckets if b >= max_kv), self.max_len) if max_kv else self.max_len
+        for kv in [b for b in self.buckets if b <= last]:
+            for step in self._steps():
+                step(kv)
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # pragma: no cover
+            torch.cuda.synchronize()
+
+    def _n_active(self) -> int:
+        return self.slots - len(self._free)
+
+    # --- decoding ---------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, speculative: bool = True) -> DecodeResult:
+        """Greedy decoding of one prompt; speculative unless `speculative` is False."""
+        return self.generate_batch([prompt_ids], max_new_tokens, speculative=speculative)[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        speculative: bool = True,
+        on_result: Callable[[int, DecodeResult], None] | None = None,
+    ) -> list[DecodeResult]:
+        """Decode every prompt (in order, refilling slots as sequences finish); results in
+        prompt order. Per prompt, `seconds` runs from its prefill to its last round."""
+        if speculative and self.drafter is None:
+            raise ValueError("this engine has no drafter: use speculative=False")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        width = self.block_size if speculative else 1
+        for p in prompts:
+            if not p:
+                raise ValueError("empty prompt")
+            if len(p) + max_new_tokens + self.block_size > self.max_len:
+                raise ValueError(f"a prompt of {len(p)} tokens + {max_new_tokens} new needs max_len >= "
+                                 f"{len(p) + max_new_tokens + self.block_size}, this engine has {self.max_len}")
+        results: list[DecodeResult | None] = [None] * len(prompts)
+        pending = deque(enumerate(prompts))
+
+        def finish(slot: int, reason: str) -> None:
+            row = self._rows[slot]
+            assert row is not None
+            self._rows[slot] = None
+            self._free.append(slot)
+            res = DecodeResult(row.out, row.rounds, reason, time.perf_counter() - row.t_start, row.prefill_seconds,
+                               row.draft_seconds, row.verify_seconds,
+                               row.margins if row.greedy else None, row.top_logits if row.greedy else None)
+            results[row.index] = res
+            if on_result is not None:
+                on_result(row.index, res)
+
+        self._sync()
+        while pending or self._n_active():
+            free = len(self._free)
+            if pending and free and (free >= min(self.refill_min, len(pending)) or not self._n_active()):
+                self._admit([pending.popleft() for _ in range(min(free, len(pending)))], max_new_tokens, speculative,
+                            finish)
+                continue
+            self._round(width, speculative, finish)
+        return results  # type: ignore[return-value]
+
+    def _admit(self, batch: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool, finish) -> None:
+        batch = sorted(batch, key=lambda item: len(item[1]))
+        start = 0
+        while start < len(batch):  # length-sorted chunks within the prefill token budget
+            end = start + 1
+            while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
+                end += 1
+            self._prefill(batch[start:end], max_new, speculative, finish)
+            start = end
+
+    def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool, finish) -> None:
+        """Eager prefill of a chunk of prompts into free slots; commits each one's first token."""
+        t0 = time.perf_counter()
+        dev = self.device
+        width = max(len(p) for _, p in chunk)
+        slots = [self._free.pop() for _ in chunk]
+        slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        lengths = torch.tensor([len(p) for _, p in chunk], dtype=torch.long, device=dev)
+        ids = torch.tensor([list(p) + [0] * (width - len(p)) for _, p in chunk], dtype=torch.long, device=dev)
+        if speculative:
+            logits, taps = self.decoder.prefill_with_taps(ids, lengths, slot_idx, self.tap_layers)
+            self.drafter.start(ids, lengths, slot_idx, taps)
+        else:
+            logits = self.decoder.prefill(ids, lengths, slot_idx)
+        first = logits.argmax(-1)  # [n]
+        top = logits.float().topk(2, dim=-1).values  # [n, 2]
+        first_host, top_host = first.tolist(), top.tolist()  # waits for the device: the timing is real
+        done = [t in self.stop_ids or max_new == 1 for t in first_host]
+        self.tokens[slot_idx] = first
+        self.positions[slot_idx] = lengths
+        self.block_start[slot_idx] = lengths  # stale taps land where this slot's first block goes: overwritten
+        self.n_out[slot_idx] = 1
+        self.limit[slot_idx] = max_new
+        self.active[slot_idx] = torch.tensor([not d for d in done], device=dev)
+        seconds = time.perf_counter() - t0
+        for slot, (index, prompt), token, (t1, t2), d in zip(slots, chunk, first_host, top_host, done):
+            row = _Row(index, len(prompt), max_new, len(prompt), t0, seconds, greedy=not speculative, out=[token])
+            if not speculative:
+                row.top_logits.append(t1)
+                row.margins.append(t1 - t2)
+            self._rows[slot] = row
+            if d:
+                finish(slot, "stop" if token in self.stop_ids else "length")
+
+    def _round(self, width: int, speculative: bool, finish) -> None:
+        active = [s for s, row in enumerate(self._rows) if row is not None]
+        kv_len = next(b for b in self.buckets if b >= max(self._rows[s].position for s in active) + width)
+        self.timer.mark(0)
+        if speculative:
+            self._draft(kv_len)
+        self.timer.mark(1)
+        self._verify[width](kv_len)
+        self.timer.mark(2)
+        report, top2 = self._read(not speculative)  # the round's one host synchronisation
+        draft_s, verify_s = self.timer.seconds()
+        for s in active:
+            row = self._rows[s]
+            committed, accepted, drafted = report[s][-3:]
+            tokens = report[s][:committed]
+            row.out.extend(tokens)
+            row.rounds.append(Round(drafted, accepted, committed))
+            row.position += committed
+            row.draft_seconds += draft_s
+            row.verify_seconds += verify_s
+            if top2 is not None:
+                row.top_logits.append(top2[s][0])
+                row.margins.append(top2[s][1])
+            if tokens[-1] in self.stop_ids:
+                finish(s, "stop")
+            elif len(row.out) >= row.limit:
+                finish(s, "length")
+
+    def _read(self, with_top2: bool) -> tuple[list[list[int]], list[list[float]] | None]:
+        if self.device.type != "cuda":
+            return self.report.tolist(), (self.top2.tolist() if with_top2 else None)
+        self._report_host.copy_(self.report, non_blocking=True)  # pragma: no cover - CUDA only
+        if with_top2:
+            self._top2_host.copy_(self.top2, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        return self._report_host.tolist(), (self._top2_host.tolist() if with_top2 else None)
+
