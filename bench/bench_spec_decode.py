@@ -17,7 +17,7 @@ the timed runs):
   proposal), verify (target forward + acceptance) and host (everything else: the one sync,
   bookkeeping, launches); tok/s counts new tokens over prefill + decode.
 * lossless: each speculative output against the greedy one; the first divergence and the
-  target's top-1 minus top-2 margin there, classified near-tie / mismatch (spec_eval.py).
+  target's top-1 minus top-2 margin there, classified near-tie / mismatch (generate/spec_decoder.py).
 * batched: `--batch-prompts` prompts through `--batch-slots` slots, refilled as sequences
   finish; committed tok/s over the wall clock of the whole run, greedy and speculative.
 """
@@ -38,7 +38,7 @@ import torch
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.eval.prompts import encode_prompt, load_prompts
+from dflash_train.data.prompts import encode_prompt, load_prompts
 from dflash_train.generate.builtin import stop_token_ids
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.generate.spec_engine import SpecEngine

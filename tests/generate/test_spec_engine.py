@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.run import make_proposer, stop_tokens
+from dflash_train.generate.spec_eval import make_proposer
+from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 from dflash_train.generate.decoder import StaticDecoder, _pre_attention
 from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.generate import spec_engine

@@ -16,7 +16,7 @@ Every slot holds one sequence; all per-slot state lives in static device buffers
 
 Plain greedy decoding is the same verify step with T = 1 and no drafter; it also returns
 each token's top-1 logit and top-1 minus top-2 margin, for the lossless check in
-generate/spec_eval.py.
+generate/spec_decoder.py.
 
 Batched mode schedules like the built-in generate engine: a slot whose sequence finished
 (on device it just stops committing) is refilled with the next prompt while the others

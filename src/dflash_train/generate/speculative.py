@@ -46,7 +46,7 @@ class DecodeResult:
     draft_seconds: float = 0.0  # time spent in the drafter (proposals and context K/V)
     verify_seconds: float = 0.0  # time spent in target verify forwards
     # Plain greedy runs of the static engine (generate/spec_engine.py): per token, the
-    # target's top-1 logit and its margin over the top-2 (see generate/spec_eval.py).
+    # target's top-1 logit and its margin over the top-2 (see generate/spec_decoder.py).
     margins: list[float] | None = None
     top_logits: list[float] | None = None
 
