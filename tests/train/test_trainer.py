@@ -16,11 +16,12 @@ import torch
 import dflash_train.train.setup as setup_mod
 import dflash_train.train.step as step_mod
 from dflash_train.drafter.checkpoint import load_drafter
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.checkpoint import latest_checkpoint, latest_valid_checkpoint
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import ConfigError, DataError, InputError, TrainingError
+from dflash_train.utils.fs import remove_stale_temp_dirs
 
 from ..conftest import build_tokenizer, prepare_dataset, synthetic_conversations
 
@@ -133,6 +134,9 @@ ck.save_checkpoint(root, drafter=m, optimizer=opt, scheduler=sch, state=ck.Train
     assert "step-00000001" in leftovers and "step-00000002" not in leftovers
     assert any(".tmp-" in name for name in leftovers)  # the torn write is still there, under a temp name
     assert latest_checkpoint(tmp_path).name == "step-00000001"
+    # ... named after its dead writer, so the next save (which calls this) removes it
+    assert remove_stale_temp_dirs(tmp_path) and [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert latest_valid_checkpoint(tmp_path).name == "step-00000001"
 
 
 def test_export_then_load_gives_identical_outputs(tiny_targets, tiny_datasets, tmp_path):

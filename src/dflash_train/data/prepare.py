@@ -46,11 +46,12 @@ from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.target.loading import load_tokenizer, tokenizer_identity
 from dflash_train.utils.config import cli
 from dflash_train.utils.device import busy_cores_elsewhere
-from dflash_train.utils.errors import DataError, OutputError
-from dflash_train.utils.fs import atomic_directory_write
+from dflash_train.utils.errors import DataError
+from dflash_train.utils.fs import atomic_directory_write, check_output_dir
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+JOB = "prepare"  # named in the marker file of the directories it writes
 BATCH_ROWS = 1024  # rows per Arrow record batch: small enough to buffer, large enough to be cheap
 CHUNK_ROWS = 64  # rows per task sent to a worker process
 MAX_LISTED_BAD_ROWS = 1000  # bad rows listed in the manifest itself; bad_rows.jsonl has them all
@@ -286,19 +287,20 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float]:
             "p90": float(p90), "p99": float(p99), "max": int(lengths.max())}
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
-    if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
-        raise OutputError(f"{output} already exists; pass --overwrite to replace it")
+def _prepare_output(cfg: PrepareConfig, files: list[Path]) -> Path:
+    """The output directory, resolved, once `check_output_dir` agrees to write it: never a
+    file, never one holding (or inside) the inputs, replaced only with --overwrite when an
+    earlier prepare made it."""
+    return check_output_dir(cfg.output, overwrite=cfg.overwrite, inputs=[*cfg.inputs, *files], job=JOB)
 
 
 def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     """Run the whole prepare job; returns the manifest. `tokenizer` skips loading `cfg.target`.
 
     Raises DataError on the first malformed row (unless cfg.skip_bad_rows) and
-    OutputError when the output exists (unless cfg.overwrite)."""
-    output = Path(cfg.output).expanduser().resolve()
-    _prepare_output(output, cfg.overwrite)  # fail before the expensive part
+    OutputError when the output must not be written (`_prepare_output`)."""
     files = expand_inputs(cfg.inputs)
+    output = _prepare_output(cfg, files)  # fail before the expensive part
     tok = tokenizer if tokenizer is not None else load_target_tokenizer(cfg.target)
     identity = tokenizer_identity(tok)  # of the tokenizer as the target ships it: the trainer compares this
     template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
@@ -319,7 +321,7 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
         result.update(manifest)
 
     # written into a temporary directory and renamed: a failed run leaves no half dataset
-    atomic_directory_write(output, write, before_swap=lambda: _prepare_output(output, cfg.overwrite))
+    atomic_directory_write(output, write, job=JOB, before_swap=lambda: _prepare_output(cfg, files))
     manifest = result
     return manifest
 

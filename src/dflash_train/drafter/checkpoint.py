@@ -90,15 +90,17 @@ def from_hf_config(data: dict) -> DrafterConfig:
     )
 
 
-def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the spec's inference checkpoint (config.json + model.safetensors) atomically."""
+def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                 job: str | None = None) -> Path:
+    """Write the spec's inference checkpoint (config.json + model.safetensors) atomically.
+    With `job`, the directory also gets dflash-train's marker file naming that job."""
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
 
-    return atomic_directory_write(Path(directory), write)
+    return atomic_directory_write(Path(directory), write, job=job)
 
 
 def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:

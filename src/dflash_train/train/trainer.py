@@ -27,6 +27,7 @@ from dflash_train.pipeline.target_worker import broadcast_start
 from dflash_train.target.loading import open_target, tokenizer_identity
 from dflash_train.train import setup
 from dflash_train.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash_train.train.checkpoint import latest_valid_checkpoint, step_dir_name, step_dirs, verify_checkpoint
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.evaluate import evaluate_split, speculative_check
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
@@ -102,13 +103,20 @@ class Trainer:
         self.consumed = ConsumedSamples()
 
     def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        latest = latest_checkpoint(self.ckpt_dir)
-        if resume and latest is None:
+        """The newest checkpoint that verifies (newer ones that do not are skipped with a warning)."""
+        if not resume:
+            if latest_checkpoint(self.ckpt_dir) is not None:
+                raise TrainingError(f"{self.ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
+                                    f"or choose another run.output_dir")
+            return None
+        found = latest_valid_checkpoint(self.ckpt_dir)
+        if found is None and step_dirs(self.ckpt_dir, complete_only=False):
+            # starting over would later prune them: the user decides what to do with them
+            raise TrainingError(f"{self.ckpt_dir}: none of its checkpoints verifies (see the warnings above); "
+                                f"move them away to start from scratch")
+        if found is None:
             log.info("--resume: no complete checkpoint in %s; starting from scratch", self.ckpt_dir)
-        if not resume and latest is not None:
-            raise TrainingError(f"{self.ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-                                f"or choose another run.output_dir")
-        return latest if resume else None
+        return found
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -218,9 +226,9 @@ class Trainer:
         control.saved()
         if not self.main or not self.cfg.run.checkpoint:
             return None
-        latest = latest_checkpoint(self.ckpt_dir)
-        if latest is not None and latest.name == f"step-{self.state.step:08d}":
-            return latest  # this step is saved already (the last step was a save_every step)
+        saved = self.ckpt_dir / step_dir_name(self.state.step)
+        if saved.is_dir() and not verify_checkpoint(saved):
+            return saved  # this step is saved already (the last step was a save_every step)
         path = save_checkpoint(self.ckpt_dir, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=self.state, config=self.resolved, keep_last=self.cfg.run.keep_last)
         metrics.line(f"saved {path}")
