@@ -17,6 +17,7 @@ GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 
 TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # stop training after this many minutes (0 = the config's limit)
 EVAL_PROMPTS=${EVAL_PROMPTS:-0}    # prompts per eval set (0 = all)
 EVAL_NEW=${EVAL_NEW:-256}
+# SKIP_EVAL=1: stop after training (the trainer already measured tau on held-out prompts)
 PY=${PYTHON:-python3}
 DFT="$PY -m dflash_train"
 mkdir -p "$WORK"
@@ -42,6 +43,7 @@ RESUME=()
 $DFT train --config configs/smollm2-135m.yaml --target.path "$TARGET" --data.path "$WORK/data" \
     --run.output_dir "$WORK/train" --run.progress false "${EXTRA[@]}" "${RESUME[@]}" ${TRAIN_ARGS:-}
 
+[ "${SKIP_EVAL:-0}" = "1" ] && exit 0
 echo "== 4/4 eval (greedy, block 16)"
 for prompts in humaneval chat; do
   $DFT eval --target "$TARGET" --drafter "$WORK/train/final" --prompts "$prompts" --num-prompts "$EVAL_PROMPTS" \

@@ -144,10 +144,11 @@ def test_truncate_vs_drop(smol_tokenizer, tmp_path):
     assert (c["rows_read"], c["rows_kept"], c["truncated"], c["dropped_too_long"]) == (5, 3, 0, 2)
     assert len(TokenDataset(out)) == 3
 
-    # Truncated so far that no assistant token is left: dropped and counted as such.
-    manifest, out = run(smol_tokenizer, tmp_path, [path], max_length=short_len - 5, output=tmp_path / "o3")
-    assert manifest["counts"]["dropped_no_loss"] == 5 and manifest["counts"]["rows_kept"] == 0
-    assert len(TokenDataset(out)) == 0
+    # Truncated so far that no assistant token is left: every row dropped and counted as such,
+    # and a dataset of 0 rows is an error (nothing written), not a success.
+    with pytest.raises(DataError, match=r"no row was kept \(read 5: 0 too long, 5 with no assistant tokens, 0 bad\)"):
+        run(smol_tokenizer, tmp_path, [path], max_length=short_len - 5, output=tmp_path / "o3")
+    assert not (tmp_path / "o3").exists()
 
 
 def test_template_that_rerenders_history_splits_conversations(smol_tokenizer, tmp_path):

@@ -5,6 +5,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
+from dflash_train.utils.errors import ModelError
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.utils.fs import atomic_directory_write
 
@@ -49,7 +50,13 @@ def test_bf16_default_and_load_errors(tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
     (out / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(ModelError, match="model.safetensors"):
+        load_drafter(out)
+    (out / "model.safetensors").write_bytes(b"\x00" * 10)  # truncated
+    with pytest.raises(ModelError, match="cannot read the weights"):
+        load_drafter(out)
+    (out / "config.json").write_text("{")
+    with pytest.raises(ModelError, match="config.json: not valid JSON"):
         load_drafter(out)
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.generate.spec_eval import make_proposer
-from dflash_train.target.chat_template import stop_token_ids as stop_tokens
+from dflash_train.generate import spec_engine
 from dflash_train.generate.decoder import StaticDecoder, _pre_attention
 from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
-from dflash_train.generate import spec_engine
 from dflash_train.generate.spec_engine import SpecEngine
+from dflash_train.generate.spec_eval import make_proposer
 from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
 from dflash_train.generate.static_drafter import StaticDrafter, _block_qkv
+from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 from ..eval.conftest import ScriptedProposer, plain_greedy, random_drafter

@@ -200,13 +200,12 @@ def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, no_model_l
 
 
 def test_error_empty_dataset(tiny_targets, tmp_path, no_model_loading):
-    from dflash_train.data.prepare import PrepareConfig, prepare
+    from dflash_train.data.prepare import MANIFEST
 
-    src = tmp_path / "rows.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in synthetic_conversations(3)))
-    data = tmp_path / "data"  # every row is longer than max_length and dropped: 0 samples
-    prepare(PrepareConfig(target=str(tiny_targets["llama"]), inputs=[str(src)], output=str(data), workers=1,
-                          progress=False, max_length=4, overflow="drop"))
+    data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(3), tmp_path / "data")
+    manifest = json.loads((data / MANIFEST).read_text())
+    manifest["shards"] = []  # as a dataset with no rows would say
+    (data / MANIFEST).write_text(json.dumps(manifest))
     cfg = make_config(tiny_targets["llama"], data, tmp_path / "r")
     with pytest.raises(DataError, match="empty"):
         Trainer(cfg)

@@ -246,7 +246,7 @@ class BatchPlanner:
         epoch, index = start
         if epoch < 0 or index < 0:
             raise ValueError(f"bad cursor {start}")
-        log.info("%s", self.describe(epoch, world=world))
+        log.debug("%s", self.describe(epoch, world=world))
         while epochs is None or epoch < epochs:
             plan = self.shard(epoch, rank, world)
             for b in range(index, len(plan)):

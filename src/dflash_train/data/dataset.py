@@ -40,14 +40,19 @@ class TokenDataset:
         counts: list[int] = []
         lengths: list[np.ndarray] = []
         for shard in self.manifest["shards"]:
-            reader = pa.ipc.open_file(pa.memory_map(str(self.path / shard["file"]), "r"))
-            rows = 0
-            for k in range(reader.num_record_batches):
-                batch = reader.get_batch(k)
-                self._batches.append(batch)
-                counts.append(batch.num_rows)
-                lengths.append(batch.column("length").to_numpy())
-                rows += batch.num_rows
+            file = self.path / shard["file"]
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(str(file), "r"))
+                rows = 0
+                for k in range(reader.num_record_batches):
+                    batch = reader.get_batch(k)
+                    self._batches.append(batch)
+                    counts.append(batch.num_rows)
+                    lengths.append(batch.column("length").to_numpy())
+                    rows += batch.num_rows
+            except (OSError, pa.ArrowException) as exc:  # a truncated or damaged shard (a copy cut short)
+                raise DataError(file, None, None, f"cannot read this shard ({exc}); copy it again or re-run "
+                                                  f"prepare") from None
             if rows != shard["rows"]:
                 raise DataError(self.path / shard["file"], None, None, f"{rows} rows, the manifest says {shard['rows']}")
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])

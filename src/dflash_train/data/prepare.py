@@ -310,6 +310,12 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
 
     def write(tmp: Path) -> None:
         manifest = _run(cfg, files, renderer, tmp)
+        if not manifest["counts"]["rows_kept"]:  # nothing to train on: write no dataset at all
+            c = manifest["counts"]
+            raise DataError(", ".join(map(str, files)), None, None,
+                            f"no row was kept (read {c['rows_read']}: {c['dropped_too_long']} too long, "
+                            f"{c['dropped_no_loss']} with no assistant tokens, {c['bad_rows']} bad); "
+                            f"nothing was written")
         manifest.update(
             tokenizer=identity,
             chat_template={

@@ -14,10 +14,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import atomic_directory_write
 
 CONFIG_NAME = "config.json"
@@ -103,20 +105,36 @@ def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dt
     return atomic_directory_write(Path(directory), write, job=job)
 
 
+def load_drafter_config(directory: str | Path) -> DrafterConfig:
+    """The DrafterConfig of a drafter directory (its config.json); ModelError if it is none."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise ModelError(f"{path} is missing: not a DFlash drafter checkpoint")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc})") from None
+    if "DFlashDraftModel" not in (data.get("architectures") or []):
+        raise ModelError(f"{path}: architectures is {data.get('architectures')}, expected DFlashDraftModel")
+    try:
+        return from_hf_config(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{path}: not a valid drafter config ({type(exc).__name__}: {exc})") from None
+
+
 def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
     directory = Path(directory)
-    cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-    for p in (cfg_path, weights_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} is missing: not a DFlash drafter checkpoint")
-    data = json.loads(cfg_path.read_text())
-    if "DFlashDraftModel" not in (data.get("architectures") or []):
-        raise ValueError(f"{cfg_path}: architectures is {data.get('architectures')}, expected DFlashDraftModel")
-    model = DFlashDrafter(from_hf_config(data))
-    state = load_file(str(weights_path))
+    model = DFlashDrafter(load_drafter_config(directory))
+    weights_path = directory / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise ModelError(f"{weights_path} is missing: not a DFlash drafter checkpoint")
+    try:
+        state = load_file(str(weights_path))
+    except (OSError, SafetensorError) as exc:
+        raise ModelError(f"{weights_path}: cannot read the weights ({exc})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{weights_path}: missing tensors {missing}, unexpected tensors {unexpected}")
+        raise ModelError(f"{weights_path}: missing tensors {missing}, unexpected tensors {unexpected}")
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device) if device is not None else model

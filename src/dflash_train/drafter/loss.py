@@ -152,6 +152,25 @@ class StepStats:
                          ("weight_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks")))
 
 
+def leading_hits(hits: torch.Tensor) -> torch.Tensor:
+    """[..., B-1] per-slot hits -> [...] drafts a speculative round would accept (the longest
+    run of hits from slot 1: the round then commits 1 + that many tokens)."""
+    return torch.cumprod(hits.long(), dim=-1).sum(-1)
+
+
+def block_acceptance(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                     label_valid: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [R, N], block has a valid label [R, N]) of each block, teacher-forced:
+    the drafter's greedy prediction of slot k against the label of slot k (no gradient)."""
+    R, N, B = labels.shape
+    H = hidden.shape[-1]
+    flat = hidden.detach().view(R, N, B, H)[:, :, 1:].reshape(-1, H)
+    _, pred = head_cross_entropy(flat, lm_head_weight, labels[:, :, 1:].reshape(-1), None, chunk_rows)
+    valid = label_valid[:, :, 1:]
+    hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
+    return leading_hits(hits), valid.any(dim=-1)
+
+
 def drafter_loss(
     final_hidden: torch.Tensor,  # [R, N*B, H] drafter output (already normed)
     lm_head_weight: torch.Tensor,  # [V, H]
@@ -174,7 +193,7 @@ def drafter_loss(
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     has_label = valid.any(dim=-1)
-    leading = torch.cumprod(hits.long(), dim=-1).sum(-1)
+    leading = leading_hits(hits)
     return StepStats(
         loss_sum=(weights * ce).sum(),
         weight_sum=weights.sum().detach(),

@@ -57,7 +57,19 @@ class StepConfig:
             raise ValueError(f"attention must be 'flex' or 'dense', got {self.attention!r}")
 
 
-def drafter_step(
+@dataclass
+class BlockForward:
+    """The drafter's output on a batch's blocks, with what the loss and metrics need."""
+
+    hidden: torch.Tensor  # [R, N*B, H] final normed hidden states of the block tokens
+    labels: torch.Tensor  # [R, N, B] (IGNORE where invalid)
+    label_valid: torch.Tensor  # [R, N, B]
+    anchors: torch.Tensor  # [R, N] sorted; invalid slots hold S - 1
+    valid: torch.Tensor  # [R, N]
+    target_states: torch.Tensor | None  # [R, N, B-1, H] for distillation
+
+
+def drafter_forward(
     drafter: DFlashDrafter,
     heads: FrozenHeads,
     *,
@@ -68,9 +80,9 @@ def drafter_step(
     taps: torch.Tensor,  # [R, S, n*H] tapped target hidden states (ctx_raw)
     final_hidden: torch.Tensor | None,  # [R, S, H] target final-normed states ("target"/"distill")
     step_cfg: StepConfig,
-    loss_cfg: LossConfig,
     generator: torch.Generator | None = None,
-) -> StepStats:
+) -> BlockForward:
+    """Anchors, labels, masks and the drafter forward on one batch."""
     cfg = drafter.config if hasattr(drafter, "config") else drafter.module.config  # DDP wraps the module
     B = cfg.block_size
     anchors, valid = select_anchors(
@@ -102,4 +114,13 @@ def drafter_step(
         noise_sigma=step_cfg.noise_sigma,
         generator=generator,
     )
-    return drafter_loss(hidden, heads.lm_head_weight, labels, label_valid, loss_cfg, target_states=target_states)
+    return BlockForward(hidden, labels, label_valid, anchors, valid, target_states)
+
+
+def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, *, step_cfg: StepConfig, loss_cfg: LossConfig,
+                 generator: torch.Generator | None = None, **batch: torch.Tensor | None) -> StepStats:
+    """`drafter_forward` on the batch (input_ids, position_ids, document_ids, loss_mask, taps,
+    final_hidden), then the loss sums and metrics."""
+    out = drafter_forward(drafter, heads, step_cfg=step_cfg, generator=generator, **batch)
+    return drafter_loss(out.hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
+                        target_states=out.target_states)

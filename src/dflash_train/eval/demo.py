@@ -26,7 +26,7 @@ from dflash_train.data.prompts import CHAT_ASSET, asset_path, load_prompts
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
 from dflash_train.eval.report import plot_report, summary_lines, write_json
-from dflash_train.generate.spec_eval import build_report, evaluate_prompts, make_proposer
+from dflash_train.generate.spec_eval import build_report, evaluate_prompts
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.export_cli import export
 from dflash_train.train.run import print_summary
@@ -150,13 +150,13 @@ def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
     log.info("  %s: config.json + model.safetensors (bf16)", drafter_dir)
 
     stage(5, f"eval: speculative vs plain greedy decoding, {n_prompts} held-out prompts x {new_tokens} new tokens")
-    trainer.target.runner.close()  # its hooks end target forwards early; decoding needs plain forwards
+    trainer.target.runner.close()  # its hooks end target forwards early; the generic decoding path needs plain ones
     target = trainer.target.model
-    proposer = make_proposer(load_drafter(drafter_dir), target)
+    drafter = load_drafter(drafter_dir)
     prompts = load_prompts("chat", n_prompts)
-    results = evaluate_prompts(target, trainer.tokenizer, proposer, prompts, max_new_tokens=new_tokens,
-                               progress=progress)
-    report = build_report(results, proposer.block_size, target="builtin", drafter=str(drafter_dir), prompts="chat",
+    results = evaluate_prompts(target, trainer.tokenizer, drafter, prompts, max_new_tokens=new_tokens,
+                               progress=progress, compile=device.type == "cuda")
+    report = build_report(results, drafter.config.block_size, target="builtin", drafter=str(drafter_dir), prompts="chat",
                           max_new_tokens=new_tokens, device=str(device),
                           dtype=str(target.dtype).removeprefix("torch."),
                           training_estimate=summary.get("eval", {}).get("tau"))

@@ -208,6 +208,12 @@ class SpecEngine:
         log.info("speculative engine: %d slots x %d positions, block %d, %s", slots, max_len, B,
                  "CUDA graphs" if graphs else "eager")
 
+    def refresh_drafter(self, source: DFlashDrafter) -> None:
+        """Decode with the current weights of `source` (see StaticDrafter.refresh)."""
+        if not isinstance(self.drafter, StaticDrafter):
+            raise TypeError("only an engine built on a DFlashDrafter can refresh its weights")
+        self.drafter.refresh(source)
+
     @property
     def use_graphs(self) -> bool:
         return all(step.use_graphs for step in self._steps())

@@ -1,16 +1,23 @@
-"""Evaluate a drafter on a prompt set: speculative and plain greedy decoding of every prompt.
+"""Evaluate a drafter on prompts by real speculative decoding, on the fast engine.
 
-Used by `dflash-train eval`, the demo, and the trainer's end-of-run check
-(`speculative_tau`). Everything runs in the target's dtype on the target's device
-(fp32 on CPU, bf16 on GPU by default).
+Used by `dflash-train eval`, the demo, and the trainer's checks on held-out prompts.
+Everything runs in the target's dtype on the target's device (fp32 on CPU, bf16 on GPU by
+default), through `make_spec_decoder`: the static-KV / CUDA-graph engine when it supports
+the target, else the generic Hugging Face path.
+
+* `evaluate_prompts`: batch 1, every prompt decoded plain greedy (the reference, with the
+  target's top-1/top-2 margins) and speculatively; tau, speed, the lossless check.
+* `measure_batched`: many prompts at once (committed tokens/s of a serving batch).
+* `HeldOutProbe`: the trainer's measurement of tau on held-out prompts during training,
+  on one engine that takes the drafter's current weights before each measurement.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -18,8 +25,20 @@ from tqdm.auto import tqdm
 from dflash_train.data.prompts import Prompt, encode_prompt
 from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.spec_metrics import PromptResult, overall_report, prompt_report
-from dflash_train.generate.speculative import DFlashProposer, SpeculativeDecoder
+from dflash_train.generate.decoder import UnsupportedModelError, check_supported
+from dflash_train.generate.spec_decoder import NEAR_TIE_ULPS, HFSpecDecoder, first_divergence, make_spec_decoder
+from dflash_train.generate.spec_engine import SpecEngine
+from dflash_train.generate.spec_metrics import (
+    PromptResult,
+    acceptance_stats,
+    overall_report,
+    prompt_report,
+    repetition_rate,
+    round_offsets,
+    tau_by_position,
+    tau_of,
+)
+from dflash_train.generate.speculative import DecodeResult, DFlashProposer
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.utils.errors import EvalError, ModelError
 
@@ -31,8 +50,8 @@ def check_compatible(drafter: DFlashDrafter, target: torch.nn.Module) -> None:
 
 
 def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_drafter: bool = False) -> DFlashProposer:
-    """A proposer running `drafter` in the target's dtype and device (a copy if asked, so a
-    training drafter is left untouched)."""
+    """The generic (Hugging Face path) proposer running `drafter` in the target's dtype and
+    device (a copy if asked, so a training drafter is left untouched)."""
     check_compatible(drafter, target)
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
@@ -41,57 +60,132 @@ def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_draft
     return DFlashProposer(model, embed, head.weight if head is not None else embed)
 
 
+def _cache_positions(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
+    return max(len(p) for p in prompts) + max_new_tokens + block_size
+
+
 def evaluate_prompts(
     target: torch.nn.Module,
     tokenizer,
-    proposer: DFlashProposer,
+    drafter: DFlashDrafter,
     prompts: list[Prompt],
     *,
     max_new_tokens: int = 256,
     greedy: bool = True,
     max_prompt_tokens: int | None = None,
     progress: bool = True,
+    near_tie_ulps: float = NEAR_TIE_ULPS,
+    cuda_graphs: bool = True,
+    compile: bool = False,
     on_prompt: Callable[[PromptResult], None] | None = None,
 ) -> list[PromptResult]:
-    """Speculative (and, if `greedy`, plain greedy) decoding of every prompt.
+    """Speculative (and, if `greedy`, plain greedy) decoding of every prompt, batch 1.
 
-    The first prompt is decoded once untimed in both modes first, so one-time costs
-    (allocator growth, kernel selection) do not land on either side of the comparison.
-    """
+    All CUDA graphs are captured and the first prompt is decoded once untimed in both modes
+    first, so one-time costs land on neither side of the comparison."""
+    check_compatible(drafter, target)
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     if max_prompt_tokens:
         encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
     if not encoded:
         raise EvalError("no prompt left to evaluate")
-    stop = stop_token_ids(tokenizer, target)
+    max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)
+    decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=1, max_len=max_len,
+                                cuda_graphs=cuda_graphs, compile=compile)
     results: list[PromptResult] = []
-    layer_ids = proposer.cfg.target_layer_ids
-    with SpeculativeDecoder(target, layer_ids, stop) as decoder:
-        warm_ids = encoded[0][1]
-        decoder.generate(warm_ids, min(16, max_new_tokens), proposer)
-        decoder.generate(warm_ids, min(16, max_new_tokens))
-        bar = _progress(len(encoded), progress)
+    try:
+        decoder.warm_up(max_len)
+        warm = encoded[0][1]
+        decoder.generate(warm, min(16, max_new_tokens))
+        decoder.generate(warm, min(16, max_new_tokens), speculative=False)
+        bar = tqdm(total=len(encoded), desc="eval prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
         for prompt, ids in encoded:
-            base = decoder.generate(ids, max_new_tokens) if greedy else None
-            spec = decoder.generate(ids, max_new_tokens, proposer)
-            result = PromptResult(prompt.id, len(ids), spec, base)
-            results.append(result)
+            base = decoder.generate(ids, max_new_tokens, speculative=False) if greedy else None
+            spec = decoder.generate(ids, max_new_tokens)
+            div = first_divergence(spec.tokens, base, ulps=near_tie_ulps) if base is not None else None
+            results.append(PromptResult(prompt.id, len(ids), spec, base, div))
             if on_prompt is not None:
-                on_prompt(result)
-            if bar is not None:
-                overall = overall_report(results, proposer.block_size)
-                bar.set_postfix(tau=f"{overall['tau']:.2f}", **({"speedup": f"{overall['speedup']:.2f}x"}
-                                                                 if greedy else {}))
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+                on_prompt(results[-1])
+            overall = overall_report(results, decoder.block_size)
+            bar.set_postfix(tau=f"{overall['tau']:.2f}", **({"speedup": f"{overall['speedup']:.2f}x"} if greedy else {}))
+            bar.update(1)
+        bar.close()
+    finally:
+        _close(decoder)
     return results
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    return tqdm(total=total, desc="eval prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+def _close(decoder) -> None:
+    if isinstance(decoder, HFSpecDecoder):
+        decoder.close()  # its forward hooks on the target
+
+
+def _batch_summary(results: list[DecodeResult], seconds: float, block_size: int) -> dict:
+    tokens = sum(len(r.tokens) for r in results)
+    rounds = [o for r in results for o in round_offsets(r.rounds)]
+    return {"prompts": len(results), "tokens": tokens, "seconds": seconds, "committed_tok_per_s": tokens / seconds,
+            **acceptance_stats([x for r in results for x in r.rounds], block_size), "tau": tau_of(rounds),
+            "tau_by_position": tau_by_position(rounds),
+            "repetition_rate": _mean([repetition_rate(r.tokens) for r in results])}
+
+
+def measure_batched(target: torch.nn.Module, tokenizer, drafter: DFlashDrafter, prompts: list[Prompt], *,
+                    slots: int, max_new_tokens: int, greedy: bool = True, cuda_graphs: bool = True,
+                    compile: bool = False) -> dict:
+    """Committed tokens/s of `slots` sequences decoded at once (slots refilled as they finish),
+    speculative and, if `greedy`, plain greedy; after an untimed warm-up of every graph."""
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    max_len = _cache_positions(ids, max_new_tokens, drafter.config.block_size)
+    decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
+                                cuda_graphs=cuda_graphs, compile=compile)
+    out = {"slots": slots}
+    try:
+        decoder.warm_up(max_len)
+        for mode in (["greedy"] if greedy else []) + ["spec"]:
+            decoder.generate_batch(ids[:slots], min(16, max_new_tokens), speculative=mode == "spec")  # warm
+            t0 = time.perf_counter()
+            results = decoder.generate_batch(ids, max_new_tokens, speculative=mode == "spec")
+            out[mode] = _batch_summary(results, time.perf_counter() - t0, decoder.block_size if mode == "spec" else 1)
+    finally:
+        _close(decoder)
+    if greedy:
+        out["speedup"] = out["spec"]["committed_tok_per_s"] / out["greedy"]["committed_tok_per_s"]
+    return out
+
+
+@dataclass
+class HeldOutProbe:
+    """tau of a drafter in training, measured by real speculative decoding of held-out prompts
+    (token ids), batched. The engine (KV caches, CUDA graphs) is built on the first call and
+    reused: each call first copies in the drafter's current weights."""
+
+    target: torch.nn.Module
+    stop_ids: set[int]
+    prompts: list[list[int]]
+    max_new_tokens: int = 128
+    slots: int = 64
+    cuda_graphs: bool = True
+    engine: SpecEngine | None = None
+
+    def available(self) -> bool:
+        """Whether the static engine supports the target (the Hugging Face path cannot decode
+        while a training target's hooks end its forwards early)."""
+        try:
+            check_supported(self.target, _cache_positions(self.prompts, self.max_new_tokens, 64))
+        except UnsupportedModelError:
+            return False
+        return True
+
+    @torch.no_grad()
+    def measure(self, drafter: DFlashDrafter) -> dict:
+        if self.engine is None:
+            max_len = _cache_positions(self.prompts, self.max_new_tokens, drafter.config.block_size)
+            self.engine = SpecEngine(self.target, drafter, self.stop_ids, slots=min(self.slots, len(self.prompts)),
+                                     max_len=max_len, cuda_graphs=self.cuda_graphs)
+        self.engine.refresh_drafter(drafter)
+        t0 = time.perf_counter()
+        results = self.engine.generate_batch(self.prompts, self.max_new_tokens)
+        return _batch_summary(results, time.perf_counter() - t0, self.engine.block_size)
 
 
 def build_report(results: list[PromptResult], block_size: int, **meta) -> dict:
@@ -99,22 +193,6 @@ def build_report(results: list[PromptResult], block_size: int, **meta) -> dict:
             "per_prompt": [prompt_report(p, block_size) for p in results]}
 
 
-def speculative_tau(
-    target: torch.nn.Module,
-    tokenizer,
-    drafter: DFlashDrafter,
-    prompts: list[Prompt],
-    *,
-    max_new_tokens: int = 128,
-    greedy: bool = False,
-    progress: bool = False,
-) -> dict:
-    """`tau` (and acceptance) of `drafter` measured by real speculative decoding: the call
-    the trainer makes at the end of a run. The training drafter is copied, not modified."""
-    t0 = time.perf_counter()
-    proposer = make_proposer(drafter, target, copy_drafter=True)
-    results = evaluate_prompts(target, tokenizer, proposer, prompts, max_new_tokens=max_new_tokens,
-                               greedy=greedy, progress=progress)
-    report = overall_report(results, proposer.block_size)
-    report["seconds"] = time.perf_counter() - t0
-    return report
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return sum(values) / len(values) if values else float("nan")

@@ -16,14 +16,76 @@ Definitions (docs/eval.md):
 * tokens/s: new tokens / wall time of the whole generation, prefill included, for the
   speculative and the plain greedy run of the same prompt; speedup = their ratio (the
   time ratio when both outputs are equal, as they must be in fp32).
+* tau by position: rounds grouped by where their anchor (the last committed token) sits in
+  the answer, offset 0 = the first new token: buckets 0-127, 128-255, ... Later answer
+  tokens of small models repeat themselves more, and are easier to draft.
+* repetition rate: the share of a text's n-grams (n = 6) that already occurred earlier in it.
+* the teacher-forced walk (`walk_rounds`): given the drafts a round anchored at each answer
+  offset would accept (measured teacher-forced on the answer text), the rounds speculative
+  decoding of that text would make: anchor 0, then anchor + accepted + 1, ... Its tau
+  predicts the measured one; the plain mean over all anchors does not (decoding jumps over
+  the easy stretches, so it visits hard positions more often: it is a harmonic mean).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
+from dflash_train.generate.spec_decoder import Divergence
 from dflash_train.generate.speculative import DecodeResult, Round
+
+BUCKET = 128  # answer tokens per position bucket
+REPEAT_NGRAM = 6
+
+
+def repetition_rate(tokens: Sequence[int], n: int = REPEAT_NGRAM) -> float:
+    """Share of the n-grams of `tokens` that occur earlier in `tokens` (nan if it has none)."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = total = 0
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i:i + n])
+        repeats += gram in seen
+        total += 1
+        seen.add(gram)
+    return repeats / total if total else float("nan")
+
+
+def round_offsets(rounds: Sequence[Round]) -> list[tuple[int, int]]:
+    """(answer offset of the round's anchor, tokens committed) of each round of one output."""
+    out, offset = [], 0
+    for r in rounds:
+        out.append((offset, r.committed))
+        offset += r.committed
+    return out
+
+
+def walk_rounds(accepted: Sequence[int], limit: int | None = None) -> list[tuple[int, int]]:
+    """The rounds speculative decoding makes over an answer whose round anchored at offset i
+    accepts accepted[i] drafts (len(accepted) = answer tokens that can anchor a round: all
+    but the last). Rounds start at offsets < `limit` (the measured run's max_new_tokens - 1)."""
+    end = len(accepted) if limit is None else min(len(accepted), limit)
+    out, offset = [], 0
+    while offset < end:
+        committed = min(int(accepted[offset]) + 1, len(accepted) - offset)  # the answer ends there
+        out.append((offset, committed))
+        offset += committed
+    return out
+
+
+def tau_by_position(rounds: Iterable[tuple[int, int]], bucket: int = BUCKET) -> dict[str, float]:
+    """tau per bucket of anchor offsets, {"0-127": tau, "128-255": tau, ...}."""
+    committed: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for offset, c in rounds:
+        b = offset // bucket
+        committed[b] = committed.get(b, 0) + c
+        count[b] = count.get(b, 0) + 1
+    return {f"{b * bucket}-{(b + 1) * bucket - 1}": committed[b] / count[b] for b in sorted(count)}
+
+
+def tau_of(rounds: Sequence[tuple[int, int]]) -> float:
+    return sum(c for _, c in rounds) / len(rounds) if rounds else float("nan")
 
 
 def acceptance_stats(rounds: Iterable[Round], block_size: int) -> dict:
@@ -61,6 +123,7 @@ class PromptResult:
     prompt_tokens: int
     spec: DecodeResult
     greedy: DecodeResult | None = None
+    divergence: Divergence | None = None  # of spec from greedy, with the target's margin there
 
     @property
     def matches_greedy(self) -> bool | None:
@@ -84,12 +147,16 @@ def _speed(result: DecodeResult) -> float:
 def prompt_report(p: PromptResult, block_size: int) -> dict:
     out = {"id": p.id, "prompt_tokens": p.prompt_tokens, "new_tokens": len(p.spec.tokens),
            "finish_reason": p.spec.finish_reason, **acceptance_stats(p.spec.rounds, block_size),
+           "tau_by_position": tau_by_position(round_offsets(p.spec.rounds)),
+           "repetition_rate": repetition_rate(p.spec.tokens),
            "spec_seconds": p.spec.seconds, "spec_tok_per_s": _speed(p.spec), "prefill_seconds": p.spec.prefill_seconds,
            "draft_seconds": p.spec.draft_seconds, "verify_seconds": p.spec.verify_seconds}
     if p.greedy is not None:
         out.update(greedy_seconds=p.greedy.seconds, greedy_tok_per_s=_speed(p.greedy),
                    speedup=_speed(p.spec) / _speed(p.greedy),
                    matches_greedy=p.matches_greedy, first_mismatch=p.first_mismatch())
+    if p.divergence is not None:
+        out["divergence"] = dict(p.divergence.__dict__)
     return out
 
 
@@ -100,6 +167,8 @@ def overall_report(results: list[PromptResult], block_size: int) -> dict:
     new_tokens = sum(len(p.spec.tokens) for p in results)
     spec_s = sum(p.spec.seconds for p in results)
     out = {"prompts": len(results), "new_tokens": new_tokens, **acceptance_stats(rounds, block_size),
+           "tau_by_position": tau_by_position(o for p in results for o in round_offsets(p.spec.rounds)),
+           "repetition_rate": _mean([r for p in results if (r := repetition_rate(p.spec.tokens)) == r]),
            "tau_mean_of_prompts": _mean([p.spec.tau for p in results if p.spec.rounds]),
            "spec_seconds": spec_s, "spec_tok_per_s": new_tokens / spec_s if spec_s > 0 else float("nan"),
            "draft_seconds": sum(p.spec.draft_seconds for p in results),
@@ -114,6 +183,8 @@ def overall_report(results: list[PromptResult], block_size: int) -> dict:
         out.update(greedy_seconds=greedy_s, greedy_tok_per_s=greedy_speed, speedup=spec_speed / greedy_speed,
                    matches_greedy=sum(bool(p.matches_greedy) for p in with_greedy),
                    mismatched_ids=[p.id for p in with_greedy if not p.matches_greedy])
+        kinds = [p.divergence.kind for p in with_greedy if p.divergence is not None]
+        out["divergences"] = {k: kinds.count(k) for k in ("identical", "near_tie", "mismatch")}
     return out
 
 

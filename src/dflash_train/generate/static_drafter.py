@@ -129,6 +129,7 @@ class StaticDrafter:
     def __init__(self, drafter: DFlashDrafter, embed_w: Tensor, lm_head_w: Tensor, slots: int, max_len: int) -> None:
         cfg = drafter.config
         self.config = cfg
+        self.module = drafter
         self.block_size = cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.embed_w, self.lm_head_w = embed_w, lm_head_w
@@ -161,6 +162,18 @@ class StaticDrafter:
         self.block_qkv: Callable[..., tuple[Tensor, Tensor, Tensor]] = _block_qkv
         self.context_kv: Callable[..., tuple[Tensor, Tensor]] = _context_kv
         self.post_attention: Callable[..., Tensor] = _post_attention
+
+    @torch.no_grad()
+    def refresh(self, source: DFlashDrafter) -> None:
+        """Take the current weights of `source` (the same drafter, e.g. in training): copied into
+        the module read here (nothing to copy when it is `source` itself) and the concatenated
+        context weights rebuilt in place, so captured CUDA graphs replay with the new weights."""
+        if source is not self.module:
+            for (name, dst), (_, src) in zip(self.module.named_parameters(), source.named_parameters(), strict=True):
+                dst.copy_(src)
+        attns = [layer.self_attn for layer in self.module.layers]
+        self.context_w.copy_(torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns]))
+        self.context_kn_w.copy_(torch.stack([a.k_norm.weight for a in attns])[:, None, :])
 
     def kv_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()

@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.utils.errors import TrainingError
+from dflash_train.utils.errors import ModelError, TrainingError
 from dflash_train.utils.fs import atomic_directory_write, remove_stale_temp_dirs
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "state.json"
 MANIFEST = "manifest.json"
 # What a file that does not load looks like: missing, truncated zip or pickle, bad header or JSON.
-LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError,
+               ModelError)
 
 
 @dataclass

@@ -120,18 +120,20 @@ class RunConfig:
 
 @dataclass
 class EvalConfig:
-    spec_prompts: str | None = None
-    """prompts for a check by real speculative decoding at the end of the run: 'builtin' (held-out
-    chat prompts), 'humaneval', or a JSONL file; None = off. Its tau is printed next to the
-    eval split's estimate (target labels) and their relative gap"""
-    spec_num_prompts: int = 32
+    spec_prompts: str | None = "heldout"
+    """prompts decoded by real speculative decoding at every evaluation (run.eval_every and the end):
+    'heldout' (the eval split's prompts, held out by prompt), 'builtin' (held-out chat prompts),
+    'humaneval', or a JSONL file; null = off. Its tau is logged next to the eval split's estimate"""
+    spec_num_prompts: int = 64
     """the first N prompts (0 = all)"""
     spec_max_new_tokens: int = 128
-    """tokens generated per prompt"""
+    """tokens generated per prompt; the estimate covers the same answer positions"""
+    spec_slots: int = 64
+    """prompts decoded at once"""
 
     def __post_init__(self) -> None:
-        if self.spec_num_prompts < 0 or self.spec_max_new_tokens < 1:
-            raise ValueError("eval.spec_num_prompts must be >= 0 and eval.spec_max_new_tokens >= 1")
+        if self.spec_num_prompts < 0 or self.spec_max_new_tokens < 2 or self.spec_slots < 1:
+            raise ValueError("eval.spec_num_prompts must be >= 0, eval.spec_max_new_tokens >= 2, eval.spec_slots >= 1")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.train.checkpoint import STATE, latest_valid_checkpoint, step_dirs, verify_checkpoint
 from dflash_train.utils.config import cli
 from dflash_train.utils.device import DTYPES
-from dflash_train.utils.errors import InputError
+from dflash_train.utils.errors import InputError, ModelError
 from dflash_train.utils.fs import check_output_dir
 
 JOB = "export"
@@ -70,7 +70,7 @@ def find_drafter_dir(path: str | Path) -> Path:
 def _load(drafter_dir: Path) -> DFlashDrafter:
     try:
         return load_drafter(drafter_dir)
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError, ModelError) as e:
         raise InputError(f"{drafter_dir}: the drafter does not load ({type(e).__name__}: {e})") from e
 
 

@@ -19,17 +19,25 @@ import torch
 import yaml
 
 from dflash_train.data.splits import open_data
-from dflash_train.drafter.checkpoint import save_drafter
+from dflash_train.drafter.checkpoint import load_drafter_config, save_drafter
 from dflash_train.drafter.loss import StepStats
 from dflash_train.drafter.step import StepConfig
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.target_worker import broadcast_start
 from dflash_train.target.loading import open_target, tokenizer_identity
 from dflash_train.train import setup
-from dflash_train.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash_train.train.checkpoint import latest_valid_checkpoint, step_dir_name, step_dirs, verify_checkpoint
+from dflash_train.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+    step_dirs,
+    verify_checkpoint,
+)
 from dflash_train.train.config import TrainConfig
-from dflash_train.train.evaluate import evaluate_split, speculative_check
+from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.step import apply_gradients, batch_seed, micro_step
@@ -38,6 +46,7 @@ from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import TrainingError
+from dflash_train.utils.fs import check_writable_dir
 from dflash_train.utils.log import set_main_process
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,11 @@ class Trainer:
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
         target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
         self.drafter_config = setup.resolve_drafter_config(cfg, target_config, self.tokenizer)
+        if resume_from is not None and load_drafter_config(resume_from / "drafter") != self.drafter_config:
+            raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's; resume "
+                                f"with the config the run was started with, or start a new run.output_dir")
+        if self.main and cfg.run.checkpoint:
+            check_writable_dir(self.output_dir)
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
                               tokenizer_identity=identity)
@@ -101,6 +115,8 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
         self.consumed = ConsumedSamples()
+        self.evaluator = Evaluator(cfg, self.data, self.target, self.tokenizer, self.step_cfg, self.device,
+                                   padding=self.padding, num_drafters=ctx.num_drafters)
 
     def _checkpoint_to_resume(self, resume: bool) -> Path | None:
         """The newest checkpoint that verifies (newer ones that do not are skipped with a warning)."""
@@ -235,19 +251,10 @@ class Trainer:
         return path
 
     def evaluate(self, metrics: MetricsLogger | None = None) -> dict:
-        """Eval split with `target` labels (main drafter with a target only): tau here estimates
-        speculative-decoding acceptance."""
+        """Estimate and held-out measurement of tau (main drafter with a target only)."""
         if self.target.runner is None or not self.main:
             return {}
-        m = evaluate_split(self.drafter, self.target.heads, self.target.runner, self.data, step_cfg=self.step_cfg,
-                           loss_cfg=self.cfg.loss, device=self.device, seed=self.cfg.run.seed,
-                           max_batches=self.cfg.data.eval_batches, num_drafters=self.ctx.num_drafters,
-                           pad=lambda b: setup.pad_batch(b, self.padding))
-        if m and metrics is not None:
-            metrics.record(self.state.step, m, kind="eval")
-            metrics.line(f"eval @ step {self.state.step}: tau {m['tau']:.3f} (target labels) | ce {m['ce']:.3f} | "
-                         f"acc_1 {m.get('acc_1', float('nan')):.3f}")
-        return m
+        return self.evaluator(self.drafter, self.state.step, metrics)
 
     def _finish(self, metrics: MetricsLogger, interrupted_by: str | None, path: Path | None, last: dict,
                 transport: dict) -> dict:
@@ -262,25 +269,9 @@ class Trainer:
         if interrupted_by is None and self.main:
             if self.cfg.run.checkpoint:
                 summary["final_drafter"] = str(save_drafter(self.drafter, self.output_dir / "final"))
-            summary["eval"] = self.evaluate(metrics)
-            if self.cfg.eval.spec_prompts:
-                summary["spec_eval"] = self.speculative_eval(metrics)
+            result = self.evaluate(metrics)
+            summary["eval"] = result.get("estimate", {})
+            if "measured" in result:
+                summary["spec_eval"] = {**result["measured"], **result["comparison"]}
         metrics.close()
         return summary
-
-    def speculative_eval(self, metrics: MetricsLogger | None = None) -> dict:
-        """tau measured by real speculative decoding on held-out prompts (end of run)."""
-        if self.target.runner is None or self.tokenizer is None:
-            log.info("eval.spec_prompts: skipped, this process holds no target with a tokenizer "
-                     "(run `dflash-train eval` on the exported drafter instead)")
-            return {}
-        # the runner's hooks end target forwards early: decoding needs plain forwards
-        self.target.runner.close()
-        self.target.runner = None
-        m = speculative_check(self.target.model, self.tokenizer, self.drafter, self.cfg.eval,
-                              progress=self.cfg.run.progress)
-        if metrics is not None:
-            metrics.record(self.state.step, m, kind="spec_eval")
-        log.info("speculative decoding @ step %d: tau %.3f on %d prompts (%.0fs)", self.state.step, m["tau"],
-                 m["prompts"], m["seconds"])
-        return m

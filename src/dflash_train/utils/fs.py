@@ -249,3 +249,18 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def check_writable_dir(path: str | Path) -> Path:
+    """Create `path` if needed and check that files can be written in it, before any long work
+    whose results would go there; OutputError otherwise."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{writer_tag()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write there ({exc.strerror}); choose another directory or fix its "
+                          f"permissions") from None
+    return path

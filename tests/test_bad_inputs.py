@@ -1,0 +1,159 @@
+"""Every bad input is one clear error naming the file (and row/field), found before heavy work."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import dflash_train.eval.cli as eval_cli
+import dflash_train.train.setup as setup_mod
+from dflash_train.cli import main
+from dflash_train.data.dataset import TokenDataset
+from dflash_train.data.prompts import load_prompts
+from dflash_train.data.sources import iter_records
+from dflash_train.drafter.checkpoint import save_drafter
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.trainer import Trainer
+from dflash_train.utils.config import load_config
+from dflash_train.utils.errors import DataError, OutputError, TrainingError
+
+from .conftest import prepare_dataset, synthetic_conversations
+from .eval.conftest import loaded_targets, random_drafter  # noqa: F401 - fixture
+
+ROW = {"prompt": "Name a color.", "response": "Blue."}
+
+
+def _jsonl(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    path = _jsonl(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + json.dumps(ROW).encode(), json.dumps(ROW).encode()])
+    assert len(list(iter_records([path]))) == 2
+
+
+def test_non_utf8_line_is_named_and_skippable(tmp_path):
+    path = _jsonl(tmp_path / "latin1.jsonl", [json.dumps(ROW).encode(), '{"prompt": "café", "response": "x"}'.encode("latin-1"),
+                                              json.dumps(ROW).encode()])
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 16 is b'\\xe9'\)"):
+        list(iter_records([path]))
+    bad: list[DataError] = []
+    assert len(list(iter_records([path], skip_bad=True, bad=bad))) == 2 and bad[0].line == 2
+
+
+def test_bad_json_names_the_real_column(tmp_path):
+    path = _jsonl(tmp_path / "x.jsonl", [b'{"prompt": "a", "response": "b",,}'])
+    with pytest.raises(DataError, match=r"x.jsonl:1: invalid JSON: Expecting property name enclosed in double quotes "
+                                        r"\(column 33\)"):
+        list(iter_records([path]))
+
+
+def test_corrupt_parquet_and_invalid_json_file_are_named(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(DataError, match=r"bad.parquet: cannot read this Parquet file"):
+        list(iter_records([tmp_path / "bad.parquet"]))
+    (tmp_path / "bad.json").write_text('[{"prompt": "a", "response": "b"},\n  oops]')
+    with pytest.raises(DataError, match=r"bad.json:2: invalid JSON"):
+        list(iter_records([tmp_path / "bad.json"]))
+    with pytest.raises(DataError, match=r"bad.json:2: invalid JSON"):
+        load_prompts(str(tmp_path / "bad.json"))
+
+
+def test_prepare_cli_errors_are_one_line_and_hint_only_where_it_helps(tmp_path, capsys):
+    (tmp_path / "rows.csv").write_text("prompt,response\na,b\n")
+    assert main(["prepare", str(tmp_path / "rows.csv"), "-o", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert "rows.csv: unsupported file type '.csv'" in err and "--skip-bad-rows" not in err
+    bad = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode(), b'{"prompt": 3, "response": "x"}'])
+    assert main(["prepare", str(bad), "-o", str(tmp_path / "o2"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "rows.jsonl:2: field 'prompt' must be a string" in err and "--skip-bad-rows" in err
+
+
+def test_prepare_of_nothing_fails_and_writes_nothing(tmp_path, capsys):
+    empty = _jsonl(tmp_path / "empty.jsonl", [])
+    assert main(["prepare", str(empty), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "no row was kept (read 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": [{"role": "user"}]}, r"p.jsonl:1: field 'messages\[0\].content' must be a string"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, r"p.jsonl:1: field 'messages\[0\].role' must be one of"),
+    ({"prompt": 7}, r"p.jsonl:1: field 'prompt' must be a string"),
+])
+def test_eval_prompt_rows_are_validated_like_training_rows(tmp_path, row, message):
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=message):
+        load_prompts(str(tmp_path / "p.jsonl"))
+
+
+def test_eval_refuses_a_drafter_for_another_target_before_loading_it(tiny_targets, loaded_targets, tmp_path,  # noqa: F811
+                                                                   monkeypatch, capsys):
+    model, tok = loaded_targets["llama"]
+    drafter = random_drafter(model, tok, 4)
+    drafter.config.num_target_layers = 12
+    path = save_drafter(drafter, tmp_path / "drafter")
+
+    def refuse(*a, **k):
+        raise AssertionError("the target's weights were loaded before the configs were compared")
+
+    monkeypatch.setattr(eval_cli, "load_causal_lm", refuse)
+    assert main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(path)]) == 2
+    assert "does not fit this target: trained for a target with 12 layers" in capsys.readouterr().err
+
+
+def test_truncated_arrow_shard_is_named(tiny_targets, tmp_path):
+    data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(20), tmp_path / "data")
+    shard = data / "shard-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(DataError, match=r"shard-00000.arrow: cannot read this shard"):
+        TokenDataset(data)
+
+
+@pytest.fixture
+def refuse_models(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the run was known to be able to go on")
+
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)
+
+
+def _cfg(target, data, out, **extra) -> TrainConfig:
+    base = {"target.path": str(target), "data.path": str(data), "run.output_dir": str(out), "run.max_steps": "2",
+            "data.plan.token_budget": "512", "drafter.num_layers": "1", "drafter.block_size": "4",
+            "step.num_anchors": "8", "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": "null"}
+    return load_config(TrainConfig, None, {**base, **extra})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_output_dir_fails_before_the_target_loads(tiny_targets, tiny_datasets, tmp_path, refuse_models):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(OutputError, match="cannot write there"):
+        Trainer(_cfg(tiny_targets["llama"], tiny_datasets["llama"], locked / "run"))
+
+
+def test_unwritable_output_dir_fails_before_the_target_loads(tiny_targets, tiny_datasets, tmp_path, refuse_models):
+    (tmp_path / "a_file").write_text("x")  # a directory cannot be made below a file, whoever you are
+    with pytest.raises(OutputError, match="cannot write there"):
+        Trainer(_cfg(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "a_file" / "run"))
+
+
+def test_changed_drafter_config_on_resume_fails_before_the_target_loads(tiny_targets, tiny_datasets, tmp_path,
+                                                                         monkeypatch):
+    out = tmp_path / "run"
+    Trainer(_cfg(tiny_targets["llama"], tiny_datasets["llama"], out)).fit()
+    changed = _cfg(tiny_targets["llama"], tiny_datasets["llama"], out, **{"drafter.block_size": "8"})
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the checkpoint's config was compared")
+
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    with pytest.raises(TrainingError, match="the checkpoint's drafter config differs from this run's"):
+        Trainer(changed, resume=True)
