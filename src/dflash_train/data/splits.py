@@ -81,8 +81,10 @@ class SplitReport:
         text += f"; {self.eval_rows_kept:,} eval rows kept, {self.train_rows:,} training rows; {self.seconds:.1f} s"
         text += f" (cache: {self.cache})" if self.cache else ""
         if self.duplicates_kept:
-            text += ("; WARNING: every eval row duplicates training data, so all were kept and eval metrics are not"
-                     " held-out estimates (raise data.dedup_threshold, or give data.eval_path)")
+            fix = "data.eval_path repeats data.path" if self.rule == "eval_path" else \
+                "raise data.dedup_threshold, or give a data.eval_path"
+            text += (f"; WARNING: every eval row duplicates training data, so all were kept and eval metrics are not"
+                     f" held-out estimates ({fix})")
         return text
 
 
