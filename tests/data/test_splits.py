@@ -247,6 +247,10 @@ def test_cache_is_written_reused_and_invalidated(tmp_path, monkeypatch):
             held_out_split(changed, 0, ds)
     with pytest.raises(AssertionError, match="recomputed"):
         held_out_split(cfg, 1, ds)  # another seed
+    monkeypatch.undo()
+    next((tmp_path / ".splits").glob("*.npz")).write_bytes(b"PK\x03\x04 damaged")
+    redone = held_out_split(cfg, 0, ds)  # a damaged file is recomputed and replaced
+    assert redone.report.cache == "written" and np.array_equal(redone.eval_rows, first.eval_rows)
 
 
 def test_unwritable_cache_computes_in_memory(tmp_path):

@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,7 @@ def held_out_split(cfg: DataConfig, seed: int, dataset: TokenDataset, eval_datas
         return split
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # damaged: recompute, then overwrite
+    except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:  # damaged: redo
         log.warning("ignoring the unreadable split cache %s (%s)", path, exc)
     split = compute_split(cfg, seed, dataset, eval_dataset)
     arrays = {"eval_rows": split.eval_rows, "report": np.array(json.dumps(dataclasses.asdict(split.report)))}
