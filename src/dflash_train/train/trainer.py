@@ -115,6 +115,7 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
         self.consumed = ConsumedSamples()
+        self.last_eval: tuple[int, dict] = (-1, {})
         self.evaluator = Evaluator(cfg, self.data, self.target, self.tokenizer, self.step_cfg, self.device,
                                    padding=self.padding, num_drafters=ctx.num_drafters)
 
@@ -254,7 +255,9 @@ class Trainer:
         """Estimate and held-out measurement of tau (main drafter with a target only)."""
         if self.target.runner is None or not self.main:
             return {}
-        return self.evaluator(self.drafter, self.state.step, metrics)
+        if self.last_eval[0] != self.state.step:  # the end of a run right after an eval_every step: once
+            self.last_eval = (self.state.step, self.evaluator(self.drafter, self.state.step, metrics))
+        return self.last_eval[1]
 
     def _finish(self, metrics: MetricsLogger, interrupted_by: str | None, path: Path | None, last: dict,
                 transport: dict) -> dict:
