@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
-from dflash_train.utils.errors import ModelError
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import atomic_directory_write
 
 from .test_model import tiny_config

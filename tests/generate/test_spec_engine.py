@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.generate import spec_engine
+from dflash_train.generate import graphs
 from dflash_train.generate.decoder import StaticDecoder, _pre_attention
 from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.generate.spec_engine import SpecEngine
@@ -327,9 +327,9 @@ def test_capture_protocol_replays_each_step_exactly_once(targets, monkeypatch):
             for t, s in zip(step.state, saved):
                 t.copy_(s)
         captured.append((step.name, kv_len))
-        return type("Graph", (), {"replay": lambda self: step.fn(kv_len)})()
+        return type("Graph", (), {"replay": lambda self: step.fn(kv_len)})(), None  # (graph, its outputs)
 
-    monkeypatch.setattr(spec_engine._GraphedStep, "_capture", emulated_capture)
+    monkeypatch.setattr(graphs.GraphedStep, "_capture", emulated_capture)
     plain = SpecEngine(model, drafter, set(), slots=2, max_len=256)
     graphed = SpecEngine(model, drafter, set(), slots=2, max_len=256)
     for step in graphed._steps():

@@ -30,6 +30,7 @@ from dflash_train.bench.flops import step_flops
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
+from dflash_train.utils.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
     steps = args.measure
     split = {k[5:-2]: sum(r.get(k, 0.0) for r in measured) / steps * 1000
              for k in measured[0] if k.startswith("time_") and k.endswith("_s")}
-    device = torch.device("cuda") if torch.cuda.is_available() and args.device != "cpu" else torch.device("cpu")
+    device = resolve_device(args.device)
     flops = step_flops(cfg, args.preset)
     world = (cfg.pipeline.target_ranks + cfg.pipeline.drafter_ranks) if args.layout == "split" else \
         max(1, int(os.environ.get("WORLD_SIZE", 1)))

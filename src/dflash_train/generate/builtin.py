@@ -24,20 +24,11 @@ from torch import Tensor
 
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
+from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.sampling import select_tokens
 from dflash_train.target.chat_template import stop_token_ids
 
 log = logging.getLogger(__name__)
-
-def _kv_buckets(max_len: int, smallest: int = 128) -> list[int]:
-    """Attention lengths to specialise the decode step for: 128, 256, 512, ..., max_len.
-    Short sequences then read only the cache they use, not all `max_len` positions."""
-    out, b = [], smallest
-    while b < max_len:
-        out.append(b)
-        b *= 2
-    return out + [max_len]
-
 
 @dataclass
 class EngineStats:
@@ -68,58 +59,6 @@ class _Launched:
     active: list[int]
     host: Tensor  # the step's tokens [slots]: a pinned host buffer on CUDA
     event: Any  # CUDA event after the copy into `host`; None on CPU
-
-
-class _DecodeStep:
-    """`decoder.decode` on the decoder's static tokens/positions buffers, for a kv bucket.
-
-    On CUDA each bucket is captured in its own CUDA graph the first time it is needed and
-    replayed afterwards. Capturing mid-run is safe: the warm-up runs execute the real step
-    for the current tokens, and a decode step only writes the cache entries at the current
-    positions, with values the replay then writes again identically."""
-
-    def __init__(self, decoder: StaticDecoder, tokens: Tensor, positions: Tensor, *, cuda_graphs: bool) -> None:
-        self.decoder, self.tokens, self.positions = decoder, tokens, positions
-        self.buckets = _kv_buckets(decoder.max_len)
-        self.use_graphs = cuda_graphs and decoder.device.type == "cuda"
-        self._graphs: dict[int, tuple[Any, Tensor]] = {}
-
-    def bucket(self, kv_needed: int) -> int:
-        return next(b for b in self.buckets if b >= kv_needed)
-
-    def __call__(self, kv_needed: int) -> Tensor:
-        kv_len = self.bucket(kv_needed)
-        if not self.use_graphs:
-            return self.decoder.decode(self.tokens, self.positions, kv_len)
-        if kv_len not in self._graphs:
-            try:
-                self._graphs[kv_len] = self._capture(kv_len)
-            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
-                warnings.warn(f"CUDA graph capture failed, decoding without graphs: {exc}", stacklevel=2)
-                self.use_graphs = False
-                return self.decoder.decode(self.tokens, self.positions, kv_len)
-        graph, logits = self._graphs[kv_len]
-        graph.replay()
-        return logits
-
-    def _capture(self, kv_len: int) -> tuple[Any, Tensor]:  # pragma: no cover - CUDA only
-        def step() -> Tensor:
-            return self.decoder.decode(self.tokens, self.positions, kv_len)
-
-        # Warm up on a side stream (as the CUDA-graph docs require): lazy init, cuBLAS
-        # handles, autotuning and torch.compile all happen here, never inside the capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()  # static output: every replay overwrites this tensor
-        log.info("captured the decode step for %d cache positions in a CUDA graph", kv_len)
-        return graph, logits
 
 
 class BuiltinEngine:
@@ -172,7 +111,9 @@ class BuiltinEngine:
         self.steps = torch.zeros(slots, dtype=torch.long, device=dev)
         if compile and dev.type == "cuda":
             self._compile_layer_functions()
-        self.step = _DecodeStep(self.decoder, self.tokens, self.positions, cuda_graphs=cuda_graphs)
+        self.buckets = kv_buckets(max_len)
+        self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
+                                use_graphs=cuda_graphs and dev.type == "cuda", name="decode")
         self._rows: list[_Row | None] = [None] * slots
         # two pinned buffers: one for the step in flight, one for the step being read
         self._host_buffers = (
@@ -342,7 +283,7 @@ class BuiltinEngine:
         kv_needed = 1 + max(rows[s].next_pos for s in active)  # type: ignore[union-attr]
         for s in active:
             rows[s].next_pos += 1  # type: ignore[union-attr]
-        logits = self.step(kv_needed)
+        logits = self.step(next(b for b in self.buckets if b >= kv_needed))
         nxt = self._select(logits)
         self.tokens.copy_(nxt)
         # Idle slots keep stepping on stale input; clamping keeps their positions in range.

@@ -35,65 +35,17 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
-from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.builtin import _kv_buckets
 from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.speculative import DecodeResult, Round
 from dflash_train.generate.static_drafter import DraftSource, StaticDrafter, drafter_like
 
 log = logging.getLogger(__name__)
-
-
-class _GraphedStep:
-    """A step `fn(kv_len)` that works on static buffers in place, per kv bucket.
-
-    On CUDA each bucket is captured in a CUDA graph the first time it is needed, after
-    warm-up runs on a side stream (as `builtin._DecodeStep._capture`). Steps may update
-    state in place (positions += committed, ...): `state` lists those buffers, which are
-    restored after every warm-up run, so the replay that follows the capture performs the
-    step exactly once. Everything else a step writes (caches, outputs) is a function of the
-    state, so writing it again is harmless."""
-
-    def __init__(self, fn: Callable[[int], None], state: Sequence[Tensor], *, use_graphs: bool, name: str) -> None:
-        self.fn, self.state, self.use_graphs, self.name = fn, list(state), use_graphs, name
-        self._graphs: dict[int, Any] = {}
-
-    def __call__(self, kv_len: int) -> None:
-        if not self.use_graphs:
-            self.fn(kv_len)
-            return
-        if kv_len not in self._graphs:
-            try:
-                self._graphs[kv_len] = self._capture(kv_len)
-            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
-                warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
-                              stacklevel=2)
-                self.use_graphs = False
-                self.fn(kv_len)
-                return
-        self._graphs[kv_len].replay()
-
-    def _capture(self, kv_len: int) -> Any:  # pragma: no cover - CUDA only
-        saved = [t.clone() for t in self.state]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy init, cuBLAS handles, autotuning, torch.compile: never in the capture
-                self.fn(kv_len)
-                for t, s in zip(self.state, saved):
-                    t.copy_(s)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.fn(kv_len)  # recorded, not run: the state is untouched until the replay
-        log.info("captured the %s step for %d cache positions in a CUDA graph", self.name, kv_len)
-        return graph
 
 
 class _RoundTimer:
@@ -193,13 +145,13 @@ class SpecEngine:
         self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
         self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
 
-        self.buckets = _kv_buckets(max_len)
+        self.buckets = kv_buckets(max_len)
         graphs = cuda_graphs and dev.type == "cuda" and (drafter is None or isinstance(drafter, StaticDrafter))
         state = [self.tokens, self.positions, self.n_out, self.active]
-        self._verify = {1: _GraphedStep(lambda kv: self._verify_step(1, kv), state, use_graphs=graphs, name="greedy")}
+        self._verify = {1: GraphedStep(lambda kv: self._verify_step(1, kv), state, use_graphs=graphs, name="greedy")}
         if drafter is not None:
-            self._verify[B] = _GraphedStep(lambda kv: self._verify_step(B, kv), state, use_graphs=graphs, name="verify")
-            self._draft = _GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
+            self._verify[B] = GraphedStep(lambda kv: self._verify_step(B, kv), state, use_graphs=graphs, name="verify")
+            self._draft = GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
         self.timer = _RoundTimer(dev)
         self._rows: list[_Row | None] = [None] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -218,7 +170,7 @@ class SpecEngine:
     def use_graphs(self) -> bool:
         return all(step.use_graphs for step in self._steps())
 
-    def _steps(self) -> list[_GraphedStep]:
+    def _steps(self) -> list[GraphedStep]:
         return list(self._verify.values()) + ([self._draft] if self.drafter is not None else [])
 
     # --- the two captured steps ------------------------------------------------------------

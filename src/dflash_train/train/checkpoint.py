@@ -293,3 +293,22 @@ def load_checkpoint(path: Path, *, drafter: DFlashDrafter, optimizer: torch.opti
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise TrainingError(f"{path}: the checkpoint does not fit this run ({type(e).__name__}: {e}); resume with "
                             f"the config the run was started with, or start a new output_dir") from e
+
+
+def checkpoint_to_resume(root: Path, resume: bool) -> Path | None:
+    """Where a run in `root` starts: the newest checkpoint that verifies with --resume (newer
+    ones that do not are skipped with a warning), nothing without it; an error when that
+    would lose or misuse existing checkpoints."""
+    if not resume:
+        if latest_checkpoint(root) is not None:
+            raise TrainingError(f"{root} already holds checkpoints: pass --resume to continue that run, "
+                                f"or choose another run.output_dir")
+        return None
+    found = latest_valid_checkpoint(root)
+    if found is None and step_dirs(root, complete_only=False):
+        # starting over would later prune them: the user decides what to do with them
+        raise TrainingError(f"{root}: none of its checkpoints verifies (see the warnings above); "
+                            f"move them away to start from scratch")
+    if found is None:
+        log.info("--resume: no complete checkpoint in %s; starting from scratch", root)
+    return found

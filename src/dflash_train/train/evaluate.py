@@ -78,9 +78,9 @@ def estimate_on_split(drafter: DFlashDrafter, heads: FrozenHeads, runner: Target
         return {}
     was_training = drafter.training
     drafter.eval()
-    row_tokens = int(max(data.eval.lengths.max(), 1))
+    row_tokens = int(data.eval_planner.config.row_tokens)  # a packed row's length: every anchor of it
     eval_cfg = dataclasses.replace(step_cfg, label_source="target", noise_sigma=0.0,
-                                   num_anchors=max(step_cfg.num_anchors, row_tokens))  # every anchor
+                                   num_anchors=max(step_cfg.num_anchors, row_tokens))
     stats: list[StepStats] = []
     rounds, all_anchor, repeats = [], [], []
     for i, batch in enumerate(data.eval_planner.iter_batches(data.eval, start=(0, 0), epochs=1)):

@@ -28,12 +28,10 @@ from dflash_train.target.loading import open_target, tokenizer_identity
 from dflash_train.train import setup
 from dflash_train.train.checkpoint import (
     TrainState,
-    latest_checkpoint,
-    latest_valid_checkpoint,
+    checkpoint_to_resume,
     load_checkpoint,
     save_checkpoint,
     step_dir_name,
-    step_dirs,
     verify_checkpoint,
 )
 from dflash_train.train.config import TrainConfig
@@ -63,7 +61,7 @@ class Trainer:
         self.device = ctx.device
         self.output_dir = Path(cfg.run.output_dir)
         self.ckpt_dir = self.output_dir / "checkpoints"
-        resume_from = self._checkpoint_to_resume(resume)
+        resume_from = checkpoint_to_resume(self.ckpt_dir, resume)
 
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
         target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
@@ -111,29 +109,12 @@ class Trainer:
         self.resolved = {**to_dict(cfg), "drafter_resolved": {"target_layer_ids": d.target_layer_ids,
                                                               "mask_token_id": d.mask_token_id}}
         if self.main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
         self.consumed = ConsumedSamples()
         self.last_eval: tuple[int, dict] = (-1, {})
         self.evaluator = Evaluator(cfg, self.data, self.target, self.tokenizer, self.step_cfg, self.device,
                                    padding=self.padding, num_drafters=ctx.num_drafters)
-
-    def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        """The newest checkpoint that verifies (newer ones that do not are skipped with a warning)."""
-        if not resume:
-            if latest_checkpoint(self.ckpt_dir) is not None:
-                raise TrainingError(f"{self.ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-                                    f"or choose another run.output_dir")
-            return None
-        found = latest_valid_checkpoint(self.ckpt_dir)
-        if found is None and step_dirs(self.ckpt_dir, complete_only=False):
-            # starting over would later prune them: the user decides what to do with them
-            raise TrainingError(f"{self.ckpt_dir}: none of its checkpoints verifies (see the warnings above); "
-                                f"move them away to start from scratch")
-        if found is None:
-            log.info("--resume: no complete checkpoint in %s; starting from scratch", self.ckpt_dir)
-        return found
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
