@@ -198,19 +198,18 @@ def test_checkpoints_and_exports_follow_the_umask(tmp_path, umask, mask, dirs, f
 # -- the trainer's two uses ----------------------------------------------------------------------
 
 
-def test_trainer_resumes_from_the_newest_checkpoint_that_verifies(tmp_path, caplog):
-    trainer = SimpleNamespace(ckpt_dir=tmp_path)
-    assert Trainer._checkpoint_to_resume(trainer, True) is None  # nothing yet: from scratch
+def test_resume_starts_from_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    assert ck.checkpoint_to_resume(tmp_path, True) is None  # nothing yet: from scratch
     good, bad = save(tmp_path, 1), save(tmp_path, 2)
     truncate(bad / "drafter" / "model.safetensors")
     with caplog.at_level(logging.WARNING):
-        assert Trainer._checkpoint_to_resume(trainer, True) == good
+        assert ck.checkpoint_to_resume(tmp_path, True) == good
     assert "skipping checkpoint" in caplog.text
     with pytest.raises(TrainingError, match="--resume"):
-        Trainer._checkpoint_to_resume(trainer, False)
+        ck.checkpoint_to_resume(tmp_path, False)
     truncate(good / "state.json")
     with pytest.raises(TrainingError, match="none of its checkpoints verifies"):  # not silently from scratch
-        Trainer._checkpoint_to_resume(trainer, True)
+        ck.checkpoint_to_resume(tmp_path, True)
 
 
 def test_trainer_saves_again_over_a_checkpoint_of_this_step_that_does_not_verify(tmp_path):
