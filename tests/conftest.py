@@ -4,6 +4,7 @@ a ChatML template, saved as Hugging Face directories) and datasets prepared from
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -91,3 +92,11 @@ def tiny_datasets(tiny_targets, tmp_path_factory):
     root = tmp_path_factory.mktemp("datasets")
     rows = synthetic_conversations(160)
     return {kind: prepare_dataset(d, rows, root / kind) for kind, d in tiny_targets.items()}
+
+
+@pytest.fixture()
+def umask():
+    """Set the process umask in a test (`umask(0o007)`); the old one comes back afterwards."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)

@@ -177,13 +177,6 @@ def test_keep_last_never_prunes_the_checkpoint_just_saved(tmp_path):
     assert ck.verify_checkpoint(tmp_path / "step-00000003") == []
 
 
-@pytest.fixture()
-def umask():
-    old = os.umask(0o022)
-    yield os.umask
-    os.umask(old)
-
-
 @pytest.mark.parametrize("mask, dirs, files", [(0o022, 0o755, 0o644), (0o007, 0o770, 0o660)])
 def test_checkpoints_and_exports_follow_the_umask(tmp_path, umask, mask, dirs, files):
     umask(mask)

@@ -162,13 +162,6 @@ def modes(root: Path) -> set[tuple[str, int]]:
     return {("dir" if p.is_dir() else "file", stat.S_IMODE(p.stat().st_mode)) for p in [root, *root.rglob("*")]}
 
 
-@pytest.fixture()
-def umask():
-    old = os.umask(0o022)
-    yield os.umask
-    os.umask(old)
-
-
 @pytest.mark.parametrize("mask, dirs, files", [(0o022, 0o755, 0o644), (0o007, 0o770, 0o660)])
 def test_modes_follow_the_umask(tmp_path, umask, mask, dirs, files):
     umask(mask)
