@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bfloat16, float32")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the per-layer functions")
+    p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
+                   help="the engine's cache attention (generate/attention.py; auto: flex when compiled on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -164,12 +166,13 @@ def batched(engine, prompts, max_new: int, device, reference: dict[tuple, list[i
 
 
 def warm(engine, prompts, max_len_needed: int, slots: int) -> None:
-    """Capture every graph the timed runs can need, then one short run per mode (allocator
-    growth, kernel selection of the eager prefill)."""
+    """Capture every graph the timed runs can need, then a short run of every prompt in each
+    mode: allocator growth, and the kernel choice of the eager prefill at each prompt length,
+    which otherwise lands in whichever mode decodes a prompt first."""
     engine.warm_up(max_len_needed)
-    batch = [p for _, p in prompts[:slots]]
+    batch = [p for _, p in prompts]
     for speculative in (False, True):
-        engine.generate_batch(batch, 16, speculative=speculative)
+        engine.generate_batch(batch, 4, speculative=speculative)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -195,10 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
               "compile": not args.no_compile and device.type == "cuda", "stop_ids": sorted(stop)}
     say(f"bench_spec_decode: {args.target} + {config['drafter']} drafter (B = {B}), {len(prompts)} prompts x "
         f"{args.max_new_tokens} new tokens, {device} {config['dtype']}")
-    engine_kw = dict(cuda_graphs=not args.no_cuda_graphs, compile=config["compile"])
+    engine_kw = dict(cuda_graphs=not args.no_cuda_graphs, compile=config["compile"], attention=args.attention)
     say("building the batch-1 engine (compiling, capturing CUDA graphs, warm-up runs) ...")
     one = make_spec_decoder(model, drafter, stop, slots=1, max_len=max_len, **engine_kw)
     config["engine"] = type(one).__name__
+    config["attention"] = getattr(one, "attention", None)
     warm(one, prompts, max_len, 1)
     sync(device)
     config["cuda_graphs"] = getattr(one, "use_graphs", False)  # False too where a capture failed

@@ -358,8 +358,9 @@ def test_compiled_layer_functions_trace_once_and_match(targets):
     assert engine.decoder.pre_attention is not _pre_attention and engine.drafter.block_qkv is not _block_qkv
     got = engine.generate_batch(prompts, 24)
     assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
-    # target pre/post attention at widths B and 1, drafter block q/k/v, context k/v, post attention
-    assert counters["stats"]["unique_graphs"] == 7
+    # at widths B and 1: target pre/post attention, final logits, the commit (8); drafter block
+    # q/k/v, context k/v, post attention, head (4)
+    assert counters["stats"]["unique_graphs"] == 12
 
 
 def test_factory_falls_back_for_unsupported_targets(targets):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_train.generate.attention import AttentionKind, CacheAttention, causal_rule
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.utils.errors import ModelError
 
@@ -140,10 +141,14 @@ def _post_attention(
     return x + h
 
 
+def _final_logits(h: Tensor, norm_w: Tensor, lm_head_w: Tensor, lm_head_b: Tensor | None, *, eps: float) -> Tensor:
+    return F.linear(rms_norm(h, norm_w, eps), lm_head_w, lm_head_b)
+
+
 class StaticDecoder:
     """Static-cache forward for `slots` concurrent sequences of at most `max_len` tokens."""
 
-    def __init__(self, model, slots: int, max_len: int) -> None:
+    def __init__(self, model, slots: int, max_len: int, attention: AttentionKind = "dense") -> None:
         check_supported(model, max_len)
         cfg = model.config
         inner = model.model
@@ -172,6 +177,20 @@ class StaticDecoder:
         # The per-layer pieces `decode` calls; the engine may swap in torch.compile'd versions.
         self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = _pre_attention
         self.post_attention: Callable[..., Tensor] = _post_attention
+        self.final_logits: Callable[..., Tensor] = _final_logits  # of `verify` (fixed shapes: compilable)
+        self.attention_kind = attention  # of `verify` (generate/attention.py)
+        self._attentions: dict[tuple[int, int], CacheAttention] = {}
+
+    def _attention(self, slots: int, width: int) -> CacheAttention:
+        """The causal cache attention of `verify` for `width` tokens per slot (its mask buffers
+        are made on the first call: a warm-up, never inside a CUDA-graph capture)."""
+        key = (slots, width)
+        if key not in self._attentions:
+            self._attentions[key] = CacheAttention(
+                causal_rule, self.attention_kind, slots=slots, q_len=width, max_len=self.max_len,
+                n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim, scale=self.scale, dtype=self.dtype,
+                device=self.device)
+        return self._attentions[key]
 
     def _pre_kw(self, lay: _Layer) -> dict:
         return {"eps": lay.ln1_eps, "qk_eps": lay.qk_eps, "n_heads": self.n_heads, "n_kv": self.n_kv, "head_dim": self.head_dim}
@@ -180,7 +199,7 @@ class StaticDecoder:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     def _logits(self, h: Tensor) -> Tensor:
-        return F.linear(rms_norm(h, self.norm_w, self.norm_eps), self.lm_head_w, self.lm_head_b)
+        return _final_logits(h, self.norm_w, self.lm_head_w, self.lm_head_b, eps=self.norm_eps)
 
     def prefill(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor) -> Tensor:
         """Run right-padded prompts `ids` [B, T] into the cache rows `slot_ids` [B].
@@ -224,8 +243,10 @@ class StaticDecoder:
         return self._logits(last), self._concat_taps(taps, tap_layers)
 
     @staticmethod
-    def _concat_taps(taps: dict[int, Tensor], tap_layers: Sequence[int]) -> Tensor | None:
-        return torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+    def _concat_taps(taps: dict[int, Tensor], tap_layers: Sequence[int], out: Tensor | None = None) -> Tensor | None:
+        if not tap_layers:
+            return None
+        return torch.cat([taps[i] for i in tap_layers], dim=-1, out=out)
 
     def decode(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """One token for every slot: tokens/positions [slots] -> logits [slots, V].
@@ -255,28 +276,26 @@ class StaticDecoder:
         return self._logits(x)
 
     def verify(
-        self, tokens: Tensor, positions: Tensor, kv_len: int, tap_layers: Sequence[int] = ()
+        self, tokens: Tensor, positions: Tensor, kv_len: int, tap_layers: Sequence[int] = (),
+        taps_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """T tokens for every slot: tokens [S, T] at positions[s] + 0..T-1 (positions [S]).
 
         Returns logits [S, T, V] and, if `tap_layers` names any, the taps [S, T, n*H]
-        (outputs of those decoder layers, pre final norm). The tokens' K/V are written into
+        (outputs of those decoder layers, pre final norm), written into `taps_out` if given.
+        The tokens' K/V are written into
         the cache at their positions; each query attends to the slot's cache positions
         <= its own, so entries a slot wrote earlier beyond its committed length (rejected
         drafts) are never read, and this call overwrites them. Like `decode`: fixed shapes
         for a given `kv_len`, no host synchronisation, safe to capture in a CUDA graph; the
-        caller guarantees max(positions) + T <= kv_len <= max_len."""
+        caller guarantees max(positions) + T <= kv_len <= max_len. The attention kernel is
+        `attention_kind` (generate/attention.py: `flex` reads the whole cache, by blocks)."""
         s, t = tokens.shape
-        rep = self.n_heads // self.n_kv
         grid = positions[:, None] + self.key_positions[None, :t]  # [S, T] each token's position
         x = F.embedding(tokens, self.embed_w)  # [S, T, H]
         cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [S, T, 1, D]
-        visible = self.key_positions[None, None, :kv_len] <= grid[:, :, None]  # [S, T, L]
-        # GQA without repeating the cache, as in `decode`: the `rep` query heads of a kv head
-        # become rep*T query rows of that head (row r*T + t), so the mask repeats per r.
-        # An additive mask built once serves every layer (SDPA would convert a bool one each call).
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)
+        attention = self._attention(s, t)
+        attention.prepare(positions, kv_len)  # once for all layers
         rows = self.rows[:s, None]  # [S, 1] with grid [S, T]: element (s, t) -> cache row s, position grid[s, t]
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
@@ -284,12 +303,8 @@ class StaticDecoder:
             kc, vc = self.k_cache[i], self.v_cache[i]  # [S, kv, max_len, D]
             kc[rows, :, grid] = k
             vc[rows, :, grid] = v
-            q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias, scale=self.scale
-            )  # [S, kv, rep*T, D]
-            o = o.view(s, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(s, t, self.n_heads * self.head_dim)
-            x = self.post_attention(x, o, *lay.post, eps=lay.ln2_eps)
+            x = self.post_attention(x, attention.attend(q, kc, vc), *lay.post, eps=lay.ln2_eps)
             if i in tap_layers:
                 taps[i] = x
-        return self._logits(x), self._concat_taps(taps, tap_layers)
+        return self.final_logits(x, self.norm_w, self.lm_head_w, self.lm_head_b, eps=self.norm_eps), \
+            self._concat_taps(taps, tap_layers, taps_out)

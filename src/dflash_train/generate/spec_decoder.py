@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.attention import FLEX_BLOCK
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.speculative import DecodeResult, DFlashProposer, SpeculativeDecoder
@@ -92,7 +93,7 @@ def make_spec_decoder(
     """The static engine when it supports `target` (decoder.check_supported), else the
     generic Hugging Face path. Both offer generate / generate_batch / warm_up / block_size."""
     try:
-        check_supported(target, -(-max_len // 64) * 64)
+        check_supported(target, -(-max_len // FLEX_BLOCK) * FLEX_BLOCK)
     except UnsupportedModelError as exc:
         log.warning("static speculative engine unavailable (%s); using the Hugging Face path, batch 1", exc)
         return HFSpecDecoder(target, drafter, stop_ids)

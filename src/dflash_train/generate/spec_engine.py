@@ -25,7 +25,10 @@ is shorter than that, or nothing is running), so one eager prefill serves severa
 Every slot's rounds depend only on its own sequence, so a prompt commits exactly what it
 commits at batch 1 (up to kernel rounding in bf16).
 
-On CPU the same steps run eagerly (what the exactness tests check).
+On CPU the same steps run eagerly (what the exactness tests check). On CUDA with `compile`
+the per-layer functions and the acceptance are fused by torch.compile, and attention is the
+compiled FlexAttention kernel over the whole cache (generate/attention.py): it reads only
+the blocks a slot has reached, so one graph per step serves every length.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
+from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.speculative import DecodeResult, Round
@@ -91,6 +96,40 @@ class _Row:
     verify_seconds: float = 0.0
 
 
+def commit_round(
+    logits: Tensor, drafts: Tensor, tokens: Tensor, positions: Tensor, n_out: Tensor, limit: Tensor, active: Tensor,
+    block_start: Tensor, stop_table: Tensor, columns: Tensor, report: Tensor, top2: Tensor, *, width: int,
+) -> None:  # fmt: skip
+    """Greedy acceptance of a verified block and the commit, in place on the engine's state
+    (module doc). logits [S, T, V] of the block [last token, drafts[:, :T-1]] (T = `width`).
+    One function so that torch.compile fuses its few dozen tiny ops into a few kernels."""
+    greedy = logits.argmax(-1)  # [S, T]: greedy[:, k] is the target's choice after input k
+    if width > 1:
+        block_start.copy_(positions)  # the taps just written start here: the drafter's next context
+        drafted = (limit - n_out - 1).clamp(0, width - 1)  # never draft past max_new_tokens
+        match = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
+        accepted = torch.minimum(match, drafted)
+    else:
+        drafted = accepted = torch.zeros_like(n_out)
+        top = logits[:, 0].float().topk(2, dim=-1).values  # [S, 2]
+        top2.copy_(torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
+    # The accepted drafts equal greedy[:, :a], so the commit is greedy[:, :a + 1], cut after a stop token.
+    candidate = accepted + 1
+    is_stop = (greedy[..., None] == stop_table).any(-1) & (columns[None, :width] < candidate[:, None])
+    stopped = is_stop.any(1)
+    first_stop = torch.where(stopped, is_stop.long().argmax(1), width)
+    committed = torch.minimum(candidate, first_stop + 1) * active
+    n_out.add_(committed)
+    last = greedy.gather(1, (committed - 1).clamp(min=0)[:, None])[:, 0]
+    tokens.copy_(torch.where(committed > 0, last, tokens))
+    active.logical_and_(~(stopped | (n_out >= limit)))
+    # Finished slots keep stepping (on stale input, committing nothing) until refilled, at
+    # position 0: in range, and every query of theirs sees at least its own block.
+    positions.add_(committed).mul_(active)
+    report[:, :width].copy_(greedy)
+    report[:, -3:].copy_(torch.stack([committed, accepted, drafted], 1))
+
+
 class SpecEngine:
     """Greedy speculative decoding of `target` with `drafter` over `slots` static slots.
 
@@ -110,15 +149,20 @@ class SpecEngine:
         compile: bool = False,
         refill_fraction: float = 0.125,
         prefill_tokens: int = 16384,
+        attention: AttentionKind | Literal["auto"] = "auto",
     ) -> None:
-        max_len = -(-max_len // 64) * 64
-        self.decoder = StaticDecoder(target, slots, max_len)
-        dev, self.device = self.decoder.device, self.decoder.device
+        dev = target.get_input_embeddings().weight.device
+        if attention == "auto":  # the fused kernel needs torch.compile, and a GPU to pay off
+            attention = "flex" if compile and dev.type == "cuda" else "dense"
+        self.attention = attention
+        max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
+        self.decoder = StaticDecoder(target, slots, max_len, attention=attention)
+        self.device = dev
         self.slots, self.max_len = slots, max_len
         self.stop_ids = {int(t) for t in stop_ids}
         if isinstance(drafter, DFlashDrafter):
             drafter = StaticDrafter(drafter_like(drafter, self.decoder.embed_w), self.decoder.embed_w,
-                                    self.decoder.lm_head_w, slots, max_len)
+                                    self.decoder.lm_head_w, slots, max_len, attention=attention)
         self.drafter = drafter
         self.block_size = drafter.block_size if drafter is not None else 1
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []
@@ -145,7 +189,9 @@ class SpecEngine:
         self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
         self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
 
-        self.buckets = kv_buckets(max_len)
+        # Dense attention reads cache positions [0, bucket); flex reads by blocks whatever the bucket.
+        self.buckets = kv_buckets(max_len) if attention == "dense" else [max_len]
+        self._commit: Callable[..., None] = commit_round
         graphs = cuda_graphs and dev.type == "cuda" and (drafter is None or isinstance(drafter, StaticDrafter))
         state = [self.tokens, self.positions, self.n_out, self.active]
         self._verify = {1: GraphedStep(lambda kv: self._verify_step(1, kv), state, use_graphs=graphs, name="greedy")}
@@ -157,8 +203,8 @@ class SpecEngine:
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         if compile and dev.type == "cuda":
             self._compile_layer_functions()
-        log.info("speculative engine: %d slots x %d positions, block %d, %s", slots, max_len, B,
-                 "CUDA graphs" if graphs else "eager")
+        log.info("speculative engine: %d slots x %d positions, block %d, %s attention, %s", slots, max_len, B,
+                 attention, "CUDA graphs" if graphs else "eager")
 
     def refresh_drafter(self, source: DFlashDrafter) -> None:
         """Decode with the current weights of `source` (see StaticDrafter.refresh)."""
@@ -184,59 +230,44 @@ class SpecEngine:
     def _verify_step(self, width: int, kv_len: int) -> None:
         """Verify `width` tokens per slot, accept greedily and commit, all on device."""
         inp = self.tokens[:, None] if width == 1 else torch.cat([self.tokens[:, None], self.drafts], 1)  # [S, T]
-        logits, taps = self.decoder.verify(inp, self.positions, kv_len, self.tap_layers if width > 1 else ())
-        greedy = logits.argmax(-1)  # [S, T]: greedy[:, k] is the target's choice after input k
-        if width > 1:
-            self.taps.copy_(taps)
-            self.block_start.copy_(self.positions)
-            drafted = (self.limit - self.n_out - 1).clamp(0, width - 1)  # never draft past max_new_tokens
-            match = (self.drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
-            accepted = torch.minimum(match, drafted)
-        else:
-            drafted = accepted = torch.zeros_like(self.n_out)
-            top = logits[:, 0].float().topk(2, dim=-1).values  # [S, 2]
-            self.top2.copy_(torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
-        # The accepted drafts equal greedy[:, :a], so the commit is greedy[:, :a + 1], cut after a stop token.
-        candidate = accepted + 1
-        is_stop = (greedy[..., None] == self.stop_table).any(-1) & (self.columns[None, :width] < candidate[:, None])
-        stopped = is_stop.any(1)
-        first_stop = torch.where(stopped, is_stop.long().argmax(1), width)
-        committed = torch.minimum(candidate, first_stop + 1) * self.active
-        self.n_out.add_(committed)
-        last = greedy.gather(1, (committed - 1).clamp(min=0)[:, None])[:, 0]
-        self.tokens.copy_(torch.where(committed > 0, last, self.tokens))
-        self.active.logical_and_(~(stopped | (self.n_out >= self.limit)))
-        # Finished slots keep stepping (on stale input, committing nothing) until refilled, at
-        # position 0: in range, and every query of theirs sees at least its own block.
-        self.positions.add_(committed).mul_(self.active)
-        self.report[:, :width].copy_(greedy)
-        self.report[:, -3:].copy_(torch.stack([committed, accepted, drafted], 1))
+        taps = self.taps if width > 1 else None
+        logits, _ = self.decoder.verify(inp, self.positions, kv_len, self.tap_layers if width > 1 else (), taps)
+        self._commit(logits, self.drafts, self.tokens, self.positions, self.n_out, self.limit, self.active,
+                     self.block_start, self.stop_table, self.columns, self.report, self.top2, width=width)
 
     # --- setup ------------------------------------------------------------------------------
 
     def _compile_layer_functions(self, backend: str = "inductor") -> None:
-        """Fuse the elementwise work of the per-layer functions (as BuiltinEngine does); their
-        shapes do not depend on the kv bucket, so each compiles once per step width. (The CPU
-        tests run this with a non-fusing backend.)"""
+        """Fuse the elementwise work of the per-layer functions (as BuiltinEngine does), the
+        logits heads and the acceptance; their shapes do not depend on the kv bucket, so each
+        compiles once per step width. (The CPU tests run this with a non-fusing backend.)"""
         dec, dr = self.decoder, self.drafter
-        plain = (dec.pre_attention, dec.post_attention)
-        plain_dr = (dr.block_qkv, dr.context_kv, dr.post_attention) if isinstance(dr, StaticDrafter) else None
-
-        def compiled(fn):
-            return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
-
-        dec.pre_attention, dec.post_attention = map(compiled, plain)
-        if plain_dr is not None:
-            dr.block_qkv, dr.context_kv, dr.post_attention = map(compiled, plain_dr)
-        try:  # compile now (all slots idle: the steps change no state), so a failure falls back cleanly
+        swapped = [(dec, "pre_attention"), (dec, "post_attention"), (dec, "final_logits"), (self, "_commit")]
+        if isinstance(dr, StaticDrafter):
+            swapped += [(dr, name) for name in ("block_qkv", "context_kv", "post_attention", "head")]
+        plain = [getattr(owner, name) for owner, name in swapped]
+        for (owner, name), fn in zip(swapped, plain):
+            setattr(owner, name, torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
+        try:  # compile now (all slots idle: the steps commit nothing), so a failure falls back cleanly
             for step in self._steps():
                 step.fn(self.buckets[0])
             self._sync()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled, dense attention
             warnings.warn(f"torch.compile of the engine's layers failed, running them uncompiled: {exc}", stacklevel=2)
-            dec.pre_attention, dec.post_attention = plain
-            if plain_dr is not None:
-                dr.block_qkv, dr.context_kv, dr.post_attention = plain_dr
+            for (owner, name), fn in zip(swapped, plain):
+                setattr(owner, name, fn)
+            self._use_dense_attention()
+
+    def _use_dense_attention(self) -> None:
+        """Back to SDPA with a dense mask (generate/attention.py) when FlexAttention cannot compile."""
+        if self.attention == "dense":
+            return
+        self.attention = "dense"
+        for part in (self.decoder, self.drafter):
+            if isinstance(part, (StaticDecoder, StaticDrafter)):
+                part.attention_kind = "dense"
+                part._attentions.clear()
+        self.buckets = kv_buckets(self.max_len)
 
     @torch.no_grad()
     def warm_up(self, max_kv: int | None = None) -> None:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.attention import AttentionKind, CacheAttention
 from dflash_train.target.ops import apply_rope, rms_norm
 
 
@@ -58,6 +59,23 @@ class DraftSource(Protocol):
         """Drafts [S, B-1] after each slot's last committed token tokens[s] at positions[s]."""
 
 
+def block_rule(block_size: int, window: int | None, causal: bool):
+    """The training mask (drafter/masks.py) of a block at positions p..p+B-1 over the cache:
+    context keys before p (within `window` of the query on a sliding-window layer) and the
+    block's own keys (only those up to the query's on a layer causal within the block)."""
+
+    def visible(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
+        context = key < p
+        if window is not None:
+            context = context & (p + q - key < window)
+        in_block = (key >= p) & (key < p + block_size)
+        if causal:
+            in_block = in_block & (key - p <= q)
+        return context | in_block
+
+    return visible
+
+
 def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
     """`drafter` on the device and in the dtype of `like`: itself if it already is, else a
     converted copy, so the caller's module (say, a drafter in training with fp32 master
@@ -74,51 +92,71 @@ def _norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class _DrafterLayer:
-    """References to one drafter layer's weights, grouped as the arguments of `_block_qkv` and
-    `_post_attention` (plain tensors: a compiled version serves all layers)."""
+    """One drafter layer's weights grouped as the arguments of `_block_qkv` and
+    `_post_attention` (plain tensors: a compiled version serves all layers). q/k/v and
+    gate/up are concatenated (one matmul each instead of three and two: the proposal of a
+    small drafter is bound by kernel launches, not FLOPs); `refresh` copies them anew."""
 
     def __init__(self, layer) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                    attn.q_norm.weight, attn.k_norm.weight)
-        self.post = (attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        self.layer = layer
+        attn = layer.self_attn
+        w_qkv, w_gate_up = self._fused()
+        self.qkv = (layer.input_layernorm.weight, w_qkv, attn.q_norm.weight, attn.k_norm.weight)
+        self.post = (attn.o_proj.weight, layer.post_attention_layernorm.weight, w_gate_up, layer.mlp.down_proj.weight)
         self.eps = float(layer.input_layernorm.eps)
         self.qk_eps = float(attn.q_norm.eps)
         self.post_eps = float(layer.post_attention_layernorm.eps)
 
+    @torch.no_grad()
+    def _fused(self) -> tuple[Tensor, Tensor]:
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        return (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+    def refresh(self) -> None:
+        """Copy the layer's current weights into the fused ones (in place: graphs keep them)."""
+        for dst, src in zip((self.qkv[1], self.post[2]), self._fused()):
+            dst.copy_(src)
+
 
 def _block_qkv(
-    x: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, qn_w: Tensor, kn_w: Tensor,
+    x: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, w_qkv: Tensor, qn_w: Tensor, kn_w: Tensor,
     *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Residual x [S, B, H] -> q [S, B, h, d], k/v [S, B, g, d] of the block (normed, rotated)."""
     h = _norm(x, ln_w, eps)
     lead = h.shape[:-1]
-    q = _norm(F.linear(h, wq).view(*lead, n_heads, head_dim), qn_w, qk_eps)
-    k = _norm(F.linear(h, wk).view(*lead, n_kv, head_dim), kn_w, qk_eps)
-    v = F.linear(h, wv).view(*lead, n_kv, head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q, k, v = F.linear(h, w_qkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q = _norm(q.reshape(*lead, n_heads, head_dim), qn_w, qk_eps)
+    k = _norm(k.reshape(*lead, n_kv, head_dim), kn_w, qk_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(*lead, n_kv, head_dim)
 
 
 def _context_kv(
-    ctx: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor, kn_w: Tensor, *, qk_eps: float, n_layers: int, n_kv: int,
-    head_dim: int,
+    taps: Tensor, cos: Tensor, sin: Tensor, fc_w: Tensor, hn_w: Tensor, w_kv: Tensor, kn_w: Tensor, *, hn_eps: float,
+    qk_eps: float, n_layers: int, n_kv: int, head_dim: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Projected context ctx [S, T, H] -> k/v [S, T, layers, g, d] of every layer (the context
-    never passes through q). w_kv [layers*2*g*d, H]: each layer's k_proj then v_proj rows;
-    kn_w [layers, 1, d]: the k_norm weights; cos/sin [S, T, 1, 1, d]."""
+    """Taps [S, T, n*H] -> context k/v [S, T, layers, g, d] of every layer: projected by fc and
+    normed (drafter/model.py), then each layer's k/v (the context never passes through q).
+    w_kv [layers*2*g*d, H]: each layer's k_proj then v_proj rows; kn_w [layers, 1, d]: the
+    k_norm weights; cos/sin [S, T, 1, 1, d]."""
+    ctx = _norm(F.linear(taps.to(fc_w.dtype), fc_w), hn_w, hn_eps)  # [S, T, H]
     kv = F.linear(ctx, w_kv).view(*ctx.shape[:-1], n_layers, 2, n_kv, head_dim)
     k = _norm(kv[..., 0, :, :], kn_w, qk_eps)
     return apply_rope(k, cos, sin), kv[..., 1, :, :]
 
 
-def _post_attention(
-    x: Tensor, attn_out: Tensor, wo: Tensor, ln2_w: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, *, eps: float
-) -> Tensor:
+def _post_attention(x: Tensor, attn_out: Tensor, wo: Tensor, ln2_w: Tensor, w_gate_up: Tensor, wd: Tensor, *,
+                    eps: float) -> Tensor:
     x = x + F.linear(attn_out, wo)
-    h = _norm(x, ln2_w, eps)
-    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    gate, up = F.linear(_norm(x, ln2_w, eps), w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, wd)
+
+
+def _draft_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, *, eps: float) -> Tensor:
+    """Residual of the block [S, B, H] -> drafts [S, B-1]: the greedy tokens of slots 1..B-1."""
+    hidden = _norm(x[:, 1:], norm_w, eps)
+    return F.linear(hidden.to(lm_head_w.dtype), lm_head_w).argmax(-1)
 
 
 class StaticDrafter:
@@ -126,7 +164,8 @@ class StaticDrafter:
 
     `drafter` must already be on the target's device, in the dtype it should run in."""
 
-    def __init__(self, drafter: DFlashDrafter, embed_w: Tensor, lm_head_w: Tensor, slots: int, max_len: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed_w: Tensor, lm_head_w: Tensor, slots: int, max_len: int,
+                 attention: AttentionKind = "dense") -> None:
         cfg = drafter.config
         self.config = cfg
         self.module = drafter
@@ -162,15 +201,20 @@ class StaticDrafter:
         self.block_qkv: Callable[..., tuple[Tensor, Tensor, Tensor]] = _block_qkv
         self.context_kv: Callable[..., tuple[Tensor, Tensor]] = _context_kv
         self.post_attention: Callable[..., Tensor] = _post_attention
+        self.head: Callable[..., Tensor] = _draft_head
+        self.attention_kind = attention  # generate/attention.py
+        self._attentions: dict[tuple[int | None, bool], CacheAttention] = {}
 
     @torch.no_grad()
     def refresh(self, source: DFlashDrafter) -> None:
         """Take the current weights of `source` (the same drafter, e.g. in training): copied into
         the module read here (nothing to copy when it is `source` itself) and the concatenated
-        context weights rebuilt in place, so captured CUDA graphs replay with the new weights."""
+        weights rebuilt in place, so captured CUDA graphs replay with the new weights."""
         if source is not self.module:
             for (name, dst), (_, src) in zip(self.module.named_parameters(), source.named_parameters(), strict=True):
                 dst.copy_(src)
+        for layer in self.layers:
+            layer.refresh()
         attns = [layer.self_attn for layer in self.module.layers]
         self.context_w.copy_(torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns]))
         self.context_kn_w.copy_(torch.stack([a.k_norm.weight for a in attns])[:, None, :])
@@ -182,10 +226,10 @@ class StaticDrafter:
         """Context K/V of taps [R, T, n*H] at positions start[r] + 0..T-1 of cache rows `rows` [R]."""
         t = taps.shape[1]
         grid = start[:, None] + self.key_positions[None, :t]  # [R, T]
-        ctx = _norm(F.linear(taps.to(self.dtype), self.fc_w), self.hidden_norm_w, self.hidden_norm_eps)  # [R, T, H]
         cos, sin = self.cos[grid][:, :, None, None, :], self.sin[grid][:, :, None, None, :]  # [R, T, 1, 1, d]
-        k, v = context_kv(ctx, cos, sin, self.context_w, self.context_kn_w, qk_eps=self.context_eps,
-                          n_layers=len(self.layers), n_kv=self.n_kv, head_dim=self.head_dim)  # [R, T, layers, g, d]
+        k, v = context_kv(taps, cos, sin, self.fc_w, self.hidden_norm_w, self.context_w, self.context_kn_w,
+                          hn_eps=self.hidden_norm_eps, qk_eps=self.context_eps, n_layers=len(self.layers),
+                          n_kv=self.n_kv, head_dim=self.head_dim)  # [R, T, layers, g, d]
         # element (r, t) of the two advanced indices -> all layers, cache row rows[r], position grid[r, t]
         self.k_cache[:, rows[:, None], :, grid] = k
         self.v_cache[:, rows[:, None], :, grid] = v
@@ -201,32 +245,30 @@ class StaticDrafter:
         """Taps [S, B, n*H] of the block verified last, at positions start[s] + 0..B-1 of every slot."""
         self._write_context(taps, start, self.rows, self.context_kv)
 
-    def _bias(self, positions: Tensor, kv_len: int, window: int | None, causal: bool) -> Tensor:
-        """Additive mask [S, 1, rep*B, kv_len] of one (window, causal_in_block) layer variant."""
-        s, b = positions.shape[0], self.block_size
-        rep = self.n_heads // self.n_kv
-        p = positions[:, None, None]  # [S, 1, 1] the block's first position (the anchor's)
-        k = self.key_positions[None, :b, None]  # [1, B, 1] slot within the block
-        key = self.key_positions[None, None, :kv_len]  # [1, 1, L] key position
-        context = key < p
-        if window is not None:
-            context = context & (p + k - key < window)
-        in_block = (key >= p) & (key < p + b)
-        if causal:
-            in_block = in_block & (key - p <= k)
-        visible = context | in_block  # [S, B, L]
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return bias[:, None].expand(s, rep, b, kv_len).reshape(s, 1, rep * b, kv_len)
+    def _attention(self, window: int | None, causal: bool) -> CacheAttention:
+        """The cache attention of one (window, causal_in_block) layer variant (made on first use:
+        a warm-up, never inside a CUDA-graph capture)."""
+        if (window, causal) not in self._attentions:
+            self._attentions[window, causal] = CacheAttention(
+                block_rule(self.block_size, window, causal), self.attention_kind, slots=self.slots,
+                q_len=self.block_size, max_len=self.max_len, n_heads=self.n_heads, n_kv=self.n_kv,
+                head_dim=self.head_dim, scale=None, dtype=self.dtype, device=self.device)
+        return self._attentions[window, causal]
 
     def block_hidden(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """Final normed hidden states [S, B, H] of the blocks [tokens[s], MASK, ...] at positions[s]."""
+        return _norm(self._block_residual(tokens, positions, kv_len), self.norm_w, self.norm_eps)
+
+    def _block_residual(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """The residual stream [S, B, H] after the last layer (before the final norm)."""
         s, b = tokens.shape[0], self.block_size
-        rep = self.n_heads // self.n_kv
         ids = torch.cat([tokens[:, None], torch.full_like(tokens, self.mask_token_id)[:, None].expand(s, b - 1)], 1)
         x = F.embedding(ids, self.embed_w).to(self.dtype)  # [S, B, H]
         grid = positions[:, None] + self.key_positions[None, :b]  # [S, B]
         cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [S, B, 1, d]
-        biases = {v: self._bias(positions, kv_len, *v) for v in dict.fromkeys(self.variants)}
+        attentions = [self._attention(*variant) for variant in self.variants]
+        for att in dict.fromkeys(attentions):  # once per distinct variant, for all its layers
+            att.prepare(positions, kv_len)
         rows = self.rows[:s, None]
         for i, lay in enumerate(self.layers):
             q, k, v = self.block_qkv(x, cos, sin, *lay.qkv, eps=lay.eps, qk_eps=lay.qk_eps, n_heads=self.n_heads,
@@ -234,16 +276,11 @@ class StaticDrafter:
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[rows, :, grid] = k
             vc[rows, :, grid] = v
-            # GQA without repeating the cache (as StaticDecoder.verify): row r*B + k of kv head j
-            q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * b, self.head_dim)
-            bias = biases[self.variants[i]]
-            o = F.scaled_dot_product_attention(q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=bias)
-            o = o.view(s, self.n_heads, b, self.head_dim).transpose(1, 2).reshape(s, b, self.n_heads * self.head_dim)
-            x = self.post_attention(x, o, *lay.post, eps=lay.post_eps)
-        return _norm(x, self.norm_w, self.norm_eps)
+            x = self.post_attention(x, attentions[i].attend(q, kc, vc), *lay.post, eps=lay.post_eps)
+        return x
 
     def propose(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
         """Drafts [S, B-1] following tokens [S] (each slot's last committed token, at positions [S]).
         The caller guarantees max(positions) + B <= kv_len <= max_len."""
-        hidden = self.block_hidden(tokens, positions, kv_len)[:, 1:]  # slots 1..B-1: the tokens after the anchor
-        return F.linear(hidden.to(self.lm_head_w.dtype), self.lm_head_w).argmax(-1)
+        x = self._block_residual(tokens, positions, kv_len)
+        return self.head(x, self.norm_w, self.lm_head_w, eps=self.norm_eps)

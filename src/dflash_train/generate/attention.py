@@ -1,0 +1,127 @@
+"""Attention of a block of queries per slot over a static KV cache: one rule, two kernels.
+
+The engines' steps (StaticDecoder.verify, StaticDrafter.propose) attend T queries per slot
+(a block at positions p..p+T-1; T = 1 for plain decoding) to that slot's cache
+
+    k_cache, v_cache: [slots, kv_heads, max_len, head_dim]
+
+Which keys a query sees is one rule, `visible(p, q, key)` of the block's first position p,
+the query's index q in the block and the key's position (broadcasting tensors -> bool).
+Two kernels apply it:
+
+    dense   SDPA over cache positions [0, kv_len) with an additive mask built from the rule
+            once per step (shared by all layers). GQA without repeating the cache: the `rep`
+            query heads of a kv head become rep*T query rows of that head, so q and the
+            output are permuted around the kernel (two copies per layer when T > 1).
+            CPU (no fused FlexAttention kernel there), and CUDA without torch.compile.
+    flex    compiled FlexAttention over the whole cache, the rule as its mask_mod, and per
+            slot the number of 128-key blocks up to the block's last position, computed on
+            device from the positions: the kernel reads only the blocks a slot has reached.
+            Native GQA, and the output comes back in the layout of q: no copies. Only
+            CUDA (a fused kernel needs torch.compile; its CPU build costs seconds per shape).
+
+Both are fixed-shape and free of host synchronisation, so a step using them can be captured
+in a CUDA graph. The rule must make a query see at least one key (its own position).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
+AttentionKind = Literal["dense", "flex"]
+FLEX_BLOCK = 128  # keys per FlexAttention block; `max_len` must be a multiple of it
+
+_compiled_flex: Callable[..., Tensor] | None = None
+
+
+def _flex_kernel() -> Callable[..., Tensor]:
+    """One compiled FlexAttention for the process (each distinct shape compiles once)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled_flex
+
+
+def causal_rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
+    """The target's: a query at position p + q sees every key at or before it."""
+    return key <= p + q
+
+
+def blocks_needed(last_position: Tensor, max_len: int) -> Tensor:
+    """FlexAttention blocks that cover keys 0..last_position (per slot), int32."""
+    return (last_position // FLEX_BLOCK + 1).clamp(max=max_len // FLEX_BLOCK).to(torch.int32)
+
+
+class CacheAttention:
+    """`rule`-masked attention of `q_len` queries per slot over `slots` static cache rows.
+
+    Per step: `prepare(positions, kv_len)` once (positions [S]: each slot's block start), then
+    `attend(q, k_cache, v_cache)` per layer: q [S, T, heads, D] -> [S, T, heads * D]."""
+
+    def __init__(self, rule: Rule, kind: AttentionKind, *, slots: int, q_len: int, max_len: int, n_heads: int,
+                 n_kv: int, head_dim: int, scale: float | None, dtype: torch.dtype, device: torch.device) -> None:
+        if kind not in ("dense", "flex"):
+            raise ValueError(f"attention kind must be 'dense' or 'flex', not {kind!r}")
+        if kind == "flex" and max_len % FLEX_BLOCK:
+            raise ValueError(f"flex attention needs max_len to be a multiple of {FLEX_BLOCK}, got {max_len}")
+        self.rule, self.kind = rule, kind
+        self.slots, self.q_len, self.max_len = slots, q_len, max_len
+        self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
+        self.dtype, self.device = dtype, device
+        self.key_positions = torch.arange(max_len, device=device)
+        self.kv_len = max_len
+        self.bias: Tensor | None = None
+        if kind == "flex":
+            # Static buffers the compiled kernel reads on every replay: the block starts (for
+            # the mask_mod) and the per-slot block counts; prepare() overwrites them in place.
+            self.start = torch.zeros(slots, dtype=torch.long, device=device)
+            self.num_blocks = torch.ones(slots, 1, 1, dtype=torch.int32, device=device)
+            n = max_len // FLEX_BLOCK
+            indices = torch.arange(n, dtype=torch.int32, device=device).expand(slots, 1, 1, n).contiguous()
+            start = self.start
+
+            def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return rule(start[b], q_idx, kv_idx)
+
+            self.block_mask = BlockMask.from_kv_blocks(self.num_blocks, indices, BLOCK_SIZE=FLEX_BLOCK,
+                                                       mask_mod=mask_mod, seq_lengths=(q_len, max_len))
+            self._kernel = _flex_kernel() if device.type == "cuda" else flex_attention
+
+    def visible(self, positions: Tensor, kv_len: int) -> Tensor:
+        """The rule as a dense mask [S, T, kv_len] (what `dense` applies; tests compare with it)."""
+        p = positions[:, None, None]
+        q = self.key_positions[None, : self.q_len, None]
+        key = self.key_positions[None, None, :kv_len]
+        return self.rule(p, q, key)
+
+    def prepare(self, positions: Tensor, kv_len: int) -> None:
+        """The mask of this step's block starts `positions` [S] (read: cache positions < kv_len)."""
+        self.kv_len = kv_len
+        if self.kind == "flex":
+            self.start.copy_(positions)
+            self.num_blocks[:, 0, 0] = blocks_needed(positions + self.q_len - 1, self.max_len)
+            return
+        s, t, rep = positions.shape[0], self.q_len, self.n_heads // self.n_kv
+        hidden = ~self.visible(positions, kv_len)
+        bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+        # row r*T + t of kv head j is query head j*rep + r at block index t (see attend)
+        self.bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """q [S, T, heads, D] over k/v_cache [S, kv_heads, max_len, D] -> [S, T, heads * D]."""
+        s, t, h, d = q.shape
+        if self.kind == "flex":
+            o = self._kernel(q.transpose(1, 2), k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
+                             enable_gqa=True)  # [S, h, T, D], laid out as q: [S, T, h, D] in memory
+            return o.transpose(1, 2).reshape(s, t, h * d)
+        rep, n = h // self.n_kv, self.kv_len
+        q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, d)
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=self.bias,
+                                           scale=self.scale)  # [S, kv, rep*T, D]
+        return o.view(s, h, t, d).transpose(1, 2).reshape(s, t, h * d)

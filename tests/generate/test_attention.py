@@ -1,0 +1,87 @@
+"""Cache attention (generate/attention.py): the flex kernel applies the same rule as the dense
+one, block counts cover every visible key, and a whole engine decodes the same with either.
+On CPU FlexAttention runs unfused (eager), which is enough to check the mask semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.generate.attention import FLEX_BLOCK, CacheAttention, blocks_needed, causal_rule
+from dflash_train.generate.spec_engine import SpecEngine
+from dflash_train.generate.static_drafter import block_rule
+from dflash_train.target.loading import load_causal_lm, load_tokenizer
+
+from ..eval.conftest import random_drafter
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def reference(rule, q, k, v, positions, scale):
+    """Plain loops: every slot, head and query over the keys the rule shows it."""
+    s, t, h, d = q.shape
+    rep = h // k.shape[1]
+    out = torch.zeros(s, t, h, d, dtype=torch.float64)
+    for b in range(s):
+        for head in range(h):
+            for i in range(t):
+                keys = [j for j in range(k.shape[2]) if rule(positions[b], torch.tensor(i), torch.tensor(j))]
+                kk, vv = k[b, head // rep, keys].double(), v[b, head // rep, keys].double()
+                w = torch.softmax(q[b, i, head].double() @ kk.T * scale, -1)
+                out[b, i, head] = w @ vv
+    return out.reshape(s, t, h * d)
+
+
+RULES = {"causal": causal_rule, "block": block_rule(4, None, False), "block_causal": block_rule(4, None, True),
+         "block_window": block_rule(4, 37, False)}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+def test_attention_equals_loops(rule, kind):
+    torch.manual_seed(0)
+    S, T, H, KV, D, L = 3, 4, 6, 2, 8, 2 * FLEX_BLOCK
+    positions = torch.tensor([0, 61, 200])  # block starts: the first slot sees only its own block
+    q, k, v = torch.randn(S, T, H, D), torch.randn(S, KV, L, D), torch.randn(S, KV, L, D)
+    att = CacheAttention(RULES[rule], kind, slots=S, q_len=T, max_len=L, n_heads=H, n_kv=KV, head_dim=D,
+                         scale=0.3, dtype=torch.float32, device=torch.device("cpu"))
+    att.prepare(positions, L)
+    got = att.attend(q, k, v)
+    torch.testing.assert_close(got.double(), reference(RULES[rule], q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_block_counts_cover_every_visible_key_and_no_more():
+    """Brute force over positions: the last visible key of every query lies in the counted
+    blocks, and the last counted block holds one (so a slot never reads blocks it has not reached)."""
+    L = 4 * FLEX_BLOCK
+    for rule, t in ((causal_rule, 1), (causal_rule, 16), (block_rule(16, None, False), 16),
+                    (block_rule(16, 64, True), 16)):
+        positions = torch.arange(0, L - t + 1)
+        counts = blocks_needed(positions + t - 1, L)
+        att = CacheAttention(rule, "dense", slots=len(positions), q_len=t, max_len=L, n_heads=2, n_kv=1, head_dim=4,
+                             scale=None, dtype=torch.float32, device=torch.device("cpu"))
+        visible = att.visible(positions, L)  # [S, T, L]
+        last = torch.where(visible.any(1), torch.arange(L), -1).amax(-1)  # last visible key of each slot
+        assert torch.equal(counts.long(), last // FLEX_BLOCK + 1)
+
+
+def test_flex_needs_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        CacheAttention(causal_rule, "flex", slots=1, q_len=1, max_len=200, n_heads=2, n_kv=1, head_dim=4,
+                       scale=None, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_engine_decodes_the_same_with_flex_and_dense(tiny_targets):
+    """Batch of prompts, speculative and greedy, sliding-window and causal drafter layers: the
+    flex engine (one step graph for every length) commits exactly what the dense one does."""
+    model, tok = load_causal_lm(tiny_targets["qwen3"], dtype=torch.float32), load_tokenizer(tiny_targets["qwen3"])
+    drafter = random_drafter(model, tok, 4, sliding=3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 17)]
+    dense = SpecEngine(model, drafter, set(), slots=2, max_len=256, attention="dense")
+    flex = SpecEngine(model, drafter, set(), slots=2, max_len=256, attention="flex")
+    assert flex.buckets == [256] and len(dense.buckets) == 2
+    for speculative in (True, False):
+        a = dense.generate_batch(prompts, 30, speculative=speculative)
+        b = flex.generate_batch(prompts, 30, speculative=speculative)
+        assert [(r.tokens, r.rounds) for r in a] == [(r.tokens, r.rounds) for r in b]
