@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.generate.attention import FLEX_BLOCK, CacheAttention, blocks_needed, causal_rule
+from dflash_train.generate.attention import (
+    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, write_cache,
+)
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.static_drafter import block_rule
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
@@ -85,3 +87,26 @@ def test_engine_decodes_the_same_with_flex_and_dense(tiny_targets):
         a = dense.generate_batch(prompts, 30, speculative=speculative)
         b = flex.generate_batch(prompts, 30, speculative=speculative)
         assert [(r.tokens, r.rounds) for r in a] == [(r.tokens, r.rounds) for r in b]
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_cache_writes_land_where_advanced_indexing_puts_them(layers):
+    """write_cache(cache_index(...)) equals cache[(layer,) rows[r], :, grid[r, t]] = values, also
+    with non-contiguous values (a slice of a fused projection, as the drafter's v)."""
+    S, KV, L, D, T = 4, 3, 16, 5, 4
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([2, 0, 3])
+    grid = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [12, 13, 14, 15]])
+    shape = (layers, S, KV, L, D)
+    fused = torch.randn(3, T, layers, KV, 2 * D, generator=g)
+    values = fused[..., D:]  # non-contiguous [R, T, layers, KV, D]
+    got, want = torch.zeros(shape), torch.zeros(shape)
+    if layers == 1:
+        write_cache(got[0], cache_index(rows, grid, KV, L), values[:, :, 0])
+    else:
+        write_cache(got, cache_index(rows, grid, KV, L, layers, S), values)
+    for r in range(3):
+        for t in range(T):
+            for lay in range(layers):
+                want[lay, rows[r], :, grid[r, t]] = values[r, t, lay]
+    assert torch.equal(got, want)

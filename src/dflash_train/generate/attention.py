@@ -22,6 +22,10 @@ Two kernels apply it:
 
 Both are fixed-shape and free of host synchronisation, so a step using them can be captured
 in a CUDA graph. The rule must make a query see at least one key (its own position).
+
+Writes go through `cache_index` / `write_cache`: one flat index per step, then one scatter
+kernel per cache and layer, whatever the strides of the values (indexing the 4-d cache with
+advanced indices around a slice costs an extra copy kernel per write when T > 1).
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ def causal_rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
 def blocks_needed(last_position: Tensor, max_len: int) -> Tensor:
     """FlexAttention blocks that cover keys 0..last_position (per slot), int32."""
     return (last_position // FLEX_BLOCK + 1).clamp(max=max_len // FLEX_BLOCK).to(torch.int32)
+
+
+def cache_index(rows: Tensor, grid: Tensor, n_kv: int, max_len: int, n_layers: int = 1, slots: int = 0) -> Tensor:
+    """Flat row indices into a cache viewed as [-1, head_dim], for values [R, T, (layers,) kv, D]:
+    element (r, t, (l,) j) -> cache (layer l,) row rows[r], kv head j, position grid[r, t].
+    rows [R], grid [R, T]; with n_layers > 1 the cache is [layers, slots, kv, max_len, D]."""
+    base = rows[:, None] * n_kv * max_len + grid  # [R, T]
+    heads = torch.arange(n_kv, device=rows.device) * max_len  # [kv]
+    if n_layers == 1:
+        return base[:, :, None] + heads
+    layers = torch.arange(n_layers, device=rows.device) * slots * n_kv * max_len  # [layers]
+    return base[:, :, None, None] + layers[:, None] + heads
+
+
+def write_cache(cache: Tensor, index: Tensor, values: Tensor) -> None:
+    """cache[...] at `index` (cache_index) = values (index.shape + [D]), one scatter kernel."""
+    cache.view(-1, cache.shape[-1]).index_put_((index,), values)
 
 
 class CacheAttention:

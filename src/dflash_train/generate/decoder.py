@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_train.generate.attention import AttentionKind, CacheAttention, causal_rule
+from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, causal_rule, write_cache
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.utils.errors import ModelError
 
@@ -296,13 +296,13 @@ class StaticDecoder:
         cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [S, T, 1, D]
         attention = self._attention(s, t)
         attention.prepare(positions, kv_len)  # once for all layers
-        rows = self.rows[:s, None]  # [S, 1] with grid [S, T]: element (s, t) -> cache row s, position grid[s, t]
+        index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)  # (s, t, j) -> row s, head j, grid[s, t]
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
             q, k, v = self.pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))  # q [S,T,h,D], k/v [S,T,kv,D]
             kc, vc = self.k_cache[i], self.v_cache[i]  # [S, kv, max_len, D]
-            kc[rows, :, grid] = k
-            vc[rows, :, grid] = v
+            write_cache(kc, index, k)
+            write_cache(vc, index, v)
             x = self.post_attention(x, attention.attend(q, kc, vc), *lay.post, eps=lay.ln2_eps)
             if i in tap_layers:
                 taps[i] = x

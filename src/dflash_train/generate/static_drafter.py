@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import AttentionKind, CacheAttention
+from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, write_cache
 from dflash_train.target.ops import apply_rope, rms_norm
 
 
@@ -230,9 +230,9 @@ class StaticDrafter:
         k, v = context_kv(taps, cos, sin, self.fc_w, self.hidden_norm_w, self.context_w, self.context_kn_w,
                           hn_eps=self.hidden_norm_eps, qk_eps=self.context_eps, n_layers=len(self.layers),
                           n_kv=self.n_kv, head_dim=self.head_dim)  # [R, T, layers, g, d]
-        # element (r, t) of the two advanced indices -> all layers, cache row rows[r], position grid[r, t]
-        self.k_cache[:, rows[:, None], :, grid] = k
-        self.v_cache[:, rows[:, None], :, grid] = v
+        index = cache_index(rows, grid, self.n_kv, self.max_len, len(self.layers), self.slots)
+        write_cache(self.k_cache, index, k)  # every layer's row rows[r], position grid[r, t]
+        write_cache(self.v_cache, index, v)
 
     def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
         """After a prefill: the prompts' taps [n, T, n*H] (right padded) become the context of
@@ -269,13 +269,13 @@ class StaticDrafter:
         attentions = [self._attention(*variant) for variant in self.variants]
         for att in dict.fromkeys(attentions):  # once per distinct variant, for all its layers
             att.prepare(positions, kv_len)
-        rows = self.rows[:s, None]
+        index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)
         for i, lay in enumerate(self.layers):
             q, k, v = self.block_qkv(x, cos, sin, *lay.qkv, eps=lay.eps, qk_eps=lay.qk_eps, n_heads=self.n_heads,
                                      n_kv=self.n_kv, head_dim=self.head_dim)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[rows, :, grid] = k
-            vc[rows, :, grid] = v
+            write_cache(kc, index, k)
+            write_cache(vc, index, v)
             x = self.post_attention(x, attentions[i].attend(q, kc, vc), *lay.post, eps=lay.post_eps)
         return x
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# H200 session 4, call D (right after C, the trained drafter in /tmp): the batch-1 speedup of a
+# trained drafter on the engine (issue 15's 0.8 x tau goal, registry eval.spec_*), then
+# `dflash-train eval` on HumanEval (164 x 256) and the held-out chat prompts.
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/eval4.log; W=/tmp/smolrun; mkdir -p $OUT
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+D=$W/train/final
+if [ ! -f $D/model.safetensors ]; then echo "no trained drafter in $D" | tee -a $LOG; exit 3; fi
+stage() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a $LOG
+  timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
+  echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
+}
+stage bench_spec 150 python3 bench/bench_spec_decode.py /tmp/smol/hf --drafter $D --prompts chat --num-prompts 16 \
+  --max-new-tokens 256 --batch-slots 64 --batch-prompts 128 --out $OUT/spec_trained4.json
+stage eval_humaneval 200 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $D --prompts humaneval \
+  --max-new-tokens 256 --output $W/eval-humaneval --no-progress
+stage eval_chat 120 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $D --prompts builtin \
+  --max-new-tokens 256 --output $W/eval-chat --no-progress
+for s in humaneval chat; do cp $W/eval-$s/report.json $OUT/report4_$s.json 2>/dev/null; done
+grep -E "^===|tau|speedup|equals|^batch|lossless|ms per" $LOG | tail -40
