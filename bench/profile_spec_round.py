@@ -63,6 +63,7 @@ def main() -> int:
     p.add_argument("--attention", nargs="+", default=["dense", "flex"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--slots", type=int, default=1, help="engine slots (1: the latency case)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -72,7 +73,8 @@ def main() -> int:
     drafter = DFlashDrafter(cfg).to(device=dev, dtype=dtype).eval()
     results = {}
     for kind in args.attention:
-        engine = SpecEngine(model, drafter, set(), slots=1, max_len=args.max_len, compile=True, attention=kind)
+        engine = SpecEngine(model, drafter, set(), slots=args.slots, max_len=args.max_len, compile=True,
+                            attention=kind)
         kv = engine.buckets[-1] if kind == "flex" else engine.buckets[0]
         steps = {"greedy": engine._verify[1], "verify": engine._verify[args.block_size], "draft": engine._draft}
         out = {}

@@ -19,5 +19,7 @@ stage eval_humaneval 200 python3 -m dflash_train eval --target /tmp/smol/hf --dr
   --max-new-tokens 256 --output $W/eval-humaneval --no-progress
 stage eval_chat 120 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $D --prompts builtin \
   --max-new-tokens 256 --output $W/eval-chat --no-progress
+stage profile64 120 python3 bench/profile_spec_round.py preset:smollm2-135m --slots 64 --attention dense \
+  --out $OUT/profile64.json
 for s in humaneval chat; do cp $W/eval-$s/report.json $OUT/report4_$s.json 2>/dev/null; done
-grep -E "^===|tau|speedup|equals|^batch|lossless|ms per" $LOG | tail -40
+grep -E "^===|tau|speedup|equals|^batch|lossless|ms per|kernels,|ceiling" $LOG | tail -40
