@@ -51,7 +51,7 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext) -> TargetWorker:
                         padding=setup.compile_padding(cfg), load_s=time.perf_counter() - t0)
 
 
-def run_rank(cfg: TrainConfig, *, resume: bool) -> dict | None:
+def run_rank(cfg: TrainConfig, *, resume: bool | str) -> dict | None:
     """Run this process's part; returns the training summary on the main drafter, else None."""
     resolve_device(cfg.run.device)  # a clear error for device=cuda without CUDA, before any collective
     ctx = init_distributed(cfg.pipeline, cfg.run.device)
@@ -81,7 +81,7 @@ def run_rank(cfg: TrainConfig, *, resume: bool) -> dict | None:
         shutdown(ctx)
 
 
-def run_training(cfg: TrainConfig, *, resume: bool) -> int:
+def run_training(cfg: TrainConfig, *, resume: bool | str) -> int:
     summary = run_rank(cfg, resume=resume)
     if summary is not None:
         print_summary(summary)

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, ctx: DistContext | None = None):
+    def __init__(self, cfg: TrainConfig, *, resume: bool | str = False, ctx: DistContext | None = None):
         self.cfg = cfg
         self.ctx = ctx = ctx or DistContext(layout="single", device=resolve_device(cfg.run.device))
         if not ctx.is_drafter:
