@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.pipeline.config import PipelineConfig
+from dflash_train.pipeline.heartbeat import Heartbeat
 from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import ConfigError
 
@@ -58,6 +59,7 @@ class DistContext:
     control: object | None = None  # gloo group of all ranks
     links: dict[tuple[int, int], object] = field(default_factory=dict)  # (target, drafter) -> group (split)
     link_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where link tensors live
+    heartbeat: Heartbeat | None = None  # watches every other rank (distributed runs)
 
     @property
     def is_target(self) -> bool:
@@ -138,6 +140,8 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     working = timedelta(seconds=cfg.timeout_s)
     ctx = DistContext(layout=layout, rank=rank, world=world, local_rank=local, device=device,
                       target_ranks=targets, drafter_ranks=drafters)
+    # from here on a dead peer is noticed even while this rank loads a model for minutes
+    ctx.heartbeat = Heartbeat(rank, world, interval_s=cfg.heartbeat_s, dead_after_s=cfg.dead_rank_timeout_s).start()
     ctx.control = dist.new_group(backend="gloo", timeout=working)
     ctx.drafters = dist.new_group(drafters, backend="nccl" if device.type == "cuda" else "gloo", timeout=working)
     if layout == "split":
@@ -199,5 +203,7 @@ def _host_id() -> int:
 
 
 def shutdown(ctx: DistContext) -> None:
+    if ctx.heartbeat is not None:
+        ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
