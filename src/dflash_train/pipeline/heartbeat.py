@@ -59,7 +59,7 @@ class Heartbeat:
     def wait_for_verdict(self) -> str | None:
         """After an error in the main thread: give the watchdog the time to name a dead peer
         (it then ends this process); None when every rank kept beating."""
-        self._decided.wait(self.dead_after_s + 3 * self.interval_s)
+        self._decided.wait(self.dead_after_s + 4 * self.interval_s)
         return self.verdict
 
     def _run(self) -> None:
@@ -67,7 +67,7 @@ class Heartbeat:
         counts = dict.fromkeys(others, -1)
         now = time.monotonic()
         moved = dict.fromkeys(others, now)  # when each counter last changed (this rank's clock)
-        store_ok = now
+        store_ok, store_error = now, None
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             try:
@@ -75,18 +75,23 @@ class Heartbeat:
                 seen = {r: self.store.add(str(r), 0) for r in others}  # add 0: read without blocking
                 store_ok = now
             except Exception as exc:  # noqa: BLE001 - any store failure counts against the deadline
-                if now - store_ok > self.dead_after_s:
-                    self._end(f"the job's rendezvous store at {self.where} (hosted by the torchrun agent, or by "
-                              f"rank 0 without torchrun) stopped answering {now - store_ok:.0f}s ago: {exc}")
-                continue
+                seen, store_error = {}, exc
             for r, c in seen.items():
                 if c != counts[r]:
                     counts[r], moved[r] = c, now
-            dead = sorted(r for r in others if now - moved[r] > self.dead_after_s)
+            # a peer that stopped beating is named first, even when the store went down after it
+            # (without torchrun rank 0 hosts the store: its survivors lose both)
+            # (peers that were still beating when the store went down are not blamed for it)
+            failing = now - store_ok > 2 * self.interval_s
+            dead = sorted(r for r in others if now - moved[r] > self.dead_after_s
+                          and (not failing or moved[r] < store_ok - 2 * self.interval_s))
             if dead:
                 names = ", ".join(f"rank {r}" for r in dead)
                 self._end(f"{names} sent no heartbeat for {self.dead_after_s:.0f}s (pipeline.dead_rank_timeout_s): "
                           f"dead or frozen")
+            elif now - store_ok > self.dead_after_s:
+                self._end(f"the job's rendezvous store at {self.where} (hosted by the torchrun agent, or by rank 0 "
+                          f"without torchrun) stopped answering {now - store_ok:.0f}s ago: {store_error}")
 
     def _end(self, why: str) -> None:
         if self._stop.is_set():
