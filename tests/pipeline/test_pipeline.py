@@ -255,3 +255,22 @@ def test_the_survivors_of_a_dead_rank_name_it_and_exit_3(setup, layout, victim, 
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+def test_two_torchrun_agents_as_two_nodes_run_split_and_colocated(setup):
+    """Two torchrun agents on this host as two nodes (c10d rendezvous), as on two machines."""
+    root, cfg = setup
+    for name, layout in (("nodes_split", SPLIT_11), ("nodes_colocated", ("--pipeline.layout", "colocated"))):
+        port, procs = _free_port(), []
+        for _ in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
+                   "-m", "dflash_train", "train", "--config", str(cfg), "--run.output_dir", str(root / name), *layout]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+        assert sorted(losses(root / name)) == list(range(1, 9))
+    # the same two shares of the data either way: split 1+1 trains what a single process does
+    single(cfg, root / "nodes_single")
+    assert losses(root / "nodes_split") == pytest.approx(losses(root / "nodes_single"), rel=1e-5)
