@@ -19,13 +19,13 @@ stage() {
   timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
   echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
 }
-trun() { $PY -m torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) "$@"; }
+TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
 $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" >> $LOG 2>&1
 
 # 1. throughput: split 1+1 (NCCL between the GPUs) and colocated x2, same preset and batches
-stage split_${BIG} 150 trun -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
+stage split_${BIG} 150 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
   --drafter-dtype bfloat16 $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/split_${BIG}.json
-stage colocated_${BIG} 120 trun -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
+stage colocated_${BIG} 120 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
   $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/colocated_${BIG}.json
 
 # 2. the same batches trained by split 1+1 and by one process: the losses (bf16 noise on GPU)
@@ -34,7 +34,7 @@ TRAIN=(-m dflash_train train --target.path $T --data.path synthetic:2048:512 --d
   --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 12 --run.log_every 1 --run.device $DEV
   --run.progress false --run.tensorboard false --eval.spec_prompts null)
 stage losses_single 60 $PY "${TRAIN[@]}" --run.output_dir $W/single
-stage losses_split 70 trun "${TRAIN[@]}" --run.output_dir $W/split --pipeline.layout split \
+stage losses_split 70 "${TRUN[@]}" "${TRAIN[@]}" --run.output_dir $W/split --pipeline.layout split \
   --pipeline.target_ranks 1 --pipeline.drafter_ranks 1
 
 # 3. stops and deaths: time to exit, exit code, checkpoint, resume (helper in Python for exact timing)
