@@ -139,7 +139,8 @@ def _wait_for_checkpoint(out: Path, timeout: float = 120) -> None:
 def test_killed_target_rank_fails_the_whole_job_quickly(setup):
     root, cfg = setup
     out = root / "killed"
-    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100")
+    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100",
+                  "--pipeline.dead_rank_timeout_s", "4", "--pipeline.heartbeat_s", "0.5")
     _wait_for_checkpoint(out)
     os.kill(_rank_pid(proc, 0), signal.SIGKILL)
     killed_at = time.time()

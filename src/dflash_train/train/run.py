@@ -34,8 +34,8 @@ from dflash_train.target.loading import load_target_model, open_target, tokenize
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train import setup
 from dflash_train.train.config import TrainConfig
-from dflash_train.train.trainer import Trainer
 from dflash_train.train.stopping import STOP_ANNOUNCE
+from dflash_train.train.trainer import Trainer
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import DFlashError
 from dflash_train.utils.log import set_main_process

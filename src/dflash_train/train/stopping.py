@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ class StopControl:
         self.last_save = time.perf_counter()
         self.reason: str | None = None  # why the run was interrupted (None: it was not)
 
-    def __enter__(self) -> StopControl:
+    def __enter__(self) -> Self:
         if self._own_signals:
             self.signals.__enter__()
         return self
