@@ -139,7 +139,8 @@ def _wait_for_checkpoint(out: Path, timeout: float = 120) -> None:
 def test_killed_target_rank_fails_the_whole_job_quickly(setup):
     root, cfg = setup
     out = root / "killed"
-    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100")
+    proc = launch(cfg, out, 2, *SPLIT_11, "--run.max_steps", "100000", "--run.log_every", "100",
+                  "--pipeline.dead_rank_timeout_s", "4", "--pipeline.heartbeat_s", "0.5")
     _wait_for_checkpoint(out)
     os.kill(_rank_pid(proc, 0), signal.SIGKILL)
     killed_at = time.time()
@@ -173,3 +174,104 @@ def _wait_for_checkpoint_or_steps(proc, out: Path, timeout: float = 120) -> None
     while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
         assert time.time() < deadline and proc.poll() is None, "training did not start"
         time.sleep(0.2)
+
+
+# -- stops and faults on several ranks -------------------------------------------------------------
+
+
+def _wait_for_steps(proc, out: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not (out / "metrics.jsonl").is_file() or len(losses(out)) < steps:
+        assert time.time() < deadline and proc.poll() is None, "training did not get under way"
+        time.sleep(0.1)
+
+
+def test_sigterm_to_torchrun_saves_one_checkpoint_and_resume_equals_the_uninterrupted_run(setup):
+    """torchrun forwards SIGTERM to every rank: they agree on a step, one checkpoint is written,
+    all exit well within torchrun's 30 s grace, and the resumed run's losses are the
+    uninterrupted run's, step for step."""
+    root, cfg = setup
+    steps = ("--run.max_steps", "120", "--run.save_every", "100000")
+    out = root / "term_all"
+    proc = launch(cfg, out, 2, *steps)
+    _wait_for_steps(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)  # to torchrun itself
+    sent = time.time()
+    output, _ = proc.communicate(timeout=90)
+    assert time.time() - sent < 20, output[-3000:]
+    assert proc.returncode == 1, output[-3000:]  # torchrun's own code when it was signalled (docs/training.md)
+    assert "Sending process" in output and "stopped by SIGTERM: continue with --resume" in output
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1, saved
+    step = json.loads((out / "checkpoints" / saved[0] / "state.json").read_text())["train_state"]["step"]
+    assert 3 <= step < 120
+    resumed = run(cfg, out, 2, *steps, "--resume")
+    assert f"(step {step}," in resumed
+    run(cfg, root / "term_ref", 2, *steps)
+    got, ref = losses(out), losses(root / "term_ref")
+    assert sorted(got) == sorted(ref) == list(range(1, 121))
+    assert got == ref  # exact: same batches, same seeds, same reductions
+
+
+def _direct(config: Path, out: Path, n: int, *extra: str) -> list[subprocess.Popen]:
+    """n ranks started without torchrun, as `srun` starts them: nobody but the ranks
+    themselves can end the survivors of a dead rank."""
+    port = _free_port()
+    procs = []
+    for r in range(n):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_train", "train", "--config", str(config),
+                                       "--run.output_dir", str(out), *extra], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("layout, victim, how", [
+    ("colocated", 1, signal.SIGSTOP),  # frozen: its sockets stay open, the survivor's collective never fails
+    ("split", 2, signal.SIGKILL),  # a drafter of a 1 + 2 split: its target and the other drafter survive
+])
+def test_the_survivors_of_a_dead_rank_name_it_and_exit_3(setup, layout, victim, how):
+    root, cfg = setup
+    out = root / f"dead_{layout}"
+    layout_args = ("--pipeline.layout", "colocated") if layout == "colocated" else (
+        "--pipeline.layout", "split", "--pipeline.target_ranks", "1", "--pipeline.drafter_ranks", "2")
+    n = 2 if layout == "colocated" else 3
+    procs = _direct(cfg, out, n, *layout_args, "--run.max_steps", "100000", "--run.log_every", "1",
+                    "--run.save_every", "100000", "--pipeline.timeout_s", "600", "--pipeline.heartbeat_s", "0.5",
+                    "--pipeline.dead_rank_timeout_s", "4")
+    try:
+        _wait_for_steps(procs[0], out, 3)
+        os.kill(procs[victim].pid, how)
+        hit = time.time()
+        for r, p in enumerate(procs):
+            if r == victim:
+                continue
+            output, _ = p.communicate(timeout=60)
+            assert p.returncode == 3, (r, output[-3000:])
+            assert f"rank {victim} sent no heartbeat for 4s" in output, output[-3000:]
+        assert time.time() - hit < 30
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_two_torchrun_agents_as_two_nodes_run_split_and_colocated(setup):
+    """Two torchrun agents on this host as two nodes (c10d rendezvous), as on two machines."""
+    root, cfg = setup
+    for name, layout in (("nodes_split", SPLIT_11), ("nodes_colocated", ("--pipeline.layout", "colocated"))):
+        port, procs = _free_port(), []
+        for _ in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
+                   "-m", "dflash_train", "train", "--config", str(cfg), "--run.output_dir", str(root / name), *layout]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+        assert sorted(losses(root / name)) == list(range(1, 9))
+    # the same two shares of the data either way: split 1+1 trains what a single process does
+    single(cfg, root / "nodes_single")
+    assert losses(root / "nodes_split") == pytest.approx(losses(root / "nodes_single"), rel=1e-5)

@@ -192,11 +192,14 @@ def test_checkpoints_and_exports_follow_the_umask(tmp_path, umask, mask, dirs, f
 
 
 def test_resume_starts_from_the_newest_checkpoint_that_verifies(tmp_path, caplog):
-    assert ck.checkpoint_to_resume(tmp_path, True) is None  # nothing yet: from scratch
+    with pytest.raises(TrainingError, match="no checkpoint in .* --resume auto"):  # never silently from step 0
+        ck.checkpoint_to_resume(tmp_path, True)
+    assert ck.checkpoint_to_resume(tmp_path, "auto") is None  # nothing yet: from scratch, when asked
     good, bad = save(tmp_path, 1), save(tmp_path, 2)
     truncate(bad / "drafter" / "model.safetensors")
     with caplog.at_level(logging.WARNING):
         assert ck.checkpoint_to_resume(tmp_path, True) == good
+    assert ck.checkpoint_to_resume(tmp_path, "auto") == good
     assert "skipping checkpoint" in caplog.text
     with pytest.raises(TrainingError, match="--resume"):
         ck.checkpoint_to_resume(tmp_path, False)

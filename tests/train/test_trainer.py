@@ -245,3 +245,20 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tiny_targets, tiny
     assert sum(1 for r in rows if r.get("skipped_nonfinite")) == 4
     for p in t.drafter.parameters():
         assert torch.isfinite(p).all()
+
+
+def test_resume_without_a_checkpoint_exits_2_and_resume_auto_starts_fresh(tiny_targets, tiny_datasets, tmp_path,
+                                                                          capsys):
+    from dflash_train.cli import main
+
+    out = tmp_path / "r"
+    args = ["train", "--target.path", str(tiny_targets["llama"]), "--data.path", str(tiny_datasets["llama"]),
+            "--run.output_dir", str(out), "--data.plan.token_budget", "512", "--drafter.num_layers", "1",
+            "--drafter.block_size", "4", "--step.num_anchors", "8", "--run.max_steps", "2", "--run.progress", "false",
+            "--run.tensorboard", "false"]
+    assert main([*args, "--resume"]) == 2
+    assert f"--resume: no checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists()
+    assert main([*args, "--resume", "auto"]) == 0
+    assert max(read_metrics(out)) == 2
+    assert main([*args, "--resume"]) == 0  # now there is one: continues (nothing left to train)

@@ -37,6 +37,11 @@ class PipelineConfig:
     """a blocked collective or transfer fails after this long"""
     startup_timeout_s: float = 1800.0
     """model loading may take long: the first barrier waits this long"""
+    heartbeat_s: float = 1.0
+    """every rank bumps a counter in the job's store this often (pipeline/heartbeat.py)"""
+    dead_rank_timeout_s: float = 20.0
+    """a rank whose heartbeat stops this long is dead: the others exit (code 3) naming it. Below
+    torchrun's 30 s shutdown grace, so survivors end themselves and say why"""
 
     def __post_init__(self) -> None:
         if self.queue_depth < 1:
@@ -47,3 +52,6 @@ class PipelineConfig:
             raise ValueError("pipeline.layout=split needs pipeline.target_ranks >= 1 and pipeline.drafter_ranks >= 1")
         if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("pipeline timeouts must be positive")
+        if self.heartbeat_s <= 0 or self.dead_rank_timeout_s < 3 * self.heartbeat_s:
+            raise ValueError("pipeline.heartbeat_s must be positive and pipeline.dead_rank_timeout_s at least "
+                             "3 heartbeats")

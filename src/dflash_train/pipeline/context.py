@@ -8,7 +8,20 @@ rank does both. Process groups:
   global loss normaliser, metrics, the agreed stop step.
 * `control`: all ranks, gloo on CPU: small messages (credits, headers, stop requests)
   that must not wait behind GPU work.
-* `data`: all ranks, NCCL, for GPU-to-GPU hidden states (split layout only).
+* `links`: one group per (target, drafter) pair that exchanges hidden states (split
+  layout): NCCL GPU to GPU (`device` transport), gloo through host memory (`host`).
+
+Why one group per pair, created and connected at start-up: NCCL creates the
+communicator of a group at its first operation, a handshake both peers must enter. Left
+to the first transfer, a drafter blocked in that handshake and a target blocked waiting
+for the drafter's credit on the control group wait for each other forever (issue 16).
+So every rank creates the pair groups in one global order and connects each with one
+batched exchange, in the same order, before any credit is sent: a rank only waits for a
+pair whose two members have finished every earlier pair, so the start-up cannot
+deadlock, and afterwards no transfer creates anything. One group per pair, not one
+group for all: NCCL runs a communicator's operations in order on one stream, so with
+several targets and drafters a send to one drafter queued behind a send to another
+could wait in a cycle; separate pairs progress independently.
 
 The default group is created with a long timeout because loading a large target can
 take minutes while other ranks wait at the first barrier; the working groups are created
@@ -28,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.pipeline.config import PipelineConfig
+from dflash_train.pipeline.heartbeat import Heartbeat
 from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import ConfigError
 
@@ -43,7 +57,9 @@ class DistContext:
     drafter_ranks: list[int] = field(default_factory=lambda: [0])
     drafters: object | None = None  # process group of the drafter ranks
     control: object | None = None  # gloo group of all ranks
-    data: object | None = None  # NCCL group of all ranks (split, GPU)
+    links: dict[tuple[int, int], object] = field(default_factory=dict)  # (target, drafter) -> group (split)
+    link_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where link tensors live
+    heartbeat: Heartbeat | None = None  # watches every other rank (distributed runs)
 
     @property
     def is_target(self) -> bool:
@@ -117,21 +133,54 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.startup_timeout_s))
+    # device_id binds this rank's GPU: NCCL communicators are created eagerly, here, not at
+    # the first operation (which is where the split layout's first transfer deadlocked)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.startup_timeout_s),
+                            device_id=device if device.type == "cuda" else None)
     working = timedelta(seconds=cfg.timeout_s)
     ctx = DistContext(layout=layout, rank=rank, world=world, local_rank=local, device=device,
                       target_ranks=targets, drafter_ranks=drafters)
+    # from here on a dead peer is noticed even while this rank loads a model for minutes
+    ctx.heartbeat = Heartbeat(rank, world, interval_s=cfg.heartbeat_s, dead_after_s=cfg.dead_rank_timeout_s).start()
     ctx.control = dist.new_group(backend="gloo", timeout=working)
     ctx.drafters = dist.new_group(drafters, backend="nccl" if device.type == "cuda" else "gloo", timeout=working)
-    if layout == "split" and _device_transport(cfg.transport, ctx):
-        ctx.data = dist.new_group(backend="nccl", timeout=working)
+    if layout == "split":
+        on_device = _device_transport(cfg.transport, ctx)
+        ctx.link_device = device if on_device else torch.device("cpu")
+        ctx.links = connect_links(ctx, backend="nccl" if on_device else "gloo", timeout=working)
     return ctx
+
+
+def link_pairs(ctx: DistContext) -> list[tuple[int, int]]:
+    """The (target rank, drafter rank) pairs that exchange hidden states, in one global order."""
+    T, D = ctx.num_targets, ctx.num_drafters
+    return sorted({(ctx.target_of(g), ctx.drafter_of(g)) for g in range(T * D)})
+
+
+def connect_links(ctx: DistContext, *, backend: str, timeout: timedelta) -> dict[tuple[int, int], object]:
+    """One group per pair, created by every rank (torch requires it) and connected by one
+    batched exchange of its two members, all in the order of `link_pairs`."""
+    links = {}
+    for pair in link_pairs(ctx):
+        group = dist.new_group(list(pair), backend=backend, timeout=timeout)
+        if ctx.rank in pair:
+            links[pair] = group
+    for pair, group in sorted(links.items()):
+        peer = pair[1] if ctx.rank == pair[0] else pair[0]
+        mine = torch.full((1,), ctx.rank, dtype=torch.long, device=ctx.link_device)
+        theirs = torch.full((1,), -1, dtype=torch.long, device=ctx.link_device)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, group),
+                                            dist.P2POp(dist.irecv, theirs, peer, group)]):
+            work.wait()
+        if int(theirs.item()) != peer:  # .item() also waits for the GPU
+            raise RuntimeError(f"link {pair}: connected to rank {int(theirs.item())}, expected {peer}")
+    return links
 
 
 def _device_transport(transport: str, ctx: DistContext) -> bool:
     """Whether hidden states go GPU to GPU over NCCL (`pipeline.transport`): `host` never,
     `device` always (an error where NCCL cannot: CPU ranks, two ranks on one GPU), `auto`
-    whenever it can."""
+    whenever it can (every rank on its own GPU)."""
     if transport == "host":
         return False
     possible = ctx.device.type == "cuda" and _devices_distinct(ctx)  # collective: every rank asks
@@ -154,5 +203,7 @@ def _host_id() -> int:
 
 
 def shutdown(ctx: DistContext) -> None:
+    if ctx.heartbeat is not None:
+        ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ states cross the network, never token data.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -47,8 +48,8 @@ class TargetWorker:
     colocated rank would use; `start` is the main drafter's broadcast (cursor, budget)."""
 
     def __init__(self, ctx: DistContext, runner: TargetRunner, data: DataSplits, *, queue_depth: int,
-                 padding: tuple[int, int] | None, load_s: float = 0.0):
-        self.ctx, self.runner, self.data = ctx, runner, data
+                 padding: tuple[int, int] | None, load_s: float = 0.0, signals: StopSignals | None = None):
+        self.ctx, self.runner, self.data, self.signals = ctx, runner, data, signals
         self.queue_depth, self.padding, self.load_s = queue_depth, padding, load_s
         self.start = broadcast_start(ctx)
 
@@ -63,7 +64,9 @@ class TargetWorker:
         ended: set[int] = set()
         mine = {ctx.drafter_of(g) for g in range(t, t + T * D, T)}
         compute_s, tokens, wall0 = 0.0, 0, time.perf_counter()
-        with StopSignals(second_ctrl_c_aborts=False) as signals:
+        # the job's recorder (installed for the process's whole life), else one for this loop
+        with contextlib.nullcontext(self.signals) if self.signals else StopSignals(second_ctrl_c_aborts=False) \
+                as signals:
             for g in range(t, total, T):
                 if ended >= mine:
                     break

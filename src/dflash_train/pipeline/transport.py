@@ -4,7 +4,7 @@ Batch g of the global order (g = q * D + d for the q-th batch of drafter d) is p
 by target `g % T` and consumed by drafter `d`. Flow control is credit based, per
 (drafter, target) pair, on the gloo `control` group:
 
-    drafter: post receives for batch g  ->  send CONTINUE(g) to its target
+    drafter: send CONTINUE(g) to its target -> post the receives for batch g
     target:  receive the credit for its next g -> run the target -> send header + tensors
 
 A drafter credits at most `queue_depth` batches beyond the one it is training on, so a
@@ -13,10 +13,15 @@ runs ahead blocks on its next credit (backpressure). At the end, a drafter sends
 to each of its targets and receives every batch it had credited, so no transfer is ever
 left half-matched.
 
-The header (status, g, R, S) travels on the control group; the tensors travel either on
-the NCCL `data` group GPU to GPU, or (`host` transport: CPU runs, and a target and a
-drafter sharing one GPU, which NCCL refuses) through pinned host memory on gloo. A target
-asked to stop sends STOP_REQUEST headers; the drafters then agree on a stop step.
+The header (status, g, R, S) travels on the control group; the tensors on the pair's own
+link group (pipeline/context.py: created and connected at start-up), in one batched
+isend/irecv per batch: NCCL GPU to GPU (`device` transport), or gloo through pinned host
+memory (`host`: CPU runs, and a target and a drafter sharing one GPU, which NCCL refuses).
+Both paths run this same code; only the group's backend and the buffers' device differ,
+so the CPU tests exercise the ordering the GPUs use. Nothing here blocks on the control
+group while a transfer is half set up: the credit goes out before the drafter posts its
+receives, and the target blocks only on a credit, never on a tensor. A target asked to
+stop sends STOP_REQUEST headers; the drafters then agree on a stop step.
 """
 
 from __future__ import annotations
@@ -56,8 +61,16 @@ class WaitStats:
                 "mean_queue_fill": self.fill_sum / self.fill_samples if self.fill_samples else 0.0}
 
 
-def _host_path(ctx: DistContext) -> bool:
-    return ctx.data is None
+def _link(ctx: DistContext, target: int, drafter: int):
+    try:
+        return ctx.links[(target, drafter)]
+    except KeyError:
+        raise RuntimeError(f"no link between target rank {target} and drafter rank {drafter}") from None
+
+
+def _batched(op, tensors: list[torch.Tensor], peer: int, group) -> list[object]:
+    """All of a batch's tensors in one batched call (one NCCL group launch on GPU)."""
+    return dist.batch_isend_irecv([dist.P2POp(op, x, peer, group) for x in tensors])
 
 
 def tensor_shapes(R: int, S: int, taps_width: int, hidden: int, need_final: bool) -> list[tuple[int, ...]]:
@@ -97,21 +110,20 @@ class HiddenStateReceiver:
         self._credits: deque = deque()  # credit sends in flight (their tensors stay referenced)
 
     def request(self, g: int, R: int, S: int) -> None:
-        """Post the receives for batch g of shape [R, S], then credit its target."""
+        """Credit batch g of shape [R, S] to its target, then post the receives for it."""
         ctx = self.ctx
         src = ctx.target_of(g)
-        host = _host_path(ctx)
-        device = torch.device("cpu") if host else ctx.device
-        pin = host and ctx.device.type == "cuda"
+        device = ctx.link_device
+        pin = device.type == "cpu" and ctx.device.type == "cuda"
+        # Credit first, non-blocking: the target may start at once, and nothing between
+        # here and the posted receives can block (a blocking send would also wait for the
+        # target to finish its current batch, stalling this drafter for nothing).
+        self._credits.append(dist.isend(torch.tensor([CONTINUE, g], dtype=torch.long), dst=src, group=ctx.control))
         header = torch.zeros(4, dtype=torch.long)
         hw = dist.irecv(header, src=src, group=ctx.control)
         buffers = [torch.empty(s, dtype=self.dtype, device=device, pin_memory=pin)
                    for s in tensor_shapes(R, S, self.taps_width, self.hidden, self.need_final)]
-        group = ctx.control if host else ctx.data
-        works = [dist.irecv(b, src=src, group=group) for b in buffers]
-        # Non-blocking: a blocking send would wait until the target finished its current
-        # batch and posted the matching receive, stalling this drafter for nothing.
-        self._credits.append(dist.isend(torch.tensor([CONTINUE, g], dtype=torch.long), dst=src, group=ctx.control))
+        works = _batched(dist.irecv, buffers, src, _link(ctx, src, ctx.rank))
         while len(self._credits) > 2 * self.depth:
             self._credits.popleft().wait()
         self.pending.append(_Pending(g, src, header, hw, buffers, works))
@@ -190,16 +202,13 @@ class HiddenStateSender:
         dist.send(torch.tensor([STOP_REQUEST if stop_request else OK, g, R, S], dtype=torch.long),
                   dst=drafter_rank, group=ctx.control)
         t = time.perf_counter()
-        if _host_path(ctx):
-            host = [x.to("cpu") for x in tensors]  # synchronous device->host copy
-            for x in host:
-                dist.send(x.contiguous(), dst=drafter_rank, group=ctx.control)
-        else:
-            works = [dist.isend(x.contiguous(), dst=drafter_rank, group=ctx.data) for x in tensors]
-            self.in_flight.append((works, tensors))  # keep buffers alive until sent
-            while len(self.in_flight) > self.depth:
-                for w in self.in_flight.popleft()[0]:
-                    w.wait()
+        # host path: a synchronous device->host copy; device path: the tensors as they are
+        out = [x.to(ctx.link_device).contiguous() for x in tensors]
+        works = _batched(dist.isend, out, drafter_rank, _link(ctx, ctx.rank, drafter_rank))
+        self.in_flight.append((works, out))  # keep the buffers alive until sent
+        while len(self.in_flight) > self.depth:
+            for w in self.in_flight.popleft()[0]:
+                w.wait()
         self.stats.transfer_s += time.perf_counter() - t
         self.stats.items += 1
         self.stats.bytes += sum(x.numel() * x.element_size() for x in tensors)

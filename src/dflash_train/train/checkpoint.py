@@ -295,10 +295,12 @@ def load_checkpoint(path: Path, *, drafter: DFlashDrafter, optimizer: torch.opti
                             f"the config the run was started with, or start a new output_dir") from e
 
 
-def checkpoint_to_resume(root: Path, resume: bool) -> Path | None:
+def checkpoint_to_resume(root: Path, resume: bool | str) -> Path | None:
     """Where a run in `root` starts: the newest checkpoint that verifies with --resume (newer
     ones that do not are skipped with a warning), nothing without it; an error when that
-    would lose or misuse existing checkpoints."""
+    would lose or misuse existing checkpoints. `--resume` with no checkpoint at all is an
+    error too (a typo in run.output_dir, or a stop that saved nothing, would otherwise
+    silently train again from step 0); `--resume auto` starts fresh then."""
     if not resume:
         if latest_checkpoint(root) is not None:
             raise TrainingError(f"{root} already holds checkpoints: pass --resume to continue that run, "
@@ -309,6 +311,9 @@ def checkpoint_to_resume(root: Path, resume: bool) -> Path | None:
         # starting over would later prune them: the user decides what to do with them
         raise TrainingError(f"{root}: none of its checkpoints verifies (see the warnings above); "
                             f"move them away to start from scratch")
+    if found is None and resume != "auto":
+        raise TrainingError(f"--resume: no checkpoint in {root} to continue from; check run.output_dir, or pass "
+                            f"--resume auto to start from scratch when there is none")
     if found is None:
-        log.info("--resume: no complete checkpoint in %s; starting from scratch", root)
+        log.info("--resume auto: no checkpoint in %s; starting from scratch", root)
     return found

@@ -6,7 +6,8 @@
 
 The whole config is validated before any model or dataset is opened; the resolved config
 is saved next to the checkpoints. Stopped by Ctrl-C or SIGTERM, a run saves a checkpoint
-and continues with `--resume`.
+and continues with `--resume` (an error when there is nothing to continue from;
+`--resume auto` starts from scratch then).
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ CONFIG = TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest complete checkpoint in run.output_dir")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode, metavar="auto",
+                        help="continue from the newest complete checkpoint in run.output_dir (an error when there is "
+                             "none); `--resume auto`: continue if there is one, else start from scratch")
+
+
+def _resume_mode(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"takes no value or `auto`, got {value!r}")
+    return value
 
 
 def run(cfg: TrainConfig, args: argparse.Namespace) -> int:

@@ -4,10 +4,17 @@ Single process, or one rank of a torchrun job: a drafter rank runs the `Trainer`
 target too, in the single and colocated layouts); a target rank of the split layout runs
 a `TargetWorker`. The main drafter gathers every rank's numbers into the pipeline report.
 
-Failure policy: any exception on any rank propagates out of `run_rank`, the process exits
-non-zero, and torchrun stops every other rank of the job (its default behaviour, within
-seconds). A rank blocked on a dead peer that torchrun cannot see (another node) fails by
-the process-group timeout, `pipeline.timeout_s`.
+Stops: SIGINT/SIGTERM are recorded from the moment the process starts until it ends (one
+recorder for the whole process, utils/signals.py), so a signal that comes while a model
+loads, a graph compiles or the last checkpoint is written is never fatal: the ranks agree
+on it at the next step boundary (train/stopping.py), the main drafter writes one
+checkpoint, and every rank exits 0. (A rank with no handler dies at once on SIGTERM and
+leaves its peers blocked in a collective until torchrun kills them: no checkpoint.)
+
+Failures: any exception on any rank propagates out of `run_rank` and the process exits
+non-zero; torchrun stops the other ranks of its node. A rank that dies or freezes is
+noticed by the others themselves (pipeline/heartbeat.py): each exits with code 3 naming
+it, on any node, with or without torchrun.
 """
 
 from __future__ import annotations
@@ -27,14 +34,17 @@ from dflash_train.target.loading import load_target_model, open_target, tokenize
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train import setup
 from dflash_train.train.config import TrainConfig
+from dflash_train.train.stopping import STOP_ANNOUNCE
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
+from dflash_train.utils.errors import DFlashError
 from dflash_train.utils.log import set_main_process
+from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
 
-def build_target_worker(cfg: TrainConfig, ctx: DistContext) -> TargetWorker:
+def build_target_worker(cfg: TrainConfig, ctx: DistContext, signals: StopSignals | None = None) -> TargetWorker:
     """A split layout's target rank: the same data and drafter config as the drafters, the whole target."""
     set_main_process(False)
     target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
@@ -48,40 +58,51 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext) -> TargetWorker:
                               fp8=t.fp8)
     runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
     return TargetWorker(ctx, runner, data, queue_depth=cfg.pipeline.queue_depth,
-                        padding=setup.compile_padding(cfg), load_s=time.perf_counter() - t0)
+                        padding=setup.compile_padding(cfg), load_s=time.perf_counter() - t0, signals=signals)
 
 
-def run_rank(cfg: TrainConfig, *, resume: bool) -> dict | None:
+def run_rank(cfg: TrainConfig, *, resume: bool | str) -> dict | None:
     """Run this process's part; returns the training summary on the main drafter, else None."""
     resolve_device(cfg.run.device)  # a clear error for device=cuda without CUDA, before any collective
-    ctx = init_distributed(cfg.pipeline, cfg.run.device)
+    with StopSignals(announce=STOP_ANNOUNCE) as signals:
+        ctx = init_distributed(cfg.pipeline, cfg.run.device)
+        try:
+            return _run_role(cfg, ctx, resume=resume, signals=signals)
+        except Exception as exc:
+            # a collective that failed because a peer died: let the heartbeat name it (and end
+            # this rank with the peer-lost code) rather than print a socket error
+            if ctx.heartbeat is not None and not isinstance(exc, DFlashError):
+                ctx.heartbeat.wait_for_verdict()
+            raise
+        finally:
+            shutdown(ctx)
+
+
+def _run_role(cfg: TrainConfig, ctx: DistContext, *, resume: bool | str, signals: StopSignals) -> dict | None:
     if ctx.device.type == "cpu":
         threads, why = choose_cpu_threads(cfg.run.threads)
         log.debug("CPU threads: %d (%s)", threads, why)
-    try:
-        if ctx.is_drafter:
-            summary = Trainer(cfg, resume=resume, ctx=ctx).fit()
-            mine = {"role": "drafter" if ctx.layout == "split" else ctx.layout, "rank": ctx.rank,
-                    "steps": summary["steps"], "tok_per_s": summary["tok_per_s"], "wall_s": summary["elapsed_s"],
-                    "batches": summary["steps"] * cfg.optim.grad_accum, **summary.get("transport", {}),
-                    **summary.get("consumed", {})}
-        else:
-            mine = build_target_worker(cfg, ctx).run()
-            summary = None
-        if ctx.distributed:
-            everyone = [None] * ctx.world if ctx.is_main_drafter else None
-            dist.gather_object(mine, everyone, dst=ctx.drafter_ranks[0], group=ctx.control)
-            if ctx.is_main_drafter:
-                report = pipeline_report(ctx, everyone)
-                log.info("%s", report["text"])
-                Path(cfg.run.output_dir, "pipeline_stats.json").write_text(json.dumps(report, indent=1, default=str))
-                summary["pipeline"] = report
-        return summary if ctx.is_main_drafter else None
-    finally:
-        shutdown(ctx)
+    if ctx.is_drafter:
+        summary = Trainer(cfg, resume=resume, ctx=ctx, signals=signals).fit()
+        mine = {"role": "drafter" if ctx.layout == "split" else ctx.layout, "rank": ctx.rank,
+                "steps": summary["steps"], "tok_per_s": summary["tok_per_s"], "wall_s": summary["elapsed_s"],
+                "batches": summary["steps"] * cfg.optim.grad_accum, **summary.get("transport", {}),
+                **summary.get("consumed", {})}
+    else:
+        mine = build_target_worker(cfg, ctx, signals).run()
+        summary = None
+    if ctx.distributed:
+        everyone = [None] * ctx.world if ctx.is_main_drafter else None
+        dist.gather_object(mine, everyone, dst=ctx.drafter_ranks[0], group=ctx.control)
+        if ctx.is_main_drafter:
+            report = pipeline_report(ctx, everyone)
+            log.info("%s", report["text"])
+            Path(cfg.run.output_dir, "pipeline_stats.json").write_text(json.dumps(report, indent=1, default=str))
+            summary["pipeline"] = report
+    return summary if ctx.is_main_drafter else None
 
 
-def run_training(cfg: TrainConfig, *, resume: bool) -> int:
+def run_training(cfg: TrainConfig, *, resume: bool | str) -> int:
     summary = run_rank(cfg, resume=resume)
     if summary is not None:
         print_summary(summary)

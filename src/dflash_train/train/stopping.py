@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from dflash_train.pipeline.context import DistContext
 from dflash_train.train.config import RunConfig
 from dflash_train.utils.signals import StopSignals
+
+STOP_ANNOUNCE = "finishing this step, saving a checkpoint, then exiting (Ctrl-C again to stop without saving)"
 
 
 @dataclass
@@ -45,21 +48,25 @@ class Agreement:
 class StopControl:
     """Signals, the time limit, remote stop requests and timed saves, agreed per step."""
 
-    def __init__(self, run: RunConfig, ctx: DistContext, *, elapsed_before_s: float = 0.0):
+    def __init__(self, run: RunConfig, ctx: DistContext, *, elapsed_before_s: float = 0.0,
+                 signals: StopSignals | None = None):
         self.run, self.ctx = run, ctx
-        self.signals = StopSignals(announce="finishing this step, saving a checkpoint, then exiting "
-                                            "(Ctrl-C again to stop without saving)")
+        # the process's recorder when the job installed one for its whole life (train/run.py)
+        self._own_signals = signals is None
+        self.signals = signals or StopSignals(announce=STOP_ANNOUNCE)
         self.start = time.perf_counter() - elapsed_before_s  # of this run, resumed parts included
         self.session_start = time.perf_counter()
         self.last_save = time.perf_counter()
         self.reason: str | None = None  # why the run was interrupted (None: it was not)
 
-    def __enter__(self) -> "StopControl":
-        self.signals.__enter__()
+    def __enter__(self) -> Self:
+        if self._own_signals:
+            self.signals.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.signals.__exit__(*exc)
+        if self._own_signals:
+            self.signals.__exit__(*exc)
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start

@@ -46,13 +46,15 @@ from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import TrainingError
 from dflash_train.utils.fs import check_writable_dir
 from dflash_train.utils.log import set_main_process
+from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, ctx: DistContext | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, *, resume: bool | str = False, ctx: DistContext | None = None,
+                 signals: StopSignals | None = None):
+        self.cfg, self.signals = cfg, signals
         self.ctx = ctx = ctx or DistContext(layout="single", device=resolve_device(cfg.run.device))
         if not ctx.is_drafter:
             raise TrainingError(f"rank {ctx.rank} runs no drafter")
@@ -129,7 +131,7 @@ class Trainer:
         window, last, exhausted = Window(), {}, False
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with StopControl(cfg.run, self.ctx, elapsed_before_s=state.elapsed_s) as control:
+        with StopControl(cfg.run, self.ctx, elapsed_before_s=state.elapsed_s, signals=self.signals) as control:
             try:
                 while state.step < self.total_steps and not exhausted:
                     cursor = (state.epoch, state.index, state.batches)

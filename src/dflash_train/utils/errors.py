@@ -11,6 +11,7 @@ from __future__ import annotations
 
 EXIT_USER_ERROR = 2  # a DFlashError: fix the input and run again
 EXIT_INTERRUPTED = 130  # Ctrl-C before any checkpoint handling (128 + SIGINT)
+EXIT_PEER_LOST = 3  # another rank of the job died or froze (pipeline/heartbeat.py); resume from the last checkpoint
 
 
 class DFlashError(Exception):
