@@ -61,6 +61,11 @@ def main():
         proc = torchrun([*args, *extra], out, log)
         r = {"case": f"sigterm_torchrun_{name}", "started": wait_steps(proc, out, 5)}
         last = max(steps(out), default=0)
+        if proc.poll() is not None:  # it never ran: keep why, go on with the next case
+            r.update(exit_code=proc.returncode, log_tail=log.read_text(errors="replace")[-800:])
+            print("FAULT " + json.dumps(r), flush=True)
+            results.append(r)
+            continue
         os.kill(proc.pid, signal.SIGTERM)
         t = time.time()
         proc.wait(timeout=120)

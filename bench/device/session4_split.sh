@@ -22,12 +22,14 @@ stage() {
 TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
 $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" >> $LOG 2>&1
 
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
 # 1. throughput: split 1+1 (NCCL between the GPUs) and colocated x2, same preset and batches
 stage split_${BIG} 150 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
   --drafter-dtype bfloat16 $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/split_${BIG}.json
 stage colocated_${BIG} 120 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
   $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/colocated_${BIG}.json
 
+fi
 # 2. the same batches trained by split 1+1 and by one process: the losses (bf16 noise on GPU)
 T=preset:$SMALL; [ -f /tmp/smol/hf/config.json ] && [ "${DRY:-0}" != 1 ] && T=/tmp/smol/hf
 TRAIN=(-m dflash_train train --target.path $T --data.path synthetic:2048:512 --data.plan.token_budget 2048

@@ -16,17 +16,19 @@ DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 
 def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     """`auto` -> this process's GPU (local rank modulo the visible GPUs; several processes
-    may share one) or the CPU; otherwise the named device, checked to exist."""
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    may share one) or the CPU; `cuda` without an index -> this process's GPU too (under
+    torchrun every rank gets the same command line); otherwise the named device, checked
+    to exist."""
+    if name == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
     try:
-        device = torch.device(name)
+        device = torch.device("cuda" if name == "auto" else name)
     except RuntimeError:
         raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name} was asked for but no CUDA device is available")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 
 
