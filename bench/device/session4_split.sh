@@ -25,7 +25,7 @@ $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.devic
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
 # 1. throughput: split 1+1 (NCCL between the GPUs) and colocated x2, same preset and batches
 stage split_${BIG} 150 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
-  --drafter-dtype bfloat16 $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/split_${BIG}.json
+  --drafter-dtype bfloat16 $COMPILE --warmup 5 --measure 10 $BENCH_DEV --out $OUT/split_${BIG}.json
 stage colocated_${BIG} 120 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
   $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/colocated_${BIG}.json
 

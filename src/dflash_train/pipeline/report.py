@@ -20,18 +20,25 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
         drafters = [r for r in ranks if r["role"] == "drafter"]
         t_wait = sum(r.get("queue_wait_s", 0) for r in targets) / max(len(targets), 1)
         d_wait = sum(r.get("queue_wait_s", 0) for r in drafters) / max(len(drafters), 1)
-        # time a target needs per batch vs the time a drafter needs per batch (busy time only)
-        # median work time per batch (queue waits, start-up and compilation excluded)
+        # median work time per batch (queue waits, start-up and compilation excluded): what each
+        # side can sustain. Queue waits alone mislead in a short run: while the drafters
+        # compile, the targets fill the queues and then wait on them, whoever is slower later.
         t_per = sum(r.get("median_busy_ms_per_batch", 0) for r in targets) / max(len(targets), 1) / 1000
         d_per = sum(r.get("median_busy_ms_per_batch", 0) for r in drafters) / max(len(drafters), 1) / 1000
-        side = "targets" if d_wait > t_wait else "drafters"
         world = ctx.num_targets + ctx.num_drafters
-        balanced_t = max(1, min(world - 1, round(world * t_per / (t_per + d_per)))) if t_per + d_per > 0 else None
-        conclusion = (f"bottleneck: the {side} (drafters waited {d_wait:.1f}s on empty queues, targets "
-                      f"{t_wait:.1f}s on full ones); per batch a target needs {t_per * 1e3:.0f} ms and a drafter "
-                      f"{d_per * 1e3:.0f} ms")
-        if balanced_t is not None and d_per > 0:
-            conclusion += f", so {balanced_t}:{world - balanced_t} (targets:drafters) would balance {world} ranks"
+        if t_per > 0 and d_per > 0:
+            t_rate, d_rate = ctx.num_targets / t_per, ctx.num_drafters / d_per  # batches/s each side sustains
+            side = "targets" if t_rate < d_rate else "drafters"
+            balanced_t = max(1, min(world - 1, round(world * t_per / (t_per + d_per))))
+            conclusion = (f"bottleneck: the {side}: per batch a target needs {t_per * 1e3:.0f} ms and a drafter "
+                          f"{d_per * 1e3:.0f} ms, so {ctx.num_targets} target(s) sustain {t_rate:.2f} batches/s and "
+                          f"{ctx.num_drafters} drafter(s) {d_rate:.2f}; {balanced_t}:{world - balanced_t} "
+                          f"(targets:drafters) would balance {world} ranks (queue waits: drafters {d_wait:.1f}s on "
+                          f"empty queues, targets {t_wait:.1f}s on full ones)")
+        else:  # no busy times (nothing measured): the waits are all there is
+            side, balanced_t = ("targets" if d_wait > t_wait else "drafters"), None
+            conclusion = (f"bottleneck: the {side} (drafters waited {d_wait:.1f}s on empty queues, targets "
+                          f"{t_wait:.1f}s on full ones)")
         lines.append(conclusion)
         out.update(bottleneck=side, target_ms_per_batch=t_per * 1e3, drafter_ms_per_batch=d_per * 1e3,
                    balanced_targets=balanced_t)
