@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 x2 session 4 (issue 16): split 1+1 over NCCL vs colocated x2 (qwen3-8b preset), split's
-# losses vs one process, SIGTERM to torchrun (colocated and split), SIGKILL of one rank.
+# losses vs one process (the real SmolLM2 target when /tmp/smol/hf exists), SIGTERM to torchrun
+# (colocated and split), SIGKILL of one rank. SKIP_BENCH=1 / SKIP_FAULTS=1 leave parts out.
 # Run from the repo root on nvidia-h200-x2; one call, ~6-8 min. DRY=1: the plumbing on CPU (gloo,
 # tiny preset), a few minutes on 2 cores. Results: $OUT/*.json, $OUT/session4.log, a summary at the end.
 set -u
@@ -13,12 +14,7 @@ if [ "${DRY:-0}" = 1 ]; then
 else
   BIG=qwen3-8b; SMALL=smollm2-135m; DEV=cuda; COMPILE="--compile"; BENCH_DEV=""
 fi
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a $LOG
-  timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
-  echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
-}
+source bench/device/lib.sh
 TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
 $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" >> $LOG 2>&1
 
@@ -43,7 +39,7 @@ stage losses_split 70 "${TRUN[@]}" "${TRAIN[@]}" --run.output_dir $W/split --pip
 FAULT=(-m dflash_train train --target.path preset:$SMALL --data.path synthetic:4096:512 --data.plan.token_budget 2048
   --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 100000 --run.log_every 1 --run.save_every 100000
   --run.device $DEV --run.progress false --run.tensorboard false --eval.spec_prompts null)
-stage faults 200 $PY bench/device/session4_faults.py $W $OUT "${FAULT[@]}"
+[ "${SKIP_FAULTS:-0}" = 1 ] || stage faults 200 $PY bench/device/session4_faults.py $W $OUT "${FAULT[@]}"
 
 $PY - "$OUT" "$W" <<'PY' >> $LOG 2>&1
 import glob, json, os, sys

@@ -8,12 +8,7 @@ set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session4a.log; mkdir -p $OUT
 if [ -d .smol1 ]; then mkdir -p /tmp/smol && cp .smol1/part_aa /tmp/smol/; fi
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a $LOG
-  timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
-  echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
-}
+source bench/device/lib.sh
 T=preset:smollm2-135m
 stage profile 200 python3 bench/profile_spec_round.py $T --attention dense flex --out $OUT/profile.json
 for a in flex dense; do

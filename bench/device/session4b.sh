@@ -7,12 +7,7 @@ set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session4b.log; mkdir -p $OUT
 if [ -d .smol1 ]; then mkdir -p /tmp/smol && cp .smol1/part_aa /tmp/smol/; fi
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a $LOG
-  timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
-  echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
-}
+source bench/device/lib.sh
 T=preset:smollm2-135m
 stage profile 150 python3 bench/profile_spec_round.py $T --attention flex --out $OUT/profile_b.json
 stage spec_auto 150 python3 bench/bench_spec_decode.py $T --random-drafter --num-prompts 8 \

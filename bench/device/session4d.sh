@@ -7,12 +7,7 @@ OUT=${OUT:-/tmp/out}; LOG=$OUT/eval4.log; W=/tmp/smolrun; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 D=$W/train/final
 if [ ! -f $D/model.safetensors ]; then echo "no trained drafter in $D" | tee -a $LOG; exit 3; fi
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a $LOG
-  timeout --signal=TERM --kill-after=10 $limit "$@" >> $LOG 2>&1
-  echo "=== $name rc=$? $(date +%T)" | tee -a $LOG
-}
+source bench/device/lib.sh
 stage bench_spec 150 python3 bench/bench_spec_decode.py /tmp/smol/hf --drafter $D --prompts chat --num-prompts 16 \
   --max-new-tokens 256 --batch-slots 64 --batch-prompts 128 --out $OUT/spec_trained4.json
 stage eval_humaneval 200 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $D --prompts humaneval \

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.generate.attention import (
-    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, write_cache,
+    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, flat, write_cache,
 )
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.static_drafter import block_rule
@@ -89,7 +89,7 @@ def test_engine_decodes_the_same_with_flex_and_dense(tiny_targets):
         assert [(r.tokens, r.rounds) for r in a] == [(r.tokens, r.rounds) for r in b]
 
 
-@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("layers", [None, 1, 3])
 def test_cache_writes_land_where_advanced_indexing_puts_them(layers):
     """write_cache(cache_index(...)) equals cache[(layer,) rows[r], :, grid[r, t]] = values, also
     with non-contiguous values (a slice of a fused projection, as the drafter's v)."""
@@ -97,16 +97,17 @@ def test_cache_writes_land_where_advanced_indexing_puts_them(layers):
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([2, 0, 3])
     grid = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [12, 13, 14, 15]])
-    shape = (layers, S, KV, L, D)
-    fused = torch.randn(3, T, layers, KV, 2 * D, generator=g)
+    n = layers or 1
+    shape = (n, S, KV, L, D)
+    fused = torch.randn(3, T, n, KV, 2 * D, generator=g)
     values = fused[..., D:]  # non-contiguous [R, T, layers, KV, D]
     got, want = torch.zeros(shape), torch.zeros(shape)
-    if layers == 1:
-        write_cache(got[0], cache_index(rows, grid, KV, L), values[:, :, 0])
+    if layers is None:  # one layer's cache
+        write_cache(flat(got[0]), cache_index(rows, grid, KV, L), values[:, :, 0])
     else:
-        write_cache(got, cache_index(rows, grid, KV, L, layers, S), values)
+        write_cache(flat(got), cache_index(rows, grid, KV, L, layers, S), values)
     for r in range(3):
         for t in range(T):
-            for lay in range(layers):
+            for lay in range(n):
                 want[lay, rows[r], :, grid[r, t]] = values[r, t, lay]
     assert torch.equal(got, want)

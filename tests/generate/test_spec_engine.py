@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dflash_train.generate import graphs
-from dflash_train.generate.decoder import StaticDecoder, _pre_attention
+from dflash_train.generate.decoder import StaticDecoder, _q_writing_kv
 from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.spec_eval import make_proposer
 from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
-from dflash_train.generate.static_drafter import StaticDrafter, _block_qkv
+from dflash_train.generate.static_drafter import StaticDrafter, _block_q
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
@@ -341,6 +341,38 @@ def test_capture_protocol_replays_each_step_exactly_once(targets, monkeypatch):
     assert sorted(captured) == sorted((name, kv) for name in ("draft", "verify", "greedy") for kv in (128, 256))
 
 
+def test_batch_one_prefill_is_a_captured_step_per_prompt_width(targets, monkeypatch):
+    """At batch 1 the prefill is a captured step per prompt-width bucket (the prompt right
+    padded): the same tokens and rounds as the eager prefill of a multi-slot engine, one capture
+    per (mode, width) actually used, and none again when a later prompt fits the same width."""
+    model, tok = targets["llama"]
+    drafter = random_drafter(model, tok, 4)
+    prompts = random_prompts(model.config.vocab_size, (100, 20, 3, 33), seed=8)
+    captured = []
+
+    def emulated_capture(step, width):
+        step.fn(width)
+        captured.append((step.name, width))
+        return type("Graph", (), {"replay": lambda self: step.fn(width)})(), None
+
+    monkeypatch.setattr(graphs.GraphedStep, "_capture", emulated_capture)
+    eager = SpecEngine(model, drafter, set(), slots=2, max_len=256)
+    one = SpecEngine(model, drafter, set(), slots=1, max_len=256)
+    assert one.prefill_widths == [32, 64, 128, 256]
+    for step in one._prefill_steps.values():
+        step.use_graphs = True
+    for speculative in (True, False):
+        expected = eager.generate_batch(prompts, NEW, speculative=speculative)
+        got = one.generate_batch(prompts, NEW, speculative=speculative)
+        assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
+        for r, e in zip(got, expected):  # padding changes fp32 summation order: margins agree to rounding
+            assert (r.margins is None) == (e.margins is None)
+            if r.margins is not None:
+                assert r.margins == pytest.approx(e.margins, abs=1e-4)
+    assert sorted(captured) == sorted((f"prefill ({mode})", w) for mode in ("speculative", "greedy")
+                                      for w in (32, 64, 128))
+
+
 def test_compiled_layer_functions_trace_once_and_match(targets):
     """The GPU path compiles the per-layer functions; on CPU, with a non-fusing backend: one
     graph per function and step width, reused by every layer, slot count and round."""
@@ -355,7 +387,7 @@ def test_compiled_layer_functions_trace_once_and_match(targets):
     counters.clear()
     engine = SpecEngine(model, drafter, set(), slots=2, max_len=128)
     engine._compile_layer_functions(backend="aot_eager")
-    assert engine.decoder.pre_attention is not _pre_attention and engine.drafter.block_qkv is not _block_qkv
+    assert engine.decoder.q_writing_kv is not _q_writing_kv and engine.drafter.block_q is not _block_q
     got = engine.generate_batch(prompts, 24)
     assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
     # at widths B and 1: target pre/post attention, final logits, the commit (8); drafter block

@@ -23,9 +23,11 @@ Two kernels apply it:
 Both are fixed-shape and free of host synchronisation, so a step using them can be captured
 in a CUDA graph. The rule must make a query see at least one key (its own position).
 
-Writes go through `cache_index` / `write_cache`: one flat index per step, then one scatter
-kernel per cache and layer, whatever the strides of the values (indexing the 4-d cache with
-advanced indices around a slice costs an extra copy kernel per write when T > 1).
+Writes go through `cache_index` / `write_cache` into flat views of the caches ([-1, D], made
+once): one flat index per step, then one scatter per cache and layer, whatever the strides
+of the values. Inside a torch.compile'd function that scatter fuses into the kernel that
+computes the values, and happens in place because the flat view is the function's input
+(a view taken inside it would make inductor copy the whole cache around the scatter).
 """
 
 from __future__ import annotations
@@ -62,21 +64,28 @@ def blocks_needed(last_position: Tensor, max_len: int) -> Tensor:
     return (last_position // FLEX_BLOCK + 1).clamp(max=max_len // FLEX_BLOCK).to(torch.int32)
 
 
-def cache_index(rows: Tensor, grid: Tensor, n_kv: int, max_len: int, n_layers: int = 1, slots: int = 0) -> Tensor:
+def cache_index(rows: Tensor, grid: Tensor, n_kv: int, max_len: int, n_layers: int | None = None,
+                slots: int = 0) -> Tensor:
     """Flat row indices into a cache viewed as [-1, head_dim], for values [R, T, (layers,) kv, D]:
     element (r, t, (l,) j) -> cache (layer l,) row rows[r], kv head j, position grid[r, t].
-    rows [R], grid [R, T]; with n_layers > 1 the cache is [layers, slots, kv, max_len, D]."""
+    rows [R], grid [R, T]; with `n_layers` the cache is [layers, slots, kv, max_len, D] (all
+    layers at once), without it one layer's [slots, kv, max_len, D]."""
     base = rows[:, None] * n_kv * max_len + grid  # [R, T]
     heads = torch.arange(n_kv, device=rows.device) * max_len  # [kv]
-    if n_layers == 1:
+    if n_layers is None:
         return base[:, :, None] + heads
     layers = torch.arange(n_layers, device=rows.device) * slots * n_kv * max_len  # [layers]
     return base[:, :, None, None] + layers[:, None] + heads
 
 
-def write_cache(cache: Tensor, index: Tensor, values: Tensor) -> None:
-    """cache[...] at `index` (cache_index) = values (index.shape + [D]), one scatter kernel."""
-    cache.view(-1, cache.shape[-1]).index_put_((index,), values)
+def flat(cache: Tensor) -> Tensor:
+    """The [-1, head_dim] view `write_cache` writes through."""
+    return cache.view(-1, cache.shape[-1])
+
+
+def write_cache(cache_flat: Tensor, index: Tensor, values: Tensor) -> None:
+    """cache_flat[index] = values (index.shape + [D]): one scatter."""
+    cache_flat.index_put_((index,), values)
 
 
 class CacheAttention:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, causal_rule, write_cache
+from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, causal_rule, flat, write_cache
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.utils.errors import ModelError
 
@@ -128,6 +128,18 @@ def _pre_attention(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def _q_writing_kv(
+    x: Tensor, cos: Tensor, sin: Tensor, *pre: Tensor | None, k_flat: Tensor, v_flat: Tensor, index: Tensor,
+    eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
+) -> Tensor:  # fmt: skip
+    """`_pre_attention` that writes k/v into the cache (flat views, at `index`: generate/attention.py)
+    and returns q: compiled, the writes fuse into the kernels computing k and v."""
+    q, k, v = _pre_attention(x, cos, sin, *pre, eps=eps, qk_eps=qk_eps, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim)
+    write_cache(k_flat, index, k)
+    write_cache(v_flat, index, v)
+    return q
+
+
 def _post_attention(
     x: Tensor, attn_out: Tensor,
     wo: Tensor, bo: Tensor | None, ln2_w: Tensor, wg: Tensor, bg: Tensor | None,
@@ -176,6 +188,9 @@ class StaticDecoder:
         self.rows = torch.arange(slots, device=self.device)
         # The per-layer pieces `decode` calls; the engine may swap in torch.compile'd versions.
         self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = _pre_attention
+        self.q_writing_kv: Callable[..., Tensor] = _q_writing_kv  # of `verify`
+        self.k_flat = [flat(c) for c in self.k_cache]  # per layer [slots * kv * max_len, D] views
+        self.v_flat = [flat(c) for c in self.v_cache]
         self.post_attention: Callable[..., Tensor] = _post_attention
         self.final_logits: Callable[..., Tensor] = _final_logits  # of `verify` (fixed shapes: compilable)
         self.attention_kind = attention  # of `verify` (generate/attention.py)
@@ -299,11 +314,10 @@ class StaticDecoder:
         index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)  # (s, t, j) -> row s, head j, grid[s, t]
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
-            q, k, v = self.pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))  # q [S,T,h,D], k/v [S,T,kv,D]
-            kc, vc = self.k_cache[i], self.v_cache[i]  # [S, kv, max_len, D]
-            write_cache(kc, index, k)
-            write_cache(vc, index, v)
-            x = self.post_attention(x, attention.attend(q, kc, vc), *lay.post, eps=lay.ln2_eps)
+            q = self.q_writing_kv(x, cos, sin, *lay.pre, k_flat=self.k_flat[i], v_flat=self.v_flat[i], index=index,
+                                  **self._pre_kw(lay))  # q [S, T, h, D]; k/v into the cache
+            x = self.post_attention(x, attention.attend(q, self.k_cache[i], self.v_cache[i]), *lay.post,
+                                    eps=lay.ln2_eps)
             if i in tap_layers:
                 taps[i] = x
         return self.final_logits(x, self.norm_w, self.lm_head_w, self.lm_head_b, eps=self.norm_eps), \

@@ -186,6 +186,7 @@ class SpecEngine:
         taps_width = len(self.tap_layers) * self.decoder.embed_w.shape[1]
         self.taps = torch.zeros(slots, B, taps_width, dtype=self.decoder.dtype, device=dev)
         self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
+        self.rows = torch.arange(slots, **long)
         self.columns = torch.arange(B, **long)
         # What a round reports to the host: greedy tokens [B], committed, accepted, drafted.
         self.report = torch.zeros(slots, B + 3, **long)
@@ -203,6 +204,15 @@ class SpecEngine:
         if drafter is not None:
             self._verify[B] = GraphedStep(lambda kv: self._verify_step(B, kv), state, use_graphs=graphs, name="verify")
             self._draft = GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
+        # Batch 1 (latency): the prefill too is a captured step, one per prompt-width bucket (the
+        # prompt right-padded: causal attention never lets it see the padding), so a prompt
+        # costs a graph replay, not ~1,000 eager launches (~20 ms for SmolLM2 on an H200).
+        self.prefill_widths = kv_buckets(max_len, smallest=32)
+        self.prefill_ids = torch.zeros(1, max_len, **long)
+        self.prefill_length = torch.ones(1, **long)
+        self._prefill_steps = {mode: GraphedStep(lambda w, mode=mode: self._prefill_step(w, mode), [],
+                                                 use_graphs=graphs, name=f"prefill ({'speculative' if mode else 'greedy'})")
+                               for mode in ((False, True) if drafter is not None else (False,))}
         self.timer = _RoundTimer(dev)
         self._rows: list[_Row | None] = [None] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -247,9 +257,9 @@ class SpecEngine:
         logits heads and the acceptance; their shapes do not depend on the kv bucket, so each
         compiles once per step width. (The CPU tests run this with a non-fusing backend.)"""
         dec, dr = self.decoder, self.drafter
-        swapped = [(dec, "pre_attention"), (dec, "post_attention"), (dec, "final_logits"), (self, "_commit")]
+        swapped = [(dec, "q_writing_kv"), (dec, "post_attention"), (dec, "final_logits"), (self, "_commit")]
         if isinstance(dr, StaticDrafter):
-            swapped += [(dr, name) for name in ("block_qkv", "context_kv", "post_attention", "head")]
+            swapped += [(dr, name) for name in ("block_q", "context_kv", "post_attention", "head")]
         plain = [getattr(owner, name) for owner, name in swapped]
         for (owner, name), fn in zip(swapped, plain):
             setattr(owner, name, torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
@@ -284,6 +294,11 @@ class SpecEngine:
         for kv in [b for b in self.buckets if b <= last]:
             for step in self._steps():
                 step(kv)
+        if self.slots == 1:  # the prefill steps of every prompt width (an idle slot 0: harmless)
+            widest = next((w for w in self.prefill_widths if w >= max_kv), self.max_len) if max_kv else self.max_len
+            for width in [w for w in self.prefill_widths if w <= widest]:
+                for step in self._prefill_steps.values():
+                    step(width)
         self._sync()
 
     def _sync(self) -> None:
@@ -357,38 +372,58 @@ class SpecEngine:
             start = end
 
     def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool, finish) -> None:
-        """Eager prefill of a chunk of prompts into free slots; commits each one's first token."""
+        """Prefill of a chunk of prompts into free slots (eager; one captured step at batch 1);
+        commits each one's first token."""
         t0 = time.perf_counter()
         dev = self.device
-        width = max(len(p) for _, p in chunk)
         slots = [self._free.pop() for _ in chunk]
         slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
         lengths = torch.tensor([len(p) for _, p in chunk], dtype=torch.long, device=dev)
-        ids = torch.tensor([list(p) + [0] * (width - len(p)) for _, p in chunk], dtype=torch.long, device=dev)
-        if speculative:
-            logits, taps = self.decoder.prefill_with_taps(ids, lengths, slot_idx, self.tap_layers)
-            self.drafter.start(ids, lengths, slot_idx, taps)
+        if self.slots == 1:
+            prompt = chunk[0][1]
+            width = next(w for w in self.prefill_widths if w >= len(prompt))
+            self.prefill_ids[0, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+            self.prefill_length.copy_(lengths)
+            self._prefill_steps[speculative](width)
         else:
-            logits = self.decoder.prefill(ids, lengths, slot_idx)
-        first = logits.argmax(-1)  # [n]
-        top = logits.float().topk(2, dim=-1).values  # [n, 2]
-        first_host, top_host = first.tolist(), top.tolist()  # waits for the device: the timing is real
+            width = max(len(p) for _, p in chunk)
+            ids = torch.tensor([list(p) + [0] * (width - len(p)) for _, p in chunk], dtype=torch.long, device=dev)
+            self._prefill_into(ids, lengths, slot_idx, speculative)
+        first_host = self.tokens[slot_idx].tolist()  # waits for the device: the timing is real
+        top_host = self.top2[slot_idx].tolist()
         done = [t in self.stop_ids or max_new == 1 for t in first_host]
-        self.tokens[slot_idx] = first
         self.positions[slot_idx] = lengths
         self.block_start[slot_idx] = lengths  # stale taps land where this slot's first block goes: overwritten
         self.n_out[slot_idx] = 1
         self.limit[slot_idx] = max_new
         self.active[slot_idx] = torch.tensor([not d for d in done], device=dev)
         seconds = time.perf_counter() - t0
-        for slot, (index, prompt), token, (t1, t2), d in zip(slots, chunk, first_host, top_host, done):
+        for slot, (index, prompt), token, (top1, margin), d in zip(slots, chunk, first_host, top_host, done):
             row = _Row(index, len(prompt), max_new, len(prompt), t0, seconds, greedy=not speculative, out=[token])
             if not speculative:
-                row.top_logits.append(t1)
-                row.margins.append(t1 - t2)
+                row.top_logits.append(top1)
+                row.margins.append(margin)
             self._rows[slot] = row
             if d:
                 finish(slot, "stop" if token in self.stop_ids else "length")
+
+    @torch.no_grad()
+    def _prefill_step(self, width: int, speculative: bool) -> None:
+        """Batch 1: the prompt in prefill_ids[:, :width] (right padded) into slot 0."""
+        self._prefill_into(self.prefill_ids[:, :width], self.prefill_length, self.rows, speculative)
+
+    def _prefill_into(self, ids: Tensor, lengths: Tensor, slot_idx: Tensor, speculative: bool) -> None:
+        """Prompts ids [n, T] (right padded to T, `lengths` [n]) into cache rows `slot_idx` [n]
+        (the target's and, speculative, the drafter's context); each one's first token goes to
+        `tokens`, its top-1 logit and top-1 minus top-2 margin to `top2`. No host sync."""
+        if speculative:
+            logits, taps = self.decoder.prefill_with_taps(ids, lengths, slot_idx, self.tap_layers)
+            self.drafter.start(ids, lengths, slot_idx, taps)
+        else:
+            logits = self.decoder.prefill(ids, lengths, slot_idx)
+        top = logits.float().topk(2, dim=-1).values  # [n, 2]
+        self.tokens.index_copy_(0, slot_idx, logits.argmax(-1))
+        self.top2.index_copy_(0, slot_idx, torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
 
     def _round(self, width: int, speculative: bool, finish) -> None:
         active = [s for s, row in enumerate(self._rows) if row is not None]

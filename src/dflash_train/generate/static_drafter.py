@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, write_cache
+from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, flat, write_cache
 from dflash_train.target.ops import apply_rope, rms_norm
 
 
@@ -119,31 +119,37 @@ class _DrafterLayer:
             dst.copy_(src)
 
 
-def _block_qkv(
+def _block_q(
     x: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, w_qkv: Tensor, qn_w: Tensor, kn_w: Tensor,
-    *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Residual x [S, B, H] -> q [S, B, h, d], k/v [S, B, g, d] of the block (normed, rotated)."""
+    *, k_flat: Tensor, v_flat: Tensor, index: Tensor, eps: float, qk_eps: float, n_heads: int, n_kv: int,
+    head_dim: int,
+) -> Tensor:  # fmt: skip
+    """Residual x [S, B, H] -> q [S, B, h, d] of the block (normed, rotated); its k/v [S, B, g, d]
+    go into the cache (flat views, at `index`: generate/attention.py)."""
     h = _norm(x, ln_w, eps)
     lead = h.shape[:-1]
     q, k, v = F.linear(h, w_qkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
     q = _norm(q.reshape(*lead, n_heads, head_dim), qn_w, qk_eps)
     k = _norm(k.reshape(*lead, n_kv, head_dim), kn_w, qk_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(*lead, n_kv, head_dim)
+    write_cache(k_flat, index, apply_rope(k, cos, sin))
+    write_cache(v_flat, index, v.reshape(*lead, n_kv, head_dim))
+    return apply_rope(q, cos, sin)
 
 
 def _context_kv(
-    taps: Tensor, cos: Tensor, sin: Tensor, fc_w: Tensor, hn_w: Tensor, w_kv: Tensor, kn_w: Tensor, *, hn_eps: float,
-    qk_eps: float, n_layers: int, n_kv: int, head_dim: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Taps [S, T, n*H] -> context k/v [S, T, layers, g, d] of every layer: projected by fc and
-    normed (drafter/model.py), then each layer's k/v (the context never passes through q).
+    taps: Tensor, cos: Tensor, sin: Tensor, fc_w: Tensor, hn_w: Tensor, w_kv: Tensor, kn_w: Tensor, *,
+    k_flat: Tensor, v_flat: Tensor, index: Tensor, hn_eps: float, qk_eps: float, n_layers: int, n_kv: int,
+    head_dim: int,
+) -> None:  # fmt: skip
+    """Taps [S, T, n*H] -> context k/v [S, T, layers, g, d] of every layer, written into the
+    cache of all layers (flat views, at `index`): projected by fc and normed
+    (drafter/model.py), then each layer's k/v (the context never passes through q).
     w_kv [layers*2*g*d, H]: each layer's k_proj then v_proj rows; kn_w [layers, 1, d]: the
     k_norm weights; cos/sin [S, T, 1, 1, d]."""
     ctx = _norm(F.linear(taps.to(fc_w.dtype), fc_w), hn_w, hn_eps)  # [S, T, H]
     kv = F.linear(ctx, w_kv).view(*ctx.shape[:-1], n_layers, 2, n_kv, head_dim)
-    k = _norm(kv[..., 0, :, :], kn_w, qk_eps)
-    return apply_rope(k, cos, sin), kv[..., 1, :, :]
+    write_cache(k_flat, index, apply_rope(_norm(kv[..., 0, :, :], kn_w, qk_eps), cos, sin))
+    write_cache(v_flat, index, kv[..., 1, :, :])
 
 
 def _post_attention(x: Tensor, attn_out: Tensor, wo: Tensor, ln2_w: Tensor, w_gate_up: Tensor, wd: Tensor, *,
@@ -190,6 +196,9 @@ class StaticDrafter:
         shape = (len(self.layers), slots, self.n_kv, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_flat, self.v_flat = flat(self.k_cache), flat(self.v_cache)  # all layers (context writes)
+        self.layer_k_flat = [flat(c) for c in self.k_cache]  # per layer (block writes)
+        self.layer_v_flat = [flat(c) for c in self.v_cache]
         positions = torch.arange(max_len, device=self.device)
         with torch.no_grad():  # the drafter's own rotary module: the same values as in training
             cos, sin = drafter.rotary(positions[None], self.dtype)  # [1, 1, max_len, d]
@@ -198,8 +207,8 @@ class StaticDrafter:
         self.rows = torch.arange(slots, device=self.device)
         self.variants = [(cfg.window_of(i), cfg.causal_in_block_of(i)) for i in range(cfg.num_hidden_layers)]
         # The per-layer pieces; an engine may swap in torch.compile'd versions.
-        self.block_qkv: Callable[..., tuple[Tensor, Tensor, Tensor]] = _block_qkv
-        self.context_kv: Callable[..., tuple[Tensor, Tensor]] = _context_kv
+        self.block_q: Callable[..., Tensor] = _block_q
+        self.context_kv: Callable[..., None] = _context_kv
         self.post_attention: Callable[..., Tensor] = _post_attention
         self.head: Callable[..., Tensor] = _draft_head
         self.attention_kind = attention  # generate/attention.py
@@ -227,12 +236,10 @@ class StaticDrafter:
         t = taps.shape[1]
         grid = start[:, None] + self.key_positions[None, :t]  # [R, T]
         cos, sin = self.cos[grid][:, :, None, None, :], self.sin[grid][:, :, None, None, :]  # [R, T, 1, 1, d]
-        k, v = context_kv(taps, cos, sin, self.fc_w, self.hidden_norm_w, self.context_w, self.context_kn_w,
-                          hn_eps=self.hidden_norm_eps, qk_eps=self.context_eps, n_layers=len(self.layers),
-                          n_kv=self.n_kv, head_dim=self.head_dim)  # [R, T, layers, g, d]
         index = cache_index(rows, grid, self.n_kv, self.max_len, len(self.layers), self.slots)
-        write_cache(self.k_cache, index, k)  # every layer's row rows[r], position grid[r, t]
-        write_cache(self.v_cache, index, v)
+        context_kv(taps, cos, sin, self.fc_w, self.hidden_norm_w, self.context_w, self.context_kn_w,
+                   k_flat=self.k_flat, v_flat=self.v_flat, index=index, hn_eps=self.hidden_norm_eps,
+                   qk_eps=self.context_eps, n_layers=len(self.layers), n_kv=self.n_kv, head_dim=self.head_dim)
 
     def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
         """After a prefill: the prompts' taps [n, T, n*H] (right padded) become the context of
@@ -271,12 +278,11 @@ class StaticDrafter:
             att.prepare(positions, kv_len)
         index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)
         for i, lay in enumerate(self.layers):
-            q, k, v = self.block_qkv(x, cos, sin, *lay.qkv, eps=lay.eps, qk_eps=lay.qk_eps, n_heads=self.n_heads,
-                                     n_kv=self.n_kv, head_dim=self.head_dim)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            write_cache(kc, index, k)
-            write_cache(vc, index, v)
-            x = self.post_attention(x, attentions[i].attend(q, kc, vc), *lay.post, eps=lay.post_eps)
+            q = self.block_q(x, cos, sin, *lay.qkv, k_flat=self.layer_k_flat[i], v_flat=self.layer_v_flat[i],
+                             index=index, eps=lay.eps, qk_eps=lay.qk_eps, n_heads=self.n_heads, n_kv=self.n_kv,
+                             head_dim=self.head_dim)
+            x = self.post_attention(x, attentions[i].attend(q, self.k_cache[i], self.v_cache[i]), *lay.post,
+                                    eps=lay.post_eps)
         return x
 
     def propose(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
