@@ -47,7 +47,7 @@ _MARKUP = re.compile(r"(https?://|\[!\[|<img|\|\s*---|^\s*[=\-~^*#]{4,}\s*$|\.\.
 
 def passages(text: str) -> list[str]:
     """Paragraphs of `text` merged into passages of at most MAX_CHARS (longer paragraphs are cut
-    at line breaks), the ones under MIN_CHARS or mostly non-prose left out."""
+    at line breaks); paragraphs that are mostly non-prose and passages under MIN_CHARS left out."""
     paras = [p.strip() for p in re.split(r"\n\s*\n", text.replace("\r\n", "\n")) if p.strip()]
     pieces = []
     for para in paras:
@@ -57,6 +57,7 @@ def passages(text: str) -> list[str]:
             pieces.append(para[:cut].strip())
             para = para[cut:].strip()
         pieces.append(para)
+    pieces = [p for p in pieces if _prose(p)]  # before merging: one link list must not sink its neighbours
     out, current = [], ""
     for piece in pieces:
         if current and len(current) + len(piece) + 2 > MAX_CHARS:
@@ -65,7 +66,7 @@ def passages(text: str) -> list[str]:
         current = f"{current}\n\n{piece}" if current else piece
     if current:
         out.append(current)
-    return [p for p in out if len(p) >= MIN_CHARS and _prose(p)]
+    return [p for p in out if len(p) >= MIN_CHARS]
 
 
 def _prose(text: str) -> bool:
