@@ -279,7 +279,7 @@ def test_build_dedups_splits_by_group_shards_and_is_deterministic(tmp_path, monk
 
     for name, total in (("stdlib-code", 300), ("math", 198)):
         train = rows(f"train/{name}-0of2.jsonl") + rows(f"train/{name}-1of2.jsonl")
-        held = rows(f"heldout/{name}.jsonl")
+        held = rows(f"heldout/{name}-heldout.jsonl")
         assert abs(len(rows(f"train/{name}-0of2.jsonl")) - len(rows(f"train/{name}-1of2.jsonl"))) <= 1
         assert len(train) + len(held) + s[name]["heldout_dropped"] == total
         assert 20 <= len(held) + s[name]["heldout_dropped"] < 20 + (5 if name == "stdlib-code" else 1)

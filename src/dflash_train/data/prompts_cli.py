@@ -4,7 +4,7 @@
     dflash-train prompts --sources stdlib-code math --limit 5000 --output runs/prompts
     dflash-train prompts --check runs/gen/synth.jsonl        # HumanEval guard only
 
-Writes train/<source>.jsonl (or <source>-<k>of<N>.jsonl with --shards N), heldout/<source>.jsonl
+Writes train/<source>.jsonl (or <source>-<k>of<N>.jsonl with --shards N), heldout/<source>-heldout.jsonl
 and manifest.json (counts, files and their sha256, licences). Stops with an error, writing
 nothing, if a prompt near-duplicates a HumanEval prompt or solution. Rerunning with the same
 options keeps the output. See docs/recipe-smollm2.md.

@@ -1,5 +1,6 @@
 """Build the prompt files of `dflash-train prompts`: collect every source, guard against
-HumanEval, de-duplicate across sources, hold out whole groups per source, write JSONL.
+HumanEval, de-duplicate across sources, hold out whole groups per source, write JSONL
+(train/<source>[-<k>of<N>].jsonl, heldout/<source>-heldout.jsonl, manifest.json).
 
 Order of work (each step is counted per source in manifest.json):
 
@@ -234,7 +235,7 @@ def build(cfg: PromptsConfig, guard: HumanEvalGuard | None = None) -> tuple[dict
             for k in range(cfg.shards):
                 rel = f"train/{shard_name(name, k, cfg.shards)}"
                 rep.files[rel] = _write_jsonl(tmp / rel, train[name][k::cfg.shards])
-            rel = f"heldout/{name}.jsonl"
+            rel = f"heldout/{name}-heldout.jsonl"  # a name no training shard has: generated rows say their file
             rep.files[rel] = _write_jsonl(tmp / rel, heldout[name])
             manifest["sources"][name] = asdict(rep)
         manifest["seconds"] = round(time.perf_counter() - t0, 1)

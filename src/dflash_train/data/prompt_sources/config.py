@@ -12,7 +12,7 @@ SOURCE_NAMES = ("stdlib-code", "package-code", "python-docs", "package-docs", "m
 @dataclass
 class PromptsConfig:
     output: str = field(default="", metadata=cli(aliases=("-o",)))
-    """output directory: train/<source>.jsonl, heldout/<source>.jsonl, manifest.json"""
+    """output directory: train/<source>.jsonl, heldout/<source>-heldout.jsonl, manifest.json"""
     sources: list[str] = field(default_factory=lambda: list(SOURCE_NAMES))
     """prompt sources, in priority order (a prompt that duplicates one of an earlier source is dropped)"""
     seed: int = 0
