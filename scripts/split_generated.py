@@ -18,7 +18,11 @@ def main(train: str, heldout: str, *inputs: str) -> None:
                 for line in fh:
                     if not line.strip():
                         continue
-                    row = json.loads(line)  # generate writes whole lines only (a torn tail is recovered by it)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # the torn last line of a killed run: generate drops it on resume
+                        print(f"skipping an unreadable line of {path} (a torn tail?)", file=sys.stderr)
+                        continue
                     name = (row.get("source") or {}).get("file", "")
                     out, key = (h, heldout) if name.endswith("-heldout.jsonl") else (t, train)
                     out.write(line if line.endswith("\n") else line + "\n")
