@@ -27,6 +27,7 @@ log = logging.getLogger("dflash_train.cli")
 
 # job name -> (module, one-line help)
 JOBS: dict[str, tuple[str, str]] = {
+    "prompts": ("dflash_train.data.prompts_cli", "build training prompt files from offline sources (code, docs, math)"),
     "prepare": ("dflash_train.data.prepare_cli", "tokenize conversations into Arrow shards"),
     "generate": ("dflash_train.generate.cli", "write training data with the target model itself"),
     "train": ("dflash_train.train.cli", "train a drafter against a frozen target"),

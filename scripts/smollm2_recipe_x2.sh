@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct recipe on diverse prompts, one or two GPUs (issue 17;
+# docs/recipe-smollm2.md): prompt files from offline sources, answers written by the target
+# (one `generate` per GPU on disjoint shards), prepare, train (torchrun, colocated), eval.
+#
+#   bash scripts/smollm2_recipe_x2.sh                         # everything, all visible GPUs (1 or 2)
+#   STEPS="prompts generate" GEN_LIMIT=300 bash scripts/smollm2_recipe_x2.sh
+#
+# Every step is resumable or idempotent: rerun after an interruption (prompts: kept when built
+# with the same options; generate: appends and skips finished rows; prepare: redone only when the
+# generated files are newer; train: --resume from the last checkpoint, skipped once final/ exists;
+# eval: a set with a report.json is skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGET=${TARGET:-builtin}
+WORK=${WORK:-runs/smollm2-x2}
+CONFIG=${CONFIG:-configs/smollm2-135m-diverse.yaml}
+NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}; [ "$NGPU" -ge 1 ] || NGPU=1
+STEPS=${STEPS:-prompts generate prepare train eval}
+PER_SOURCE=${PER_SOURCE:-0}        # training prompts kept per source (0 = all)
+N_MATH=${N_MATH:-20000}            # math problems generated
+N_SYNTH=${N_SYNTH:-30000}          # self-instructed conversations (split over the GPUs)
+MAX_NEW=${MAX_NEW:-512}            # answer length limit (tokens)
+SLOTS=${SLOTS:-256}                # generation slots per GPU
+GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 = no limit; resumable)
+TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # 0 = the config's run.max_minutes
+EVAL_NEW=${EVAL_NEW:-256}
+EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-64}  # held-out (and training) prompts per source in the eval
+PY=${PYTHON:-python3}
+DFT="$PY -m dflash_train"
+mkdir -p "$WORK/gen"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+gpu_env() { if [ "$NGPU" -gt 1 ]; then echo "CUDA_VISIBLE_DEVICES=$1"; fi; }
+
+if has prompts; then
+  echo "== prompts: code, docs, math from offline sources ($NGPU shard(s))"
+  $DFT prompts --output "$WORK/prompts" --shards "$NGPU" --seed 0 --math-count "$N_MATH" --limit "$PER_SOURCE"
+fi
+
+if has generate; then
+  echo "== generate: $NGPU process(es), one per GPU, disjoint shards (+ $N_SYNTH self-instructed)"
+  pids=()
+  for k in $(seq 0 $((NGPU - 1))); do
+    if [ "$NGPU" -gt 1 ]; then shard=("$WORK"/prompts/train/*-"${k}of${NGPU}".jsonl); else shard=("$WORK"/prompts/train/*.jsonl); fi
+    held=(); [ "$k" -eq 0 ] && held=("$WORK"/prompts/heldout/*-heldout.jsonl)   # first: small, needed by eval
+    cmd=($DFT generate --target "$TARGET" --prompts "${held[@]}" "${shard[@]}" --synthesize $((N_SYNTH / NGPU))
+         --seed $((k + 1)) --output "$WORK/gen/gen-$k.jsonl" --max-new-tokens "$MAX_NEW" --batch-size "$SLOTS"
+         --progress false)
+    [ "$GEN_LIMIT" -gt 0 ] && cmd=(timeout --signal=TERM --kill-after=30 "$GEN_LIMIT" "${cmd[@]}")
+    (env $(gpu_env "$k") "${cmd[@]}" > "$WORK/gen/gen-$k.log" 2>&1 || echo "generate $k stopped (rc=$?; resumable)") &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  tail -n 3 "$WORK"/gen/gen-*.log || true
+fi
+
+if has prepare; then
+  echo "== HumanEval guard on every user turn (self-instructed ones included), then prepare"
+  $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl
+  $DFT prompts --check "$WORK/gen/train.jsonl"
+  for part in train heldout; do
+    out=$WORK/data; [ "$part" = heldout ] && out=$WORK/data-heldout
+    if [ -f "$out/manifest.json" ] && [ "$out/manifest.json" -nt "$WORK/gen/$part.jsonl" ]; then
+      echo "   $out is up to date"; continue
+    fi
+    $DFT prepare "$WORK/gen/$part.jsonl" --target "$TARGET" --output "$out" --overwrite --no-progress --skip-bad-rows
+  done
+fi
+
+if has train; then
+  if [ -f "$WORK/train/final/model.safetensors" ]; then
+    echo "== train: $WORK/train/final exists (remove it to train again)"
+  else
+    echo "== train: $NGPU GPU(s), colocated"
+    EXTRA=(); [ "$TRAIN_MINUTES" != "0" ] && EXTRA+=(--run.max_minutes "$TRAIN_MINUTES")
+    [ -d "$WORK/train/checkpoints" ] && EXTRA+=(--resume)
+    LAUNCH=($PY -m dflash_train)
+    [ "$NGPU" -gt 1 ] && LAUNCH=($PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m dflash_train)
+    "${LAUNCH[@]}" train --config "$CONFIG" --target.path "$TARGET" --data.path "$WORK/data" \
+      --data.eval_path "$WORK/data-heldout" --run.output_dir "$WORK/train" --run.progress false "${EXTRA[@]}" ${TRAIN_ARGS:-}
+  fi
+fi
+
+if has eval; then
+  echo "== eval (greedy, block of the drafter): HumanEval 164 x $EVAL_NEW, held-out chat, held-out and training prompts of each source"
+  D=$WORK/train/final
+  sets=("humaneval:0" "chat:0")
+  for f in "$WORK"/prompts/heldout/*-heldout.jsonl; do sets+=("$f:$EVAL_SOURCE_PROMPTS"); done
+  for f in "$WORK"/prompts/train/*.jsonl; do   # training prompts (answers seen in training): memorisation check
+    [ "$NGPU" -gt 1 ] && [[ $f != *-0of"$NGPU".jsonl ]] && continue
+    sets+=("$f:$EVAL_SOURCE_PROMPTS")
+  done
+  run_set() {  # GPU, set spec
+    local spec=$1 name n; n=${spec##*:}; spec=${spec%:*}; name=$(basename "$spec" .jsonl)
+    [ -f "$WORK/eval-$name/report.json" ] && { echo "   eval-$name done"; return; }
+    $DFT eval --target "$TARGET" --drafter "$D" --prompts "$spec" --num-prompts "$n" --max-new-tokens "$EVAL_NEW" \
+      --output "$WORK/eval-$name" --no-progress > "$WORK/eval-$name.log" 2>&1 || echo "   eval-$name failed (rc=$?)"
+  }
+  for k in $(seq 0 $((NGPU - 1))); do
+    ( [ "$NGPU" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$k; i=0
+      for s in "${sets[@]}"; do [ $((i % NGPU)) -eq "$k" ] && run_set "$s"; i=$((i + 1)); done ) &
+  done
+  wait
+  $PY - "$WORK" <<'PY'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "eval-*/report.json"))):
+    r = json.load(open(path))
+    o = r["overall"]
+    by_pos = list((o.get("tau_by_position") or {}).items())[:2]
+    print(f"   {os.path.basename(os.path.dirname(path)):<40} tau {o['tau']:.3f}  by position {by_pos}")
+PY
+fi
