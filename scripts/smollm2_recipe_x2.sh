@@ -25,6 +25,7 @@ SLOTS=${SLOTS:-256}                # generation slots per GPU
 GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 = no limit; resumable)
 TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # 0 = the config's run.max_minutes
 EVAL_NEW=${EVAL_NEW:-256}
+EVAL_PROMPTS=${EVAL_PROMPTS:-0}     # HumanEval and chat prompts in the eval (0 = all)
 EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-64}  # held-out (and training) prompts per source in the eval
 PY=${PYTHON:-python3}
 DFT="$PY -m dflash_train"
@@ -42,10 +43,10 @@ if has generate; then
   pids=()
   for k in $(seq 0 $((NGPU - 1))); do
     if [ "$NGPU" -gt 1 ]; then shard=("$WORK"/prompts/train/*-"${k}of${NGPU}".jsonl); else shard=("$WORK"/prompts/train/*.jsonl); fi
-    held=(); [ "$k" -eq 0 ] && held=("$WORK"/prompts/heldout/*-heldout.jsonl)   # first: small, needed by eval
+    held=(); [ "$k" -eq 0 ] && held=("$WORK"/prompts/heldout/*-heldout.jsonl)   # small (needed by eval): --mix finishes them early
     cmd=($DFT generate --target "$TARGET" --prompts "${held[@]}" "${shard[@]}" --synthesize $((N_SYNTH / NGPU))
          --seed $((k + 1)) --output "$WORK/gen/gen-$k.jsonl" --max-new-tokens "$MAX_NEW" --batch-size "$SLOTS"
-         --progress false)
+         --mix true --progress false)
     [ "$GEN_LIMIT" -gt 0 ] && cmd=(timeout --signal=TERM --kill-after=30 "$GEN_LIMIT" "${cmd[@]}")
     (env $(gpu_env "$k") "${cmd[@]}" > "$WORK/gen/gen-$k.log" 2>&1 || echo "generate $k stopped (rc=$?; resumable)") &
     pids+=($!)
@@ -82,31 +83,33 @@ if has train; then
 fi
 
 if has eval; then
-  echo "== eval (greedy, block of the drafter): HumanEval 164 x $EVAL_NEW, held-out chat, held-out and training prompts of each source"
+  echo "== eval (greedy, block of the drafter): HumanEval 164 x $EVAL_NEW, held-out chat, held-out and training prompts of the sources"
   D=$WORK/train/final
-  sets=("humaneval:0" "chat:0")
-  for f in "$WORK"/prompts/heldout/*-heldout.jsonl; do sets+=("$f:$EVAL_SOURCE_PROMPTS"); done
-  for f in "$WORK"/prompts/train/*.jsonl; do   # training prompts (answers seen in training): memorisation check
-    [ "$NGPU" -gt 1 ] && [[ $f != *-0of"$NGPU".jsonl ]] && continue
-    sets+=("$f:$EVAL_SOURCE_PROMPTS")
+  # The first $EVAL_SOURCE_PROMPTS prompts of every source in one file per side (ids keep the
+  # source): one engine start-up each, the per-source tau read back from the report's ids.
+  mkdir -p "$WORK/eval-sets"
+  for side in heldout train; do
+    files=("$WORK"/prompts/heldout/*-heldout.jsonl)
+    [ "$side" = train ] && files=("$WORK"/prompts/train/*.jsonl)
+    for f in "${files[@]}"; do
+      [ "$side" = train ] && [ "$NGPU" -gt 1 ] && [[ $f != *-0of"$NGPU".jsonl ]] && continue
+      head -n "$EVAL_SOURCE_PROMPTS" "$f"
+    done > "$WORK/eval-sets/sources-$side.jsonl"
   done
-  run_set() {  # GPU, set spec
-    local spec=$1 name n; n=${spec##*:}; spec=${spec%:*}; name=$(basename "$spec" .jsonl)
+  # training prompts: their answers were trained on (memorisation check against held-out)
+  sets=("humaneval:$EVAL_PROMPTS:greedy" "chat:$EVAL_PROMPTS:greedy" "$WORK/eval-sets/sources-heldout.jsonl:0:no-greedy"
+        "$WORK/eval-sets/sources-train.jsonl:0:no-greedy")
+  run_set() {  # set spec PROMPTS:N:greedy|no-greedy
+    local spec=$1 name n mode
+    mode=${spec##*:}; spec=${spec%:*}; n=${spec##*:}; spec=${spec%:*}; name=$(basename "$spec" .jsonl)
     [ -f "$WORK/eval-$name/report.json" ] && { echo "   eval-$name done"; return; }
     $DFT eval --target "$TARGET" --drafter "$D" --prompts "$spec" --num-prompts "$n" --max-new-tokens "$EVAL_NEW" \
-      --output "$WORK/eval-$name" --no-progress > "$WORK/eval-$name.log" 2>&1 || echo "   eval-$name failed (rc=$?)"
+      --"$mode" --output "$WORK/eval-$name" --no-progress > "$WORK/eval-$name.log" 2>&1 || echo "   eval-$name failed (rc=$?)"
   }
   for k in $(seq 0 $((NGPU - 1))); do
     ( [ "$NGPU" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$k; i=0
       for s in "${sets[@]}"; do [ $((i % NGPU)) -eq "$k" ] && run_set "$s"; i=$((i + 1)); done ) &
   done
   wait
-  $PY - "$WORK" <<'PY'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "eval-*/report.json"))):
-    r = json.load(open(path))
-    o = r["overall"]
-    by_pos = list((o.get("tau_by_position") or {}).items())[:2]
-    print(f"   {os.path.basename(os.path.dirname(path)):<40} tau {o['tau']:.3f}  by position {by_pos}")
-PY
+  $PY scripts/recipe_eval_summary.py "$WORK"
 fi

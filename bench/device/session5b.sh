@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# H200 session 5, call B (nvidia-h200-x2, right after A; carry .smol2 and .whl): join + convert
+# H200 session 5, call B (right after A; carry .smol2 and .whl): join + convert
 # the GGUF, then generation on both GPUs (one process per GPU, disjoint prompt shards plus
 # self-instructed chats), GEN_LIMIT s (default 420). Resumable: call B2 (the same script) adds
 # more if the budget allows. ~8.5 min.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5b.log; W=/tmp/x2; mkdir -p $OUT
+NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
+OUT=${OUT:-/tmp/out}; LOG=$OUT/session5b.log; W=/tmp/recipe; mkdir -p $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -f /tmp/smol/part_aa ] || [ ! -f $W/prompts/manifest.json ]; then echo "FRESH MACHINE: run call A first" | tee -a $LOG; exit 3; fi
@@ -13,7 +14,7 @@ if [ ! -f /tmp/smol/hf/model.safetensors ]; then
   timeout 120 python3 bench/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> $LOG 2>&1
 fi
 echo "=== generate $(date +%T)" | tee -a $LOG
-TARGET=/tmp/smol/hf WORK=$W NGPU=2 STEPS=generate GEN_LIMIT=${GEN_LIMIT:-420} MAX_NEW=${MAX_NEW:-512} \
+TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=${GEN_LIMIT:-420} MAX_NEW=${MAX_NEW:-512} \
   N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
 echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
 wc -l $W/gen/gen-*.jsonl | tee -a $LOG

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# H200 session 5, call F (nvidia-h200-x2, after C: needs /tmp/x2/data and data-heldout): the levers
+# H200 session 5, call F (after C: needs /tmp/recipe/data and data-heldout): the levers
 # sweep of docs/recipe-smollm2.md. Each lever is a short training (LEVER_SECONDS, default 100 s)
-# on the same prepared data, one GPU per lever, two levers at once, then the fast eval
+# on the same prepared data, one GPU per lever, two levers at once on two GPUs (one on one), then the fast eval
 # (HumanEval 48 x 128 and the held-out chat set 48 x 128). One JSON per lever in $OUT/levers/.
 # Levers beyond the first 8 go to a second call (LEVERS="..." to pick). ~9 min for 8 levers.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5f.log; W=/tmp/x2; mkdir -p $OUT/levers
+NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
+OUT=${OUT:-/tmp/out}; LOG=$OUT/session5f.log; W=/tmp/recipe; mkdir -p $OUT/levers
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -f $W/data/manifest.json ] || [ ! -f /tmp/smol/hf/model.safetensors ]; then echo "FRESH MACHINE: run A-C first" | tee -a $LOG; exit 3; fi
 SEC=${LEVER_SECONDS:-100}
@@ -50,7 +51,7 @@ PY
 set -- $LEVERS
 while [ $# -gt 0 ]; do
   one 0 $1 & a=$!; shift
-  if [ $# -gt 0 ]; then one 1 $1 & b=$!; shift; wait $b; fi
+  if [ $# -gt 0 ] && [ "$NGPU" -gt 1 ]; then one 1 $1 & b=$!; shift; wait $b; fi
   wait $a
 done
 for f in $OUT/levers/*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print(r['lever'], {k: round(v['tau'],3) for k,v in r['measured'].items()})"; done

@@ -124,3 +124,22 @@ def test_config_validation():
         from_dict(GenerateConfig, {"output": "x.jsonl", "synthesize": 1, "engine": "vllm"})
     cfg = from_dict(GenerateConfig, {"output": "x.jsonl", "prompts": "a.jsonl,b.jsonl", "temperature": "0.7"})
     assert cfg.prompts == ["a.jsonl", "b.jsonl"] and cfg.temperature == 0.7
+
+
+def _order(rows) -> list:
+    return ["syn" if r.get("synthetic") else (r["source"]["file"][0], r["source"]["line"]) for r in rows]
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_mix_interleaves_files_and_synthesis_by_share(tmp_path, tokenizer, mix):
+    a = write_prompts(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "response": "r"} for i in range(4)])
+    b = write_prompts(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "response": "r"} for i in range(2)])
+    turns = [Completion(f"Question number {w} about the weather?", "stop") for w in ("one", "two", "three")]
+    cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[a, b], synthesize=3, mix=mix, progress=False)
+    summary = run_generate(cfg, engine=FakeEngine(turns), tokenizer=tokenizer)
+    assert summary["written"] == 9
+    rows = [json.loads(line) for line in open(cfg.output)]
+    if not mix:  # the files in order, then synthesis
+        assert _order(rows) == [("a", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 1), ("b", 2), "syn", "syn", "syn"]
+    else:  # a then b row by row; a synthetic conversation whenever synthesis (k/3) is behind the files (n/6)
+        assert _order(rows) == [("a", 1), "syn", ("b", 1), ("a", 2), "syn", ("b", 2), ("a", 3), "syn", ("a", 4)]

@@ -95,6 +95,7 @@ class Driver:
         *,
         done_ids: set[str],
         records: Iterator[Record] | None = None,
+        records_total: int = 0,
         header: str | None = None,
         tokenizer=None,
         seen_prompts: set[str] | None = None,
@@ -103,6 +104,8 @@ class Driver:
     ) -> None:
         self.cfg, self.write, self.done_ids = cfg, write, done_ids
         self.records = records
+        # --mix: a synthetic conversation starts whenever synthesis is behind the files' progress
+        self.records_total, self.records_started = records_total, 0
         self.header = header
         self.specials = special_strings(tokenizer)
         self.seen = seen_prompts if seen_prompts is not None else set()
@@ -130,6 +133,10 @@ class Driver:
     def next_request(self) -> Request | None:
         if self._ready:
             return self._ready.popleft()
+        if self.cfg.mix and self._synthesis_behind():
+            req = self._start_synthetic()
+            if req is not None:
+                return req
         while self.records is not None:
             record = next(self.records, None)
             if record is None:
@@ -139,6 +146,14 @@ class Driver:
             if req is not None:
                 return req
         return self._start_synthetic()
+
+    def _synthesis_behind(self) -> bool:
+        if self.header is None or self.cfg.synthesize <= 0:
+            return False
+        if self.records is None or self.records_total <= 0:
+            return True
+        synth_share = (self.synth_have + self.synth_inflight) / self.cfg.synthesize
+        return synth_share < self.records_started / self.records_total
 
     def _answer_request(self, conv: _Conversation) -> Request:
         sampling = self.cfg.answer_sampling
@@ -158,6 +173,7 @@ class Driver:
         if cid in self.done_ids:
             return None
         self.done_ids.add(cid)  # an id met twice (same file name, row and content) is written once
+        self.records_started += 1
         source = {"file": Path(record.file).name, "line": record.line}
         if "id" in record.extra:
             source["id"] = record.extra["id"]
@@ -294,6 +310,19 @@ def _count_prompt_rows(cfg: GenerateConfig, done_ids: set[str]) -> int:
     return todo
 
 
+def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError]) -> Iterator[Record]:
+    """One row of each prompt file in turn (the files as `expand_inputs` orders them), until all
+    are exhausted: a run stopped early has sampled every source, not only the first files."""
+    live = [iter_records([path], skip_bad=skip_bad, bad=bad) for path in expand_inputs(paths)]
+    while live:
+        for it in list(live):
+            record = next(it, None)
+            if record is None:
+                live.remove(it)
+            else:
+                yield record
+
+
 def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[str, Any]:
     """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests)."""
     if cfg.prompts:
@@ -315,13 +344,16 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[st
         if existing:
             log.info("%s: %d rows already done, resuming", cfg.output, existing)
 
-        todo = _count_prompt_rows(cfg, done_ids) if cfg.prompts else 0
-        todo += max(0, cfg.synthesize - synth_done)
+        prompt_todo = _count_prompt_rows(cfg, done_ids) if cfg.prompts else 0
+        todo = prompt_todo + max(0, cfg.synthesize - synth_done)
         if engine is None:
             engine, tokenizer = build_engine(cfg, need_tokenizer=cfg.synthesize > 0)
         header = user_header(tokenizer, cfg.system_prompt) if cfg.synthesize > 0 else None
         bad: list[DataError] = []
-        records = iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad) if cfg.prompts else None
+        records = None
+        if cfg.prompts:
+            records = round_robin_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad) if cfg.mix \
+                else iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad)
 
         bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
         t0, last = time.perf_counter(), [0.0]
@@ -334,7 +366,7 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[st
                 bar.set_postfix_str(f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s")
 
         driver = Driver(
-            cfg, out.add, engine.describe(), done_ids=done_ids, records=records, header=header,
+            cfg, out.add, engine.describe(), done_ids=done_ids, records=records, records_total=prompt_todo, header=header,
             tokenizer=tokenizer, seen_prompts=seen, synth_done=synth_done, on_row=on_row,
         )  # fmt: skip
         try:
