@@ -45,6 +45,17 @@ def test_resolved_config_from_options(capsys):
     assert cfg["drafter"]["target_layer_ids"] == [1, 3, 5]
 
 
+def test_init_from_target_options(capsys):
+    assert main(_train("--drafter.init_from_target", "layers", "--drafter.init_target_layers", "25", "26", "27", "28",
+                       "29")) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["drafter"]["init_from_target"] == "layers" and cfg["drafter"]["init_target_layers"] == [25, 26, 27, 28, 29]
+    assert main(_train("--drafter.init_from_target", "spread")) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["drafter"]["init_from_target"] == "spread"
+    assert main(_train()) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["drafter"]["init_from_target"] == "none"
+
+
 @pytest.mark.parametrize("options, message", [
     (["--optim.lr", "-1e-3"], "optim.lr must be > 0"),  # a negative number is a value, not an option
     (["--optim.lr", "nan"], "optim.lr: expected a finite number"),
@@ -55,6 +66,9 @@ def test_resolved_config_from_options(capsys):
     (["--optim.weight_decay", "-0.1"], "optim.weight_decay >= 0"),
     (["--step.attention", "fast"], "step.attention: 'fast' is not one of ['auto', 'flex', 'dense']"),
     (["--run.compile=maybe"], "run.compile: expected true/false"),
+    (["--drafter.init_from_target", "first"], "drafter.init_from_target: 'first' is not one of"),
+    (["--drafter.init_target_layers", "1,2"], "drafter.init_target_layers is used only with drafter.init_from_target=layers"),
+    (["--drafter.init_from_target", "layers", "--drafter.init_target_layers", "1,2"], "one target layer id per drafter layer (5), got 2"),
 ])
 def test_bad_values_are_one_line_errors_before_anything_loads(options, message, capsys):
     assert main(_train(*options)) == 2

@@ -230,16 +230,62 @@ class DrafterSpec:
     """the same for sliding-window layers (serving engines assume causal)"""
     init_from: str | None = None
     """an exported drafter directory to start from"""
+    init_from_target: Literal["none", "last", "spread", "layers"] = "none"
+    """start each drafter decoder layer as a copy of a target decoder layer (attention projections, MLP,
+    norms; a fresh run only, --resume loads its checkpoint): none = random init; last = the target's
+    last num_layers layers; spread = num_layers layers evenly spaced (the middle of num_layers equal
+    spans); layers = the ids in init_target_layers"""
+    init_target_layers: list[int] | None = None
+    """with init_from_target=layers: one 0-based target layer id per drafter layer, in drafter order"""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_taps < 1:
             raise ValueError("drafter.num_layers and drafter.num_taps must be >= 1")
+        if self.init_from_target == "layers":
+            if self.init_target_layers is None or len(self.init_target_layers) != self.num_layers:
+                got = "none" if self.init_target_layers is None else f"{len(self.init_target_layers)}"
+                raise ValueError(f"drafter.init_from_target=layers needs drafter.init_target_layers with one target "
+                                 f"layer id per drafter layer ({self.num_layers}), got {got}")
+            if min(self.init_target_layers) < 0:
+                raise ValueError(f"drafter.init_target_layers must be >= 0, got {self.init_target_layers}")
+        elif self.init_target_layers is not None:
+            raise ValueError("drafter.init_target_layers is used only with drafter.init_from_target=layers "
+                             f"(it is {self.init_from_target!r})")
+        if self.init_from_target != "none" and self.init_from:
+            raise ValueError("drafter.init_from and drafter.init_from_target both set the starting weights; "
+                             "choose one")
         if self.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"drafter.layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError("drafter.sliding_window must be >= 1")
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` distinct target layer ids, the middle of each of `count` equal spans of 0..L-1
+    (floor((i + 1/2) * L / count)): L=30, count=5 -> [3, 9, 15, 21, 27]."""
+    if not 1 <= count <= num_target_layers:
+        raise ValueError(f"cannot pick {count} distinct layers of a target with {num_target_layers}")
+    return [int((2 * i + 1) * num_target_layers // (2 * count)) for i in range(count)]
+
+
+def init_source_layers(spec: DrafterSpec, num_target_layers: int) -> list[int] | None:
+    """The target decoder layer each drafter layer starts as (drafter.init_from_target), in drafter
+    order; None for a random start. ValueError when the target has too few layers."""
+    n, L = spec.num_layers, num_target_layers
+    if spec.init_from_target == "none":
+        return None
+    if spec.init_from_target == "layers":
+        ids = [int(i) for i in spec.init_target_layers or []]
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"drafter.init_target_layers {bad} are outside the target's decoder layers 0..{L - 1}")
+        return ids
+    if n > L:
+        raise ValueError(f"drafter.init_from_target={spec.init_from_target}: {n} drafter layers, but the target "
+                         f"has only {L}")
+    return list(range(L - n, L)) if spec.init_from_target == "last" else spread_layer_ids(L, n)
 
 
 def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: int) -> DrafterConfig:

@@ -221,3 +221,60 @@ def load_target_heads(spec: str, *, dtype, device, trust_remote_code: bool = Fal
             torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, generator=gen).mul_(0.02).to(dtype)
         return embed, head
     return load_frozen_head_weights(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+def _layer_tensors_of_model(model, layer_ids: list[int]) -> dict[int, dict[str, torch.Tensor]] | None:
+    """Tensors of some decoder layers of a loaded model (names relative to the layer); None when the
+    layers were converted to FP8 (their original weights are gone)."""
+    layers = find_decoder_layers(model)
+    out = {i: {k: v.detach() for k, v in layers[i].state_dict().items()} for i in layer_ids}
+    if any(k.endswith("weight_fp8") for state in out.values() for k in state):
+        return None
+    return out
+
+
+def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> dict[int, dict[str, torch.Tensor]] | None:
+    """The same, read by name from a model directory's safetensors files (the decoder layers sit next
+    to the embedding: `model.embed_tokens.weight` -> `model.layers.{i}.`); None if they are not found."""
+    files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
+    index = source.directory / "model.safetensors.index.json"
+    where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    keys = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            keys[f] = [k for k in fh.keys() if where is None or where.get(k) == f.name]
+    embed = next((k for ks in keys.values() for k in ks if k.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        return None
+    base = embed[: -len("embed_tokens.weight")]
+    prefixes = {f"{base}layers.{i}.": i for i in layer_ids}
+    out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layer_ids}
+    for f, names in keys.items():
+        with safe_open(str(f), "pt") as fh:
+            for key in names:
+                for prefix, i in prefixes.items():
+                    if key.startswith(prefix):
+                        out[i][key[len(prefix):]] = fh.get_tensor(key)
+    return out if all(out.values()) else None
+
+
+def load_decoder_layer_tensors(spec: str, layer_ids: list[int], *, dtype, device, trust_remote_code: bool = False,
+                               model=None) -> dict[int, dict[str, torch.Tensor]]:
+    """{layer id: {name relative to the layer: tensor}} of some target decoder layers, in `dtype` on
+    `device`, exactly as the loaded target holds them (drafter.init_from_target).
+
+    From `model` (the target this process loaded) when given and not FP8-converted; else by
+    name from safetensors files (a split layout's drafter rank runs no target); else from a
+    model loaded for the purpose (GGUF, presets: the same seeded random weights).
+    """
+    ids = sorted({int(i) for i in layer_ids})
+    found = _layer_tensors_of_model(model, ids) if model is not None else None
+    if found is None and not is_preset(spec):
+        source = resolve_model_source(spec)
+        found = _layer_tensors_of_safetensors(source, ids)
+        if found is None:
+            found = _layer_tensors_of_model(load_causal_lm(source, dtype=dtype, trust_remote_code=trust_remote_code), ids)
+    if found is None:  # a preset (or an FP8 model of one)
+        found = _layer_tensors_of_model(build_random_target(spec, dtype=dtype, device=device), ids)
+    return {i: {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+            for i, state in found.items()}

@@ -18,12 +18,18 @@ from dflash_train.data.batch import PackedBatch
 from dflash_train.data.batching import BatchPlanner
 from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.checkpoint import load_drafter
-from dflash_train.drafter.config import DrafterConfig, build_drafter_config
+from dflash_train.drafter.config import DrafterConfig, build_drafter_config, init_source_layers
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads
+from dflash_train.drafter.target_init import check_target_layers_copyable, copy_target_layers
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource
-from dflash_train.target.loading import choose_mask_token_id, load_target_heads, load_target_model
+from dflash_train.target.loading import (
+    choose_mask_token_id,
+    load_decoder_layer_tensors,
+    load_target_heads,
+    load_target_model,
+)
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
@@ -47,6 +53,20 @@ def resolve_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> Drafte
         return build_drafter_config(cfg.drafter, text_cfg, mask_id)
     except ValueError as exc:
         raise ConfigError(f"the drafter section does not fit the target {cfg.target.path}: {exc}") from None
+
+
+def resolve_init_layers(cfg: TrainConfig, target_config) -> list[int] | None:
+    """The target layer each drafter layer starts as (drafter.init_from_target), or None; a clear
+    error when the target's layers cannot be copied. Checked from the config alone."""
+    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    try:
+        ids = init_source_layers(cfg.drafter, int(text_cfg.num_hidden_layers))
+        if ids is not None:
+            check_target_layers_copyable(text_cfg)
+        return ids
+    except ValueError as exc:
+        raise ConfigError(f"drafter.init_from_target={cfg.drafter.init_from_target} on the target "
+                          f"{cfg.target.path}: {exc}") from None
 
 
 def total_optimizer_steps(run: RunConfig, grad_accum: int, planner: BatchPlanner, num_drafters: int) -> int:
@@ -90,9 +110,12 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     return FrozenTarget(FrozenHeads(embed, head.weight if head is not None else embed), model, runner)
 
 
-def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: FrozenHeads,
-                  device: torch.device) -> DFlashDrafter:
-    """The drafter in its master dtype on `device`: loaded from drafter.init_from, or new."""
+def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: FrozenHeads, device: torch.device, *,
+                  init_layers: list[int] | None = None, target_model: torch.nn.Module | None = None) -> DFlashDrafter:
+    """The drafter in its master dtype on `device`: loaded from drafter.init_from, or new; with
+    `init_layers` (a fresh run's resolve_init_layers) its decoder layers start as copies of those
+    target layers, taken from `target_model` when this process holds it (else from the target's files).
+    Data-parallel replicas start equal anyway: DDP broadcasts drafter rank 0's weights."""
     if cfg.drafter.init_from:
         drafter = load_drafter(cfg.drafter.init_from)
         if drafter.config != drafter_config:
@@ -106,7 +129,31 @@ def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: Frozen
             head_rms = heads.lm_head_weight.float().pow(2).mean().sqrt()
             drafter.norm.weight.fill_(float(1.0 / (head_rms * drafter_config.hidden_size ** 0.5)))
     master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
-    return drafter.to(device, master).train()
+    drafter = drafter.to(device, master).train()
+    if init_layers:
+        init_drafter_from_target(cfg, drafter, init_layers, device, target_model=target_model)
+    return drafter
+
+
+def init_drafter_from_target(cfg: TrainConfig, drafter: DFlashDrafter, init_layers: list[int], device: torch.device,
+                             *, target_model: torch.nn.Module | None = None) -> None:
+    """Drafter layer i <- target layer init_layers[i] (drafter/target_init.py), the target's tensors
+    in target.dtype exactly as the frozen target holds them."""
+    t0 = time.perf_counter()
+    t = cfg.target
+    tensors = load_decoder_layer_tensors(t.path, init_layers, dtype=resolve_dtype(t.dtype, device), device=device,
+                                         trust_remote_code=t.trust_remote_code, model=target_model)
+    try:
+        report = copy_target_layers(drafter, init_layers, tensors)
+    except ValueError as exc:
+        raise ConfigError(f"drafter.init_from_target={cfg.drafter.init_from_target}: {exc}") from None
+    log.info("drafter layers start as target layers %s (%.1fs): copied %s%s%s", init_layers,
+             time.perf_counter() - t0, ", ".join(report.copied),
+             f"; kept (no counterpart in the target) {', '.join(report.kept)}" if report.kept else "",
+             f"; target tensors left out {', '.join(report.left_out)}" if report.left_out else "")
+    if report.left_out:
+        log.warning("drafter.init_from_target: target layer tensors without a drafter counterpart were not "
+                    "copied: %s", ", ".join(report.left_out))
 
 
 def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool) -> torch.nn.Module:

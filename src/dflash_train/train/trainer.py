@@ -71,6 +71,8 @@ class Trainer:
         if resume_from is not None and load_drafter_config(resume_from / "drafter") != self.drafter_config:
             raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's; resume "
                                 f"with the config the run was started with, or start a new run.output_dir")
+        # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
+        self.init_layers = setup.resolve_init_layers(cfg, target_config)
         if self.main and cfg.run.checkpoint:
             check_writable_dir(self.output_dir)
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
@@ -94,7 +96,9 @@ class Trainer:
         # ---- heavy work
         torch.manual_seed(cfg.run.seed)
         self.target = setup.load_frozen_target(cfg, d, self.device, whole_model=ctx.is_target)
-        self.drafter = setup.build_drafter(cfg, d, self.target.heads, self.device)
+        self.drafter = setup.build_drafter(cfg, d, self.target.heads, self.device,
+                                           init_layers=self.init_layers if resume_from is None else None,
+                                           target_model=self.target.model)
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
@@ -105,11 +109,15 @@ class Trainer:
                                          scheduler=self.scheduler)
             log.info("resumed from %s (step %d, data cursor epoch %d batch %d)", resume_from, self.state.step,
                      self.state.epoch, self.state.index)
+            if self.init_layers:
+                log.info("drafter.init_from_target=%s not applied: the run continues from its checkpoint's weights",
+                         cfg.drafter.init_from_target)
         self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
         if ctx.layout == "split":
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
         self.resolved = {**to_dict(cfg), "drafter_resolved": {"target_layer_ids": d.target_layer_ids,
-                                                              "mask_token_id": d.mask_token_id}}
+                                                              "mask_token_id": d.mask_token_id,
+                                                              "init_from_target_layers": self.init_layers}}
         if self.main:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
