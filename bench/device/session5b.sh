@@ -19,3 +19,13 @@ TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=${GEN_LIMIT:-420
 echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
 wc -l $W/gen/gen-*.jsonl | tee -a $LOG
 grep -E "^===|written|new_tokens|stopped|rror|Traceback" $LOG $W/gen/gen-*.log | tail -20
+# The generated conversations and the prompt files come back (xz, 15 MB parts under $OUT/recipe/):
+# a later session carries them (git-ignored .recipe/, with RECIPE_FROM=.recipe in call A) instead
+# of generating again.
+if [ "${EXPORT:-1}" = 1 ]; then
+  mkdir -p $OUT/recipe $W/export/prompts/train
+  for f in $W/prompts/train/*.jsonl; do head -n 256 $f > $W/export/prompts/train/$(basename $f); done  # eval's memorisation check
+  tar -cf - -C $W gen prompts/heldout prompts/manifest.json -C $W/export prompts/train \
+    | xz -T0 -6 | split -b 15000000 - $OUT/recipe/recipe.tar.xz.part_
+  ls -la $OUT/recipe | tee -a $LOG
+fi

@@ -19,8 +19,10 @@ declare -A ARGS=(
   [noise]="--step.noise_sigma 0.05"
   [lr3e-4]="--optim.lr 3e-4"
   [lr3e-3]="--optim.lr 3e-3"
+  [init-spread]="--drafter.init_from_target spread"  # target layers 3 9 15 21 27
+  [init-first]="--drafter.init_from_target layers --drafter.init_target_layers 0,1,2,3,4"
 )
-LEVERS=${LEVERS:-base layers1 layers3 block8 cap noise lr3e-4 lr3e-3}
+LEVERS=${LEVERS:-base layers1 layers3 block8 cap noise lr3e-4 lr3e-3 init-spread init-first}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
   rm -rf $dir
@@ -29,7 +31,7 @@ one() {  # GPU, lever
     --run.max_minutes $(python3 -c "print($SEC/60)") --run.eval_every 0 --run.save_every_minutes 0 --run.progress false ${ARGS[$name]} >> $LOG.$name 2>&1 || echo "train $name rc=$?" >> $LOG
   for p in humaneval chat; do
     CUDA_VISIBLE_DEVICES=$gpu timeout 120 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $dir/final \
-      --prompts $p --num-prompts 48 --max-new-tokens 128 --output $dir/eval-$p --no-progress >> $LOG.$name 2>&1
+      --prompts $p --num-prompts 48 --max-new-tokens 128 --no-greedy --output $dir/eval-$p --no-progress >> $LOG.$name 2>&1
   done
   python3 - $name $dir "${ARGS[$name]}" > $OUT/levers/$name.json <<'PY'
 import json, os, sys
