@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # H200 session 5, call B (right after A; carry .smol2 and .whl): join + convert
 # the GGUF, then generation on both GPUs (one process per GPU, disjoint prompt shards plus
-# self-instructed chats), GEN_LIMIT s (default 420). Resumable: call B2 (the same script) adds
-# more if the budget allows. ~8.5 min.
+# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 256) sequences per GPU.
+# Resumable: call B2 (the same script) adds more if the budget allows; so does a later session
+# that unpacked an earlier export (RECIPE_FROM in call A): finished rows are skipped. ~8.5 min.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session5b.log; W=/tmp/recipe; mkdir -p $OUT
@@ -18,14 +19,13 @@ TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=${GEN_LIMIT:-420
   N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
 echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
 wc -l $W/gen/gen-*.jsonl | tee -a $LOG
+for f in $W/gen/gen-*.log; do tail -c 20000 $f > $OUT/$(basename $f); done  # the summary: written, new tok/s
 grep -E "^===|written|new_tokens|stopped|rror|Traceback" $LOG $W/gen/gen-*.log | tail -20
-# The generated conversations and the prompt files come back (xz, 15 MB parts under $OUT/recipe/):
-# a later session carries them (git-ignored .recipe/, with RECIPE_FROM=.recipe in call A) instead
-# of generating again.
+# The generated conversations come back (xz, 15 MB parts under $OUT/recipe/): a later session
+# carries them (git-ignored .recipe/, RECIPE_FROM=.recipe in call A), and its generation adds to
+# them (the prompt files are rebuilt identically on the same machine image: finished rows skip).
 if [ "${EXPORT:-1}" = 1 ]; then
-  mkdir -p $OUT/recipe $W/export/prompts/train
-  for f in $W/prompts/train/*.jsonl; do head -n 256 $f > $W/export/prompts/train/$(basename $f); done  # eval's memorisation check
-  tar -cf - -C $W gen prompts/heldout prompts/manifest.json -C $W/export prompts/train \
-    | xz -T0 -6 | split -b 15000000 - $OUT/recipe/recipe.tar.xz.part_
+  mkdir -p $OUT/recipe
+  (cd $W && tar -cf - gen/gen-*.jsonl) | xz -T0 -6 | split -b 15000000 - $OUT/recipe/recipe.tar.xz.part_
   ls -la $OUT/recipe | tee -a $LOG
 fi
