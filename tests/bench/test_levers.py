@@ -18,7 +18,8 @@ def test_lever_table_rows_train_on_the_same_taps(tmp_path, capsys):
     """Rows of several documents per row; the packed and the look-ahead target give the
     drafter the same numbers as the Hugging Face forward, so training ends at the same loss."""
     out = tmp_path / "levers.json"
-    assert run(BenchConfig(**TINY, levers="baseline,packed,overlap,data-labels", out=str(out))) == 0
+    assert run(BenchConfig(**TINY, levers="baseline,packed", out=str(out))) == 0
+    assert run(BenchConfig(**TINY, levers="overlap,data-labels", out=str(out), append=True)) == 0  # one table
     table = json.loads(out.read_text())
     rows = {r["name"]: r for r in table["rows"]}
     assert list(rows) == ["baseline", "packed", "overlap", "data-labels"]
@@ -69,11 +70,15 @@ def test_fastest_sdpa_and_a_failed_row_in_the_table():
     assert "| packed | 100 | 1.000x |" in text and "| packed-cudnn | failed: RuntimeError" in text
 
 
-def test_bad_lever_settings_are_config_errors():
+def test_bad_lever_settings_are_config_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown levers"):
         BenchConfig(levers="baseline,warp-drive")
     with pytest.raises(ValueError, match="with --levers"):
         BenchConfig(sdpa_backend="best")
+    with pytest.raises(ConfigError, match="--append"):
+        path = tmp_path / "other.json"
+        path.write_text(json.dumps({"preset": "qwen3-8b", "rows": []}))
+        run(BenchConfig(**TINY, levers="baseline", append=True, out=str(path)))
     with pytest.raises(ConfigError, match="target.forward: packed"):
         load_config(TrainConfig, None, {"target.compile": "true"})
     with pytest.raises(ConfigError, match="attn_implementation"):

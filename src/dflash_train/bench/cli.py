@@ -14,7 +14,8 @@ split (data, queue wait, target, drafter forward, backward, optimizer).
 `--levers all` (or a comma-separated list of names from LEVERS) measures the levers of
 the target forward (issue 18) one row each, in one process, and prints one table (target
 ms, drafter ms, tok/s, peak memory); the JSON, rewritten after every row, holds them all.
-`--like TABLE.json` takes the settings of the fastest bf16 row of such a table.
+`--append` adds the rows to the table already in `--out` (a table measured by several
+processes); `--like TABLE.json` takes the settings of the fastest bf16 row of such a table.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class BenchConfig:
     """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
     levers: str = ""
     """measure a lever table instead of one setting: 'all' or comma-separated names of LEVERS"""
+    append: bool = False
+    """a lever table: add its rows to the table already in --out (one table from several processes)"""
     like: str | None = None
     """a lever table's JSON: run with the settings of its fastest bf16 row (target labels, no FP8)"""
     warmup: int = 5
@@ -285,6 +288,11 @@ def run_levers(args: BenchConfig) -> int:
     table = {"preset": args.preset, "base": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("levers", "out")},
              "matmul_peak_tflops": peak, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": []}
+    if args.append and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())
+        if earlier.get("preset") != args.preset:
+            raise ConfigError(f"--append: {args.out} is a table of {earlier.get('preset')}, not {args.preset}")
+        table["rows"] = earlier["rows"]
     for name in lever_names(args.levers):
         fields = dict(LEVERS[name][1])
         if fields.get("sdpa_backend", args.sdpa_backend) == "best":
