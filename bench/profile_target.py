@@ -71,7 +71,8 @@ def main() -> None:
         print(table)
         result["kernels"] = table
     if args.out:
-        json.dump(result, open(args.out, "w"), indent=1)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
 
 
 if __name__ == "__main__":

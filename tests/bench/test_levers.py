@@ -10,8 +10,8 @@ from dflash_train.train.config import TrainConfig
 from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import ConfigError
 
-TINY = dict(preset="tiny", tokens=256, doc_len="40-120", anchors=8, block=4, layers=1, warmup=1, measure=2,
-            device="cpu")
+TINY = {"preset": "tiny", "tokens": 256, "doc_len": "40-120", "anchors": 8, "block": 4, "layers": 1, "warmup": 1,
+        "measure": 2, "device": "cpu"}
 
 
 def test_lever_table_rows_train_on_the_same_taps(tmp_path, capsys):
@@ -39,8 +39,8 @@ def _table(path, rows):
 
 
 def _row(name, tok_s, **settings):
-    base = dict(target_forward="hf", target_compile=False, sdpa_backend="auto", overlap=False, fp8_target=False,
-                labels="target")
+    base = {"target_forward": "hf", "target_compile": False, "sdpa_backend": "auto", "overlap": False,
+            "fp8_target": False, "labels": "target"}
     return {"name": name, "tokens_per_s": tok_s, "target_ms": 1000 / tok_s, "settings": {**base, **settings}}
 
 

@@ -67,7 +67,7 @@ class LocalTargetSource:
         self._ahead = None
         try:  # the next batch's forward goes in before this batch's drafter step
             self._ahead = self._run(timer)
-        except Exception as exc:  # StopIteration or a data error: raised where it belongs, at the next call
+        except Exception as exc:  # noqa: BLE001 -- StopIteration or a data error: raised at the next call, its place
             self._end = exc
         if done is not None:
             main = torch.cuda.current_stream(self.device)

@@ -32,7 +32,7 @@ biases, SiLU-gated MLP, static RoPE. Anything else is refused (use `target.forwa
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -113,7 +113,7 @@ class TargetRunner:
 
     @classmethod
     def from_config(cls, model: nn.Module, target_layer_ids: list[int], cfg: TargetConfig, *,
-                    need_final: bool) -> "TargetRunner":
+                    need_final: bool) -> TargetRunner:
         """The runner the `target:` section asks for."""
         return cls(model, target_layer_ids, need_final=need_final, forward=cfg.forward, sdpa=cfg.sdpa_backend,
                    compile=cfg.compile)
