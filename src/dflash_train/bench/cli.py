@@ -10,11 +10,19 @@ split (data, queue wait, target, drafter forward, backward, optimizer).
     dflash-train bench --preset qwen3-8b --out bench.json
     torchrun --nproc-per-node 2 -m dflash_train bench --preset qwen3-8b --layout split \\
         --target-ranks 1 --drafter-ranks 1
+
+`--levers all` (or a comma-separated list of names from LEVERS) measures the levers of
+the target forward (issue 18) one row each, in one process, and prints one table (target
+ms, drafter ms, tok/s, peak memory); the JSON, rewritten after every row, holds them all.
+`--append` adds the rows to the table already in `--out` (a table measured by several
+processes); `--like TABLE.json` takes the settings of the fastest bf16 row of such a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import logging
 import os
@@ -31,6 +39,7 @@ from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
 from dflash_train.utils.device import resolve_device
+from dflash_train.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,20 @@ class BenchConfig:
     """drafter master weights"""
     fp8_target: bool = False
     """float8 decoder matmuls in the target"""
+    target_forward: Literal["hf", "packed"] = "hf"
+    """target.forward: the Hugging Face forward or our packed layer loop"""
+    target_compile: bool = False
+    """target.compile: torch.compile the packed target forward (fixed shape)"""
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math", "best"] = "auto"
+    """target.sdpa_backend; best = the fastest of the sdpa rows measured before in a lever table"""
+    overlap: bool = False
+    """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
+    levers: str = ""
+    """measure a lever table instead of one setting: 'all' or comma-separated names of LEVERS"""
+    append: bool = False
+    """a lever table: add its rows to the table already in --out (one table from several processes)"""
+    like: str | None = None
+    """a lever table's JSON: run with the settings of its fastest bf16 row (target labels, no FP8)"""
     warmup: int = 5
     """steps excluded from the measurement"""
     measure: int = 10
@@ -88,6 +111,40 @@ class BenchConfig:
         bad = [item for item in self.set if "=" not in item]
         if bad:
             raise ValueError(f"--set takes KEY=VALUE, got {bad}")
+        if self.sdpa_backend == "best" and not self.levers:
+            raise ValueError("--sdpa-backend best picks among the rows of a lever table: use it with --levers")
+        unknown = [n for n in lever_names(self.levers) if n not in LEVERS]
+        if unknown:
+            raise ValueError(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
+
+
+# The levers of the target forward (issue 18, docs/performance.md): name -> (what, BenchConfig fields).
+# Each is measured alone against `baseline`, then together.
+LEVERS: dict[str, tuple[str, dict]] = {
+    "baseline": ("Hugging Face forward, PyTorch's SDPA choice", {}),
+    "hf-flash": ("Hugging Face forward, SDPA forced to flash", {"sdpa_backend": "flash"}),
+    "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {"sdpa_backend": "cudnn"}),
+    "packed": ("packed forward, eager, PyTorch's SDPA choice", {"target_forward": "packed"}),
+    "packed-flash": ("packed forward, eager, SDPA forced to flash", {"target_forward": "packed", "sdpa_backend": "flash"}),
+    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN", {"target_forward": "packed", "sdpa_backend": "cudnn"}),
+    "packed-compiled": ("packed forward, compiled, one fixed shape",
+                        {"target_forward": "packed", "target_compile": True}),
+    "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {"fp8_target": True}),
+    "fp8-compiled": ("packed compiled + FP8 (quantisation fused)",
+                     {"target_forward": "packed", "target_compile": True, "fp8_target": True}),
+    "overlap": ("baseline + next batch's target forward on a second stream", {"overlap": True}),
+    "data-labels": ("baseline with data labels: the target stops after its last tapped layer", {"labels": "data"}),
+    "all-bf16": ("packed compiled + the fastest SDPA kernel of the packed rows + overlap",
+                 {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best", "overlap": True}),
+    "all-fp8": ("all-bf16 + FP8", {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best",
+                                   "overlap": True, "fp8_target": True}),
+}
+
+
+def lever_names(levers: str) -> list[str]:
+    if levers.strip() == "all":
+        return list(LEVERS)
+    return [n.strip() for n in levers.split(",") if n.strip()]
 
 
 CONFIG = BenchConfig
@@ -124,6 +181,9 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
         "run.max_steps": str(steps), "run.log_every": str(args.warmup), "run.save_every": str(10**9), "run.checkpoint": "false",
         "run.output_dir": str(out_dir), "run.compile": str(args.compile), "run.device": args.device,
         "run.drafter_dtype": args.drafter_dtype, "target.fp8": str(args.fp8_target), "run.tensorboard": "false", "run.progress": "false",
+        "target.forward": args.target_forward, "target.compile": str(args.target_compile),
+        "target.sdpa_backend": "auto" if args.sdpa_backend == "best" else args.sdpa_backend,
+        "pipeline.overlap_target": str(args.overlap),
         "optim.warmup_steps": "2", "pipeline.layout": args.layout, "pipeline.queue_depth": str(args.queue_depth),
         "pipeline.target_ranks": str(args.target_ranks), "pipeline.drafter_ranks": str(args.drafter_ranks),
     }
@@ -135,12 +195,13 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
     return load_config(TrainConfig, None, overrides)
 
 
-def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
+def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
+    """One setting: train on synthetic batches, return the result (None on a non-reporting rank)."""
     out_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     cfg = build_config(args, out_dir)
     summary = run_rank(cfg, resume=False)
     if summary is None:  # not the main drafter: it reports
-        return 0
+        return None
     rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     measured = [r for r in rows if r["kind"] == "train" and r["step"] > args.warmup]
     tokens = sum(r["window_tokens"] for r in measured)
@@ -155,10 +216,12 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
     drafters = cfg.pipeline.drafter_ranks if args.layout == "split" else world
     tok_s = tokens / max(seconds, 1e-9)
     achieved = tok_s * flops["per_token"] / 1e12
-    peak = matmul_peak_tflops(device)
-    result = {
+    peak = peak if peak is not None else matmul_peak_tflops(device)
+    return {
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
         "compile": args.compile, "labels": args.labels, "fp8_target": args.fp8_target,
+        "target_forward": cfg.target.forward, "target_compile": cfg.target.compile,
+        "sdpa_backend": cfg.target.sdpa_backend, "overlap": cfg.pipeline.overlap_target,
         "drafter_dtype": args.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
         "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
@@ -172,6 +235,114 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
         "bottleneck": (summary.get("pipeline") or {}).get("text"),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def settings_of(args: BenchConfig) -> dict:
+    """The lever fields of a setting (what a lever table row records and `--like` reads back)."""
+    return {k: getattr(args, k) for k in ("target_forward", "target_compile", "sdpa_backend", "overlap",
+                                          "fp8_target", "labels")}
+
+
+def best_bf16_settings(path: str) -> dict:
+    """The settings of the fastest row of a lever table that uses target labels and no FP8."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--like {path}: not a lever table ({exc})") from None
+    ok = [r for r in rows if "tokens_per_s" in r and not r["settings"]["fp8_target"]
+          and r["settings"]["labels"] == "target"]
+    if not ok:
+        raise ConfigError(f"--like {path}: no measured bf16 row with target labels")
+    return max(ok, key=lambda r: r["tokens_per_s"])["settings"]
+
+
+def _fastest_sdpa(rows: list[dict]) -> str:
+    """The SDPA kernel of the fastest target forward among the packed rows measured so far that
+    differ only in it (auto when none of them ran)."""
+    cands = [r for r in rows if "tokens_per_s" in r and r["name"] in ("packed", "packed-flash", "packed-cudnn")]
+    if not cands:
+        return "auto"
+    return min(cands, key=lambda r: r["target_ms"])["settings"]["sdpa_backend"]
+
+
+def _free_device_memory() -> float | None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated() / 2**30
+    return None
+
+
+def lever_row(name: str, r: dict, settings: dict) -> dict:
+    split = r["time_split_ms_per_step"]
+    return {"name": name, "what": LEVERS[name][0], "settings": settings, "tokens_per_s": r["tokens_per_s"],
+            "step_ms": r["step_ms"], "target_ms": split.get("target", 0.0), "target_wait_ms": split.get("target_wait", 0.0),
+            "drafter_ms": sum(split.get(k, 0.0) for k in ("forward", "backward", "optimizer")),
+            "peak_mem_gib": r["peak_mem_gib"], "mfu": r["mfu"], "loss_last": r["loss_last"]}
+
+
+def run_levers(args: BenchConfig) -> int:
+    """Every lever of `args.levers` on top of `args`, one row each; the JSON after every row."""
+    device = resolve_device(args.device)
+    peak = matmul_peak_tflops(device)
+    table = {"preset": args.preset, "base": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("levers", "out")},
+             "matmul_peak_tflops": peak, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+             "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": []}
+    if args.append and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())
+        if earlier.get("preset") != args.preset:
+            raise ConfigError(f"--append: {args.out} is a table of {earlier.get('preset')}, not {args.preset}")
+        table["rows"] = earlier["rows"]
+    for name in lever_names(args.levers):
+        fields = dict(LEVERS[name][1])
+        if fields.get("sdpa_backend", args.sdpa_backend) == "best":
+            fields["sdpa_backend"] = _fastest_sdpa(table["rows"])
+        variant = dataclasses.replace(args, levers="", **fields)
+        settings = settings_of(variant)
+        log.info("lever %s: %s", name, settings)
+        t0 = time.perf_counter()
+        try:
+            r = measure(variant, peak)
+            row = lever_row(name, r, settings) if r is not None else None
+        except Exception as exc:  # one lever that cannot run (a kernel this GPU lacks) is a row, not the end
+            log.exception("lever %s failed", name)
+            row = {"name": name, "what": LEVERS[name][0], "settings": settings, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        if row is None:
+            return 0  # not the reporting rank
+        row["wall_s"] = time.perf_counter() - t0
+        row["mem_left_gib"] = _free_device_memory()
+        table["rows"].append(row)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(table, indent=1))
+        print(format_lever_table(table).splitlines()[-1], flush=True)  # this row; the table at the end
+    print(format_lever_table(table), flush=True)
+    return 0
+
+
+def format_lever_table(table: dict) -> str:
+    base = table["rows"][0] if table["rows"] and "tokens_per_s" in table["rows"][0] else None
+    lines = [f"levers of the target forward | {table['preset']} | {table['device']}",
+             "| lever | tok/s | vs first | step ms | target ms | target wait ms | drafter ms | peak GiB | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in table["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:80]} | | | | | | | {r['wall_s']:.0f} |")
+            continue
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else ""
+        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.1f} | {r['target_ms']:.1f} | "
+                     f"{r['target_wait_ms']:.1f} | {r['drafter_ms']:.1f} | {r['peak_mem_gib'] or 0:.1f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
+    if args.levers:
+        return run_levers(args)
+    if args.like:
+        args = dataclasses.replace(args, like=None, **best_bf16_settings(args.like))
+        log.info("settings of the fastest bf16 row of the lever table: %s", settings_of(args))
+    result = measure(args)
+    if result is None:
+        return 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(format_result(result))
@@ -179,7 +350,10 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
 
 
 def format_result(r: dict) -> str:
-    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'}{' fp8-target' if r['fp8_target'] else ''} | "
+    target = f"target {r.get('target_forward', 'hf')}{' compiled' if r.get('target_compile') else ''}" \
+             f"{' sdpa-' + r['sdpa_backend'] if r.get('sdpa_backend', 'auto') != 'auto' else ''}" \
+             f"{' overlapped' if r.get('overlap') else ''}"
+    lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'}{' fp8-target' if r['fp8_target'] else ''} | {target} | "
              f"{r['labels']} labels | {r['tokens_per_step_per_drafter']} tokens x {r['drafters']} drafter(s)/step, "
              f"{r['anchors']} anchors, block {r['block']}, window {r['window']}",
              f"  tokens/s        {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per rank), "

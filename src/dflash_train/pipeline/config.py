@@ -29,6 +29,9 @@ class PipelineConfig:
     """split: how many run drafters (target_ranks + drafter_ranks = world size)"""
     queue_depth: int = 4
     """batches in flight per drafter (>= optim.grad_accum)"""
+    overlap_target: bool = False
+    """single/colocated: run the next batch's target forward (on a second CUDA stream) during this
+    batch's drafter step; holds one more batch of target outputs in memory"""
     transport: Literal["auto", "device", "host"] = "auto"
     """device: hidden states GPU to GPU over NCCL (ranks on distinct GPUs); host: through pinned
     host memory over gloo (always works; needed when a target and a drafter share one GPU,
@@ -50,6 +53,9 @@ class PipelineConfig:
             raise ValueError("pipeline.target_ranks and pipeline.drafter_ranks must be >= 0")
         if self.layout == "split" and (self.target_ranks < 1 or self.drafter_ranks < 1):
             raise ValueError("pipeline.layout=split needs pipeline.target_ranks >= 1 and pipeline.drafter_ranks >= 1")
+        if self.layout == "split" and self.overlap_target:
+            raise ValueError("pipeline.overlap_target is for the single and colocated layouts (a split layout's "
+                             "target ranks already run ahead of the drafters)")
         if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("pipeline timeouts must be positive")
         if self.heartbeat_s <= 0 or self.dead_rank_timeout_s < 3 * self.heartbeat_s:

@@ -1,7 +1,9 @@
 """Where a drafter's (batch, target output) pairs come from.
 
 * `LocalTargetSource`: single process and colocated layout; the target runs in this
-  process on each batch.
+  process on each batch. With `pipeline.overlap_target` it runs one batch ahead: batch
+  k + 1's target forward is launched (on a second CUDA stream on a GPU) before batch k is
+  handed out, so it overlaps batch k's drafter step; one more batch of taps is held.
 * `RemoteTargetSource`: split layout; the target ran on a target rank and the hidden
   states arrive through `HiddenStateReceiver`, requested `queue_depth` batches ahead.
 
@@ -12,6 +14,7 @@ the end of the data; it also returns whether the batch is a stop-request placeho
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -27,22 +30,62 @@ from dflash_train.target.runner import TargetOutput, TargetRunner
 class LocalTargetSource:
     stop_requested = False
 
-    def __init__(self, loader, runner: TargetRunner, device: torch.device, prepare=lambda batch: batch):
+    def __init__(self, loader, runner: TargetRunner, device: torch.device, prepare=lambda batch: batch, *,
+                 overlap: bool = False):
         self.loader, self.runner, self.device, self.prepare = loader, runner, device, prepare
+        self.overlap = overlap
+        # The hardware difference: on a GPU the look-ahead runs on a stream of its own; on a
+        # CPU it is the same order of work, done synchronously.
+        self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        self._ahead: tuple | None = None  # (batch, target output, done event) of the next batch
+        self._end: BaseException | None = None  # what the loader raised while reading ahead
 
-    def next(self, timer) -> tuple[PackedBatch, TargetOutput, bool]:
+    def _run(self, timer) -> tuple[PackedBatch, TargetOutput, object]:
+        """Read one batch and launch its target forward (on the side stream when overlapping)."""
         t = time.perf_counter()
         batch = self.prepare(next(self.loader))
         timer.add_host("data", time.perf_counter() - t)
-        t = timer.start()
-        out = self.runner.run_batch(batch, self.device)
-        timer.stop("target", t)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            t = timer.start()  # events on the side stream: the span of the target forward there
+            out = self.runner.run_batch(batch, self.device)
+            timer.stop("target", t)
+            done = None
+            if self.stream is not None:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        return batch, out, done
+
+    def next(self, timer) -> tuple[PackedBatch, TargetOutput, bool]:
+        if not self.overlap:
+            batch, out, _ = self._run(timer)
+            return batch, out, False
+        if self._ahead is None:
+            if self._end is not None:
+                raise self._end
+            self._ahead = self._run(timer)
+        batch, out, done = self._ahead
+        self._ahead = None
+        try:  # the next batch's forward goes in before this batch's drafter step
+            self._ahead = self._run(timer)
+        except Exception as exc:  # noqa: BLE001 -- StopIteration or a data error: raised at the next call, its place
+            self._end = exc
+        if done is not None:
+            main = torch.cuda.current_stream(self.device)
+            t = timer.start()
+            main.wait_event(done)
+            timer.stop("target_wait", t)
+            for tensor in (out.taps, out.final_hidden):
+                if tensor is not None:  # made on the side stream, read (and freed) on this one
+                    tensor.record_stream(main)
         return batch, out, False
 
     def stats(self) -> dict:
         return {}
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._ahead = None
         self.loader.close()
 
 

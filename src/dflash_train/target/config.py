@@ -1,4 +1,5 @@
-"""`target:` section of the training config: which frozen model, in which precision."""
+"""`target:` section of the training config: which frozen model, in which precision, and how
+its forward runs (the levers of docs/performance.md, issue 18)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dflash_train.utils.device import DtypeName
+
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 @dataclass
@@ -17,6 +20,23 @@ class TargetConfig:
     trust_remote_code: bool = False
     """let transformers run code shipped with the model"""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
-    """attention kernel of the frozen target's forward"""
+    """attention kernel of the Hugging Face forward (target.forward: hf)"""
+    forward: Literal["hf", "packed"] = "hf"
+    """hf = the model's own forward on documents unpacked from the packed rows (any architecture);
+    packed = our layer loop over the same weights on the packed rows themselves: fixed shapes,
+    compilable (Llama, Mistral, Qwen2, Qwen3 decoders; target/packed.py)"""
+    compile: bool = False
+    """torch.compile the packed forward's per-layer functions (needs forward: packed; batches are
+    padded to one fixed shape); FP8 activation quantisation then fuses into them"""
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """force one scaled_dot_product_attention kernel for the target (torch.nn.attention.sdpa_kernel);
+    auto = PyTorch's choice. With forward: hf it needs attn_implementation: sdpa"""
     fp8: bool = False
     """float8 decoder matmuls in the frozen target (Hopper GPUs; see docs/performance.md)"""
+
+    def __post_init__(self) -> None:
+        if self.compile and self.forward != "packed":
+            raise ValueError("target.compile needs target.forward: packed (the Hugging Face forward is not compiled)")
+        if self.sdpa_backend != "auto" and self.forward == "hf" and self.attn_implementation != "sdpa":
+            raise ValueError(f"target.sdpa_backend={self.sdpa_backend} needs target.attn_implementation: sdpa "
+                             f"(got {self.attn_implementation}) or target.forward: packed")

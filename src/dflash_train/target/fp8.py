@@ -2,7 +2,11 @@
 run as float8 e4m3 matmuls on Hopper (`torch._scaled_mm`).
 
 Weights are quantised once with one scale per output channel; activations are quantised
-per token at run time. Embedding, norms, attention and the LM head stay in bf16. The
+per token at run time. Embedding, norms, attention and the LM head stay in bf16. With the
+Hugging Face forward each `FP8Linear` quantises its input in eager kernels of its own (the
+unfused path, slower than bf16 on an H200); the packed forward (target/packed.py) calls
+`quantize_rows` / `fp8_matmul` inside its per-layer functions, once per shared input, so
+under `target.compile` the quantisation fuses into the norm / activation kernels before it. The
 drafter then learns from slightly perturbed hidden states; docs/performance.md reports
 the perturbation and the speed. On a CPU the same quantised numbers are multiplied in
 float32 (slow; for tests only).
@@ -23,6 +27,29 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(FP8), scale
 
 
+def fp8_matmul(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(x8 * sx) @ (w8 * w_scale).T (+ bias) in `out_dtype`, for x8 [M, K], sx [M, 1], w8 [N, K],
+    w_scale [1, N]: float8 tensor cores with row-wise scales on CUDA (`torch._scaled_mm`);
+    elsewhere the same quantised numbers multiplied in float32 (the hardware forces the
+    difference: CPUs have no float8 matmul; this branch is the reference the tests check)."""
+    if x8.is_cuda:
+        return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=w_scale, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=True)
+    y = (x8.float() * sx) @ (w8.float() * w_scale.t()).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with float8 operands: x [..., K] quantised per token, then `fp8_matmul`.
+    Under torch.compile the quantisation fuses into the kernel that produced x."""
+    lead = x.shape[:-1]
+    x8, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return fp8_matmul(x8, sx, w8, w_scale, bias, x.dtype).reshape(*lead, w8.shape[0])
+
+
 class FP8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -33,17 +60,7 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x8, sx = quantize_rows(x.reshape(-1, self.in_features))
-        if x.is_cuda:
-            y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale,
-                                 bias=self.bias, out_dtype=x.dtype, use_fast_accum=True)
-        else:  # emulation with the same quantised values
-            y = (x8.float() * sx) @ (self.weight_fp8.float() * self.weight_scale.t()).t()
-            if self.bias is not None:
-                y = y + self.bias.float()
-            y = y.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
 
 
 def convert_decoder_linears(model: nn.Module, layers: nn.ModuleList) -> int:

@@ -11,6 +11,9 @@
   input. Documents are therefore unpacked into a right-padded [D, L] batch (documents of
   a batch come from one length bucket, so little is padding), run with ordinary causal
   attention, and the results are scattered back into the packed [R, S] layout.
+* `target.forward: packed` runs target/packed.py instead: the packed rows themselves, one
+  fixed shape (compilable), the same taps; `target.sdpa_backend` forces the attention
+  kernel of either forward.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dflash_train.target.config import TargetConfig
+from dflash_train.target.packed import PackedForward, rows_hold_one_document
+from dflash_train.target.sdpa import sdpa_backend
 
 
 class _StopForward(Exception):
@@ -72,7 +79,8 @@ def unpack_documents(batch_document_ids: torch.Tensor, position_ids: torch.Tenso
 class TargetRunner:
     """A frozen Hugging Face causal LM producing what the drafter needs, nothing more."""
 
-    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_final: bool = False):
+    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_final: bool = False,
+                 forward: str = "hf", sdpa: str = "auto", compile: bool = False):
         self.model = model.eval().requires_grad_(False)
         self.layers = find_decoder_layers(model)
         self.layer_ids = list(target_layer_ids)
@@ -89,11 +97,26 @@ class TargetRunner:
         self._final_now = need_final
         self._captured: dict[int, torch.Tensor] = {}
         self._handles = []
+        self.sdpa = sdpa
+        if forward not in ("hf", "packed"):
+            raise ValueError(f"unknown target forward {forward!r}: use hf or packed")
+        if compile and forward != "packed":
+            raise ValueError("a compiled target forward needs forward='packed'")
+        self.packed = PackedForward(model, self.layer_ids, sdpa=sdpa, compile=compile) if forward == "packed" else None
+        if self.packed is not None:
+            return  # no hooks: the packed forward stops after the last layer it needs by itself
         last = max(self.layer_ids)
         for i in self.layer_ids:
             self._handles.append(self.layers[i].register_forward_hook(self._tap_hook(i, last=(i == last))))
         if self.final_norm is not None:
             self._handles.append(self.final_norm.register_forward_hook(self._final_hook))
+
+    @classmethod
+    def from_config(cls, model: nn.Module, target_layer_ids: list[int], cfg: TargetConfig, *,
+                    need_final: bool) -> TargetRunner:
+        """The runner the `target:` section asks for."""
+        return cls(model, target_layer_ids, need_final=need_final, forward=cfg.forward, sdpa=cfg.sdpa_backend,
+                   compile=cfg.compile)
 
     @property
     def hidden_size(self) -> int:
@@ -131,7 +154,8 @@ class TargetRunner:
         # with right padding, real tokens never attend to pads under causal attention anyway.
         mask = None if full else (torch.arange(L, device=input_ids.device) < lengths[:, None]).long()
         try:
-            self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            with sdpa_backend(self.sdpa):
+                self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
         except _StopForward:
             pass
         missing = [i for i in self.layer_ids if i not in self._captured]
@@ -145,15 +169,25 @@ class TargetRunner:
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-        *, need_final: bool | None = None, layout: tuple | None = None,
+        *, need_final: bool | None = None, layout: tuple | None = None, one_document_rows: bool | None = None,
     ) -> TargetOutput:
         """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0).
 
-        `layout` is `unpack_documents` computed ahead (on the CPU copy of the batch, moved
-        with non_blocking copies), which keeps its data-dependent shapes off the GPU's
-        critical path: computed here from device tensors it costs two host syncs.
+        `layout` is `unpack_documents` and `one_document_rows` is `rows_hold_one_document`,
+        both computed ahead (on the CPU copy of the batch, moved with non_blocking copies),
+        which keeps their data-dependent shapes off the GPU's critical path: computed here
+        from device tensors they cost host syncs.
         """
         R, S = input_ids.shape
+        if self.packed is not None:
+            final_now = self.need_final if need_final is None else need_final
+            if one_document_rows is None:
+                one_document_rows = rows_hold_one_document(document_ids, position_ids)
+            if not one_document_rows and layout is None:
+                layout = unpack_documents(document_ids, position_ids)
+            taps, final = self.packed(input_ids, position_ids, document_ids, need_final=final_now,
+                                      layout=None if one_document_rows else layout)
+            return TargetOutput(taps, final)
         flat_index, doc, pos, D, L = layout or unpack_documents(document_ids, position_ids)
         docs = torch.zeros((D, L), dtype=input_ids.dtype, device=input_ids.device)
         docs[doc, pos] = input_ids.reshape(-1)[flat_index]
@@ -175,7 +209,11 @@ class TargetRunner:
 
         The index maps are computed on the CPU copy and moved with non-blocking copies, so
         their data-dependent shapes never cost a host sync on the GPU."""
-        flat, doc, pos, D, L = unpack_documents(batch.document_ids, batch.position_ids)
-        layout = (*(x.to(device, non_blocking=True) for x in (flat, doc, pos)), D, L)
+        one = rows_hold_one_document(batch.document_ids, batch.position_ids) if self.packed is not None else False
+        layout = None
+        if not one:  # the packed forward with one document per row needs no index maps
+            flat, doc, pos, D, L = unpack_documents(batch.document_ids, batch.position_ids)
+            layout = (*(x.to(device, non_blocking=True) for x in (flat, doc, pos)), D, L)
         b = batch.to(device, non_blocking=True)
-        return self(b.input_ids, b.position_ids, b.document_ids, need_final=need_final, layout=layout)
+        return self(b.input_ids, b.position_ids, b.document_ids, need_final=need_final, layout=layout,
+                    one_document_rows=one)

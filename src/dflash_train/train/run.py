@@ -31,7 +31,6 @@ from dflash_train.pipeline.context import DistContext, init_distributed, shutdow
 from dflash_train.pipeline.report import pipeline_report
 from dflash_train.pipeline.target_worker import TargetWorker
 from dflash_train.target.loading import load_target_model, open_target, tokenizer_identity
-from dflash_train.target.runner import TargetRunner
 from dflash_train.train import setup
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.stopping import STOP_ANNOUNCE
@@ -56,7 +55,7 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext, signals: StopSignals
     model = load_target_model(t.path, dtype=resolve_dtype(t.dtype, ctx.device), device=ctx.device,
                               trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation,
                               fp8=t.fp8)
-    runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
+    runner = setup.build_target_runner(cfg, model, drafter_config)
     return TargetWorker(ctx, runner, data, queue_depth=cfg.pipeline.queue_depth,
                         padding=setup.compile_padding(cfg), load_s=time.perf_counter() - t0, signals=signals)
 

@@ -30,6 +30,7 @@ from dflash_train.target.loading import (
     load_target_heads,
     load_target_model,
 )
+from dflash_train.target.packed import UnsupportedTarget
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
@@ -92,6 +93,15 @@ class FrozenTarget:
     runner: TargetRunner | None = None
 
 
+def build_target_runner(cfg: TrainConfig, model: torch.nn.Module, drafter_config: DrafterConfig) -> TargetRunner:
+    """The runner of the `target:` section's forward (hf or packed, compiled, SDPA kernel)."""
+    try:
+        return TargetRunner.from_config(model, drafter_config.target_layer_ids, cfg.target,
+                                        need_final=cfg.step.label_source != "data")
+    except UnsupportedTarget as exc:
+        raise ConfigError(f"target.forward=packed: {exc}") from None
+
+
 def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: torch.device, *,
                        whole_model: bool) -> FrozenTarget:
     t0 = time.perf_counter()
@@ -103,7 +113,7 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
         return FrozenTarget(heads)
     model = load_target_model(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code,
                               attn_implementation=t.attn_implementation, fp8=t.fp8)
-    runner = TargetRunner(model, drafter_config.target_layer_ids, need_final=cfg.step.label_source != "data")
+    runner = build_target_runner(cfg, model, drafter_config)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     log.info("loaded the target in %.1fs", time.perf_counter() - t0)
@@ -168,9 +178,10 @@ def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool) -> 
 
 
 def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:
-    """The fixed [rows, row length] every batch is padded to in compiled mode, else None."""
+    """The fixed [rows, row length] every batch is padded to in compiled mode (a compiled
+    drafter or target), else None."""
     plan = cfg.data.plan
-    return (plan.max_rows, int(plan.row_tokens)) if cfg.run.compile else None
+    return (plan.max_rows, int(plan.row_tokens)) if cfg.run.compile or cfg.target.compile else None
 
 
 def pad_batch(batch: PackedBatch, shape: tuple[int, int] | None) -> PackedBatch:
@@ -188,7 +199,8 @@ def build_batch_source(cfg: TrainConfig, ctx: DistContext, data: DataSplits, tar
                             pin_memory=ctx.device.type == "cuda")
     shape = compile_padding(cfg)
     if target.runner is not None:
-        return LocalTargetSource(loader, target.runner, ctx.device, prepare=lambda b: pad_batch(b, shape))
+        return LocalTargetSource(loader, target.runner, ctx.device, prepare=lambda b: pad_batch(b, shape),
+                                 overlap=cfg.pipeline.overlap_target)
     return RemoteTargetSource(
         loader, ctx, taps_width=drafter_config.num_taps * drafter_config.hidden_size,
         hidden=drafter_config.hidden_size, need_final=cfg.step.label_source != "data",

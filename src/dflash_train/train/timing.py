@@ -2,7 +2,7 @@
 
 On GPU each stage is bracketed by CUDA events recorded on the current stream; elapsed
 times are read only when the log step asks for them (one synchronisation per log
-step). On CPU work is synchronous and wall-clock time is exact.
+step); spans on another stream that are still running are read at a later log step. On CPU work is synchronous and wall-clock time is exact.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ class StageTimer:
         """Seconds per stage since the last call (synchronises once on GPU)."""
         if self._pending:
             self._pending[-1][2].synchronize()
+            still_running = []  # events of another stream (the target run ahead: pipeline.overlap_target)
             for name, begin, end in self._pending:
-                self.totals[name] += begin.elapsed_time(end) / 1000.0
-            self._pending.clear()
+                if end.query():
+                    self.totals[name] += begin.elapsed_time(end) / 1000.0
+                else:
+                    still_running.append((name, begin, end))
+            self._pending = still_running
         out = dict(self.totals)
         self.totals.clear()
         return out

@@ -1,0 +1,235 @@
+"""The target forward on packed rows (`target.forward: packed`): our own layer loop over the
+Hugging Face model's weight tensors (nothing is copied), with shapes fixed by the packed
+batch, so that it can be compiled (`target.compile`).
+
+One decoder layer is three calls:
+
+    pre_attention    norm, q/k/v projections, Qwen3's q/k norms, RoPE, k/v repeated to the
+                     query heads (per token: sees only the packed [R, S] shape)
+    attention        F.scaled_dot_product_attention under `target.sdpa_backend`, eager
+    post_attention   output projection, residual, norm, gated MLP, residual (per token)
+
+With `target.compile` the two per-token functions are torch.compile'd once per process
+(weights are arguments, so all layers share one graph per shape). With `target.fp8` the
+projections read `FP8Linear`'s float8 buffers and quantise each shared input once
+(`quantize_rows`, `fp8_matmul`): compiled, that quantisation fuses into the norm / SiLU
+kernels that produce the input. The uncompiled functions are the same code and run on the
+CPU (tests compare them with the Hugging Face forward).
+
+Documents: when every real token sits at its own column index (each row one document from
+column 0, padding after it) attention is plain causal attention over the whole row, which
+is exactly each document's own causal attention. Otherwise attention alone gathers every
+document into a right-padded [D, L] batch (the runner's index maps), runs causal attention
+there and scatters the result back; everything else is per token, so it never sees D or L.
+
+The forward stops after the last tapped layer when the final norm is not needed (`data`
+labels); with `target`/`distill` labels it ends with the final norm (no LM head).
+
+Supported: the decoders the built-in engine supports (Llama, Mistral without a sliding
+window, Qwen2, Qwen3): pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional
+biases, SiLU-gated MLP, static RoPE. Anything else is refused (use `target.forward: hf`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
+from dflash_train.target.ops import apply_rope, rms_norm
+from dflash_train.target.sdpa import sdpa_backend
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
+
+
+class UnsupportedTarget(ValueError):
+    """The packed forward cannot reproduce this model (the message says why)."""
+
+
+def check_packed_support(model: nn.Module) -> None:
+    """Raise UnsupportedTarget unless `PackedForward` computes exactly the model's own forward."""
+    cfg = model.config
+    hint = "; use target.forward: hf for this model"
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+                                f"decoders, not {getattr(cfg, 'model_type', None)!r}{hint}")
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedTarget(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){hint}")
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if str(params.get("rope_type", params.get("type", "default"))) in _DYNAMIC_ROPE_TYPES:
+        raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{hint}")
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedTarget(f"partial rotary embeddings are not supported{hint}")
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if "sliding_attention" in layer_types or (
+            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")):
+        raise UnsupportedTarget(f"sliding-window attention is not supported{hint}")
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{hint}")
+    if type(inner.embed_tokens) is not nn.Embedding:  # e.g. a scaled embedding
+        raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{hint}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise UnsupportedTarget(f"attention heads must be a multiple of kv heads{hint}")
+
+
+def _projection(module: nn.Module) -> Projection:
+    if isinstance(module, FP8Linear):
+        return (module.weight_fp8, module.weight_scale, module.bias)
+    return (module.weight, module.bias)
+
+
+def project(h: Tensor, projections: Sequence[Projection]) -> list[Tensor]:
+    """F.linear of one input with several projections of one kind: bf16 (weight, bias), or
+    float8 (weight_fp8, weight_scale, bias), which quantises `h` once per token for all."""
+    if len(projections[0]) == 2:
+        return [F.linear(h, w, b) for w, b in projections]
+    lead = h.shape[:-1]
+    h8, sh = quantize_rows(h.reshape(-1, h.shape[-1]))
+    return [fp8_matmul(h8, sh, w8, ws, b, h.dtype).reshape(*lead, w8.shape[0]) for w8, ws, b in projections]
+
+
+def pre_attention(
+    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection, v_p: Projection,
+    qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group),
+    normed and rotated; `cos`/`sin` [R, S, 1, head_dim]."""
+    h = rms_norm(x, ln1_w, eps)
+    R, S = h.shape[:2]
+    q, k, v = project(h, (q_p, k_p, v_p))
+    q, k, v = q.view(R, S, n_heads, head_dim), k.view(R, S, n_kv, head_dim), v.view(R, S, n_kv, head_dim)
+    if qn_w is not None and kn_w is not None:  # Qwen3: RMSNorm over head_dim before RoPE
+        q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rep = n_heads // n_kv
+    if rep > 1:  # as transformers' repeat_kv: every SDPA kernel takes the call, GQA or not
+        k = k[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
+        v = v[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
+    return q, k, v
+
+
+def post_attention(
+    x: Tensor, attn_out: Tensor, o_p: Projection, ln2_w: Tensor, gate_p: Projection, up_p: Projection,
+    down_p: Projection, *, eps: float,
+) -> Tensor:  # fmt: skip
+    """Output projection, residual, norm, gated MLP, residual: the rest of one decoder layer."""
+    x = x + project(attn_out, (o_p,))[0]
+    h = rms_norm(x, ln2_w, eps)
+    gate, up = project(h, (gate_p, up_p))
+    return x + project(F.silu(gate) * up, (down_p,))[0]
+
+
+def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
+    """True when every real token's position is its column index: each row is one document
+    starting at column 0 (padding after it), so causal attention over the row is exact."""
+    cols = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return bool(((position_ids == cols) | (document_ids < 0)).all())
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(fn: Callable) -> Callable:
+    """One torch.compile'd wrapper per function and process: a second runner (another lever
+    of the benchmark, the eval) reuses the graphs compiled for the first."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn.__name__]
+
+
+class _LayerWeights:
+    """References to one decoder layer's weights, grouped as the arguments of the two functions."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.pre = (layer.input_layernorm.weight, _projection(attn.q_proj), _projection(attn.k_proj),
+                    _projection(attn.v_proj), q_norm.weight if q_norm is not None else None,
+                    k_norm.weight if k_norm is not None else None)
+        self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, _projection(mlp.gate_proj),
+                     _projection(mlp.up_proj), _projection(mlp.down_proj))
+        self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
+        self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
+        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+        kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *self.post[2:])}
+        if len(kinds) != 1:
+            raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
+
+
+class PackedForward:
+    """Tapped hidden states (and final-normed states) of packed rows, per token in one shape."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False):
+        check_packed_support(model)
+        cfg, inner = model.config, model.model
+        self.embed_w = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
+        self.layers = [_LayerWeights(layer) for layer in inner.layers]
+        self.layer_ids = list(layer_ids)
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.scale = float(inner.layers[0].self_attn.scaling)
+        self.sdpa = sdpa
+        self.compile = compile
+        # what every layer calls: the plain functions, or their compiled versions
+        self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
+            _compiled(pre_attention) if compile else pre_attention
+        self.post_attention: Callable[..., Tensor] = _compiled(post_attention) if compile else post_attention
+
+    def layers_to_run(self, need_final: bool) -> int:
+        """All layers with the final norm; otherwise up to the last tapped layer."""
+        return len(self.layers) if need_final else max(self.layer_ids) + 1
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: tuple | None) -> Tensor:
+        """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None)
+        or over each document of the unpacking `layout` (runner.unpack_documents)."""
+        R, S, h, d = q.shape
+        with sdpa_backend(self.sdpa):
+            if layout is None:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True, scale=self.scale)
+                return o.transpose(1, 2).reshape(R, S, h * d)
+            flat_index, doc, pos, D, L = layout
+
+            def to_docs(t: Tensor) -> Tensor:
+                docs = t.new_zeros(D, L, h, d)
+                docs[doc, pos] = t.reshape(R * S, h, d)[flat_index]
+                return docs.transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(to_docs(q), to_docs(k), to_docs(v), is_causal=True, scale=self.scale)
+            out = q.new_zeros(R * S, h, d)
+            out[flat_index] = o.transpose(1, 2)[doc, pos]
+            return out.view(R, S, h * d)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, *, need_final: bool,
+                 layout: tuple | None) -> tuple[Tensor, Tensor | None]:
+        """Packed [R, S] -> (taps [R, S, n*H] in `layer_ids` order, final [R, S, H] or None);
+        padding positions are 0. `layout`: None when `rows_hold_one_document`, else the
+        document index maps of `unpack_documents`."""
+        R, S = input_ids.shape
+        x = F.embedding(input_ids, self.embed_w)
+        H = x.shape[-1]
+        cos, sin = self.rotary(x, position_ids)  # [R, S, D], as the model's own forward computes them
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        taps = x.new_empty(R, S, len(self.layer_ids) * H)
+        slots = {i: [j for j, t in enumerate(self.layer_ids) if t == i] for i in set(self.layer_ids)}
+        for i in range(self.layers_to_run(need_final)):
+            lay = self.layers[i]
+            q, k, v = self.pre_attention(x, cos, sin, *lay.pre, eps=lay.ln1_eps, qk_eps=lay.qk_eps,
+                                         n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
+            x = self.post_attention(x, self.attention(q, k, v, layout), *lay.post, eps=lay.ln2_eps)
+            for j in slots.get(i, ()):
+                taps[..., j * H:(j + 1) * H] = x
+        pad = (document_ids < 0)[..., None]
+        taps.masked_fill_(pad, 0)
+        final = rms_norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0) if need_final else None
+        return taps, final

@@ -1,0 +1,158 @@
+"""The packed target forward (target/packed.py) against the Hugging Face forward, on CPU.
+
+The compiled variant is the same functions under torch.compile; here they run uncompiled
+(compiling on a CPU costs tens of seconds), and a test checks that `compile=True` wraps
+exactly these functions."""
+
+import functools
+
+import pytest
+import torch
+
+from dflash_train.data.batch import pack_documents
+from dflash_train.target.fp8 import convert_decoder_linears
+from dflash_train.target.packed import (
+    PackedForward,
+    UnsupportedTarget,
+    post_attention,
+    pre_attention,
+    rows_hold_one_document,
+)
+from dflash_train.target.presets import build_random_target
+from dflash_train.target.runner import TargetRunner, find_decoder_layers
+
+from .test_runner import tiny_target
+
+TAPS = [1, 3, 4]
+
+
+@functools.cache
+def _target(kind):
+    """Built once per kind (tests that change a model build their own: `_fresh`)."""
+    return _fresh(kind)
+
+
+def _fresh(kind):
+    if kind == "tiny":  # the `tiny` preset: Qwen3 blocks (q/k norms), GQA, random weights
+        return build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=3)
+    return tiny_target(kind)
+
+
+def _packed(lengths, rows, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    docs = [(i, torch.randint(0, vocab, (n,), generator=g), torch.ones(n, dtype=torch.bool))
+            for i, n in enumerate(lengths)]
+    return pack_documents(docs, rows)
+
+
+BATCHES = {
+    "one-document-rows": ([40, 33, 12], [[0], [1], [2]]),  # padded rows of one document each
+    "several-documents": ([7, 5, 9, 3, 11], [[0, 1], [2, 3], [4]]),
+}
+
+
+def _run(model, batch, need_final, **kw):
+    runner = TargetRunner(model, TAPS, need_final=need_final, **kw)
+    try:
+        return runner.run_batch(batch, torch.device("cpu"))
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("kind", ["tiny", "llama"])
+@pytest.mark.parametrize("layout", list(BATCHES))
+@pytest.mark.parametrize("need_final", [False, True])
+def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final):
+    model = _target(kind)
+    batch = _packed(*BATCHES[layout], vocab=model.config.vocab_size)
+    assert rows_hold_one_document(batch.document_ids, batch.position_ids) == (layout == "one-document-rows")
+    ref = _run(model, batch, need_final)
+    got = _run(model, batch, need_final, forward="packed")
+    assert got.taps.shape == ref.taps.shape and got.taps.abs().max() > 0
+    torch.testing.assert_close(got.taps, ref.taps, atol=1e-6, rtol=1e-5)
+    assert (got.taps[batch.document_ids < 0] == 0).all()
+    if need_final:
+        torch.testing.assert_close(got.final_hidden, ref.final_hidden, atol=1e-6, rtol=1e-5)
+    else:
+        assert got.final_hidden is None and ref.final_hidden is None
+
+
+def test_the_document_gather_is_what_keeps_documents_apart():
+    """Rows of several documents run as one causal row differ from the reference: the
+    per-document attention path is needed (and the one-document shortcut is not taken)."""
+    model = _target("tiny")
+    batch = _packed(*BATCHES["several-documents"], vocab=512)
+    ref = _run(model, batch, False)
+    runner = TargetRunner(model, TAPS, forward="packed")
+    wrong = runner(batch.input_ids, batch.position_ids, batch.document_ids, one_document_rows=True)
+    assert not torch.allclose(wrong.taps, ref.taps, atol=1e-4)
+
+
+@pytest.mark.parametrize("forward", ["hf", "packed"])
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_a_forced_sdpa_kernel_gives_the_same_taps(forward, backend):
+    model = _target("tiny")
+    batch = _packed(*BATCHES["several-documents"], vocab=512)
+    ref = _run(model, batch, True)
+    got = _run(model, batch, True, forward=forward, sdpa=backend)
+    torch.testing.assert_close(got.taps, ref.taps, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.final_hidden, ref.final_hidden, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("forward", ["hf", "packed"])
+def test_the_forced_kernel_is_really_forced(forward):
+    """cuDNN attention does not exist on a CPU: forcing it must fail, not fall back silently."""
+    model = _target("tiny")
+    batch = _packed(*BATCHES["one-document-rows"], vocab=512)
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        _run(model, batch, False, forward=forward, sdpa="cudnn")
+
+
+@pytest.mark.parametrize("need_final", [False, True])
+def test_packed_forward_stops_after_the_last_tapped_layer(need_final):
+    model = _target("tiny")  # 6 layers, taps up to layer 4
+    batch = _packed(*BATCHES["one-document-rows"], vocab=512)
+    runner = TargetRunner(model, TAPS, need_final=need_final, forward="packed")
+    calls = []
+    inner = runner.packed.pre_attention
+    runner.packed.pre_attention = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    runner.run_batch(batch, torch.device("cpu"))
+    assert len(calls) == (6 if need_final else max(TAPS) + 1)
+
+
+def test_compiled_mode_wraps_the_tested_functions():
+    model = _target("tiny")
+    plain = TargetRunner(model, TAPS, forward="packed").packed
+    assert plain.pre_attention is pre_attention and plain.post_attention is post_attention
+    compiled = TargetRunner(model, TAPS, forward="packed", compile=True).packed  # nothing runs yet
+    assert getattr(compiled.pre_attention, "_torchdynamo_orig_callable", None) is pre_attention
+    assert getattr(compiled.post_attention, "_torchdynamo_orig_callable", None) is post_attention
+
+
+def test_packed_fp8_equals_the_fp8_linear_modules():
+    """FP8: the packed forward quantises each shared input once; the Hugging Face forward's
+    FP8Linear modules quantise it per projection; the quantised numbers are the same."""
+    model = _fresh("tiny")
+    batch = _packed(*BATCHES["several-documents"], vocab=512)
+    bf = _run(model, batch, True)
+    convert_decoder_linears(model, find_decoder_layers(model))
+    ref = _run(model, batch, True)
+    got = _run(model, batch, True, forward="packed")
+    torch.testing.assert_close(got.taps, ref.taps, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.final_hidden, ref.final_hidden, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got.taps, bf.taps, atol=1e-6)  # FP8 did change the numbers ...
+    assert float((got.taps - bf.taps).norm() / bf.taps.norm()) < 0.1  # ... by a little
+
+
+def test_rows_hold_one_document():
+    ids = torch.tensor([[0, 0, 0, -1], [1, 1, -1, -1]])
+    pos = torch.tensor([[0, 1, 2, 0], [0, 1, 0, 0]])
+    assert rows_hold_one_document(ids, pos)
+    assert not rows_hold_one_document(torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 1, 0, 1]]))
+
+
+def test_unsupported_targets_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(UnsupportedTarget, match="target.forward: hf"):
+        PackedForward(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)), [0])
