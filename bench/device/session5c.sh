@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # H200 session 5, call C (right after B): HumanEval guard on the generated user
 # turns, prepare (train + held-out datasets), then training on both GPUs (torchrun, colocated)
-# for TRAIN_MINUTES (default 7); call D resumes it to the config's 15 minutes. ~9 min.
+# for TRAIN_MINUTES (default 7; TRAIN_ARGS="--run.max_steps N" sizes the LR schedule to the time box);
+# call D resumes it to the config's 15 minutes. ~9 min.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session5c.log; W=/tmp/recipe; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -f /tmp/smol/hf/model.safetensors ] || [ ! -f $W/gen/gen-0.jsonl ]; then echo "FRESH MACHINE: run calls A, B first" | tee -a $LOG; exit 3; fi
-TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS="prepare train" TRAIN_MINUTES=${TRAIN_MINUTES:-7} \
-  timeout 540 bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
+MIN=${TRAIN_MINUTES:-7}  # the training's time box; the call's limit leaves room for prepare and the final eval
+TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS="prepare train" TRAIN_MINUTES=$MIN \
+  timeout $(python3 -c "print(int($MIN * 60 + 100))") bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
 echo "recipe rc=$?" | tee -a $LOG
 cp $W/train/metrics.jsonl $OUT/metrics5.jsonl 2>/dev/null
 grep -E "^==|^wrote|^read|eval split|held-out @|eval @|no near-duplicate|rc=|rror|Traceback" $LOG | grep -v "it/s\]" | tail -30
