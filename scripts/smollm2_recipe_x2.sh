@@ -22,6 +22,7 @@ N_MATH=${N_MATH:-20000}            # math problems generated
 N_SYNTH=${N_SYNTH:-30000}          # self-instructed conversations (split over the GPUs)
 MAX_NEW=${MAX_NEW:-512}            # answer length limit (tokens)
 SLOTS=${SLOTS:-256}                # generation slots per GPU
+GEN_ATTENTION=${GEN_ATTENTION:-dense}  # generation's decode attention: dense or flex (generate --attention)
 GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 = no limit; resumable)
 TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # 0 = the config's run.max_minutes
 EVAL_NEW=${EVAL_NEW:-256}
@@ -46,8 +47,11 @@ if has generate; then
     held=(); [ "$k" -eq 0 ] && held=("$WORK"/prompts/heldout/*-heldout.jsonl)   # small (needed by eval): --mix finishes them early
     cmd=($DFT generate --target "$TARGET" --prompts "${held[@]}" "${shard[@]}" --synthesize $((N_SYNTH / NGPU))
          --seed $((k + 1)) --output "$WORK/gen/gen-$k.jsonl" --max-new-tokens "$MAX_NEW" --batch-size "$SLOTS"
-         --mix true --progress false)
-    [ "$GEN_LIMIT" -gt 0 ] && cmd=(timeout --signal=TERM --kill-after=30 "$GEN_LIMIT" "${cmd[@]}")
+         --mix true --progress false --log-every-seconds 30 --attention "$GEN_ATTENTION")
+    # the time box ends the run cleanly (rows in flight finished, summary printed); `timeout` is
+    # only the safety net for a run that does not end by itself
+    [ "$GEN_LIMIT" -gt 0 ] && cmd=(timeout --signal=TERM --kill-after=30 $((GEN_LIMIT + 90)) "${cmd[@]}"
+                                   --max-minutes "$(awk "BEGIN {print $GEN_LIMIT / 60}")")
     (env $(gpu_env "$k") "${cmd[@]}" > "$WORK/gen/gen-$k.log" 2>&1 || echo "generate $k stopped (rc=$?; resumable)") &
     pids+=($!)
   done

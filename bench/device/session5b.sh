@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # H200 session 5, call B (right after A; carry .smol2 and .whl): join + convert
 # the GGUF, then generation on both GPUs (one process per GPU, disjoint prompt shards plus
-# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 256) sequences per GPU.
+# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 256) sequences per GPU,
+# GEN_ATTENTION (dense|flex); PROBES measures engine settings first (below).
 # Resumable: call B2 (the same script) adds more if the budget allows; so does a later session
 # that unpacked an earlier export (RECIPE_FROM in call A): finished rows are skipped. ~8.5 min.
 set -u
@@ -14,10 +15,33 @@ if [ ! -f /tmp/smol/hf/model.safetensors ]; then
   cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   timeout 120 python3 bench/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> $LOG 2>&1
 fi
-echo "=== generate $(date +%T)" | tee -a $LOG
-TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=${GEN_LIMIT:-420} MAX_NEW=${MAX_NEW:-512} \
-  N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
-echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
+gen() {  # SECONDS ATTENTION SLOTS: generation (resumes the same files), then its summary's rates
+  echo "=== generate ${1}s, $2 attention, $3 slots $(date +%T)" | tee -a $LOG
+  TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=$1 GEN_ATTENTION=$2 SLOTS=$3 MAX_NEW=${MAX_NEW:-512} \
+    N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
+  echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
+  python3 - $W/gen/gen-0.log "$2:$3" <<'PY' | tee -a $LOG
+import json, re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"^\{\n.*?^\}", text, re.S | re.M)  # the summary JSON printed at the end
+if not m:
+    print("probe", sys.argv[2], "no summary"); sys.exit()
+s = json.loads(m.group(0)); e = s.get("engine_stats", {})
+print("probe", sys.argv[2], "new_tok_s", s["new_tokens_per_second"], "written", s["written"], "stopped_by", s["stopped_by"],
+      "ms_per_step", e.get("ms_per_decode_step"), "util", e.get("slot_utilisation"), "prefill_s", e.get("prefill_seconds"),
+      "decode_s", e.get("decode_seconds"))
+PY
+}
+# PROBES="dense:256 flex:256 flex:768": each a PROBE_SECONDS generation into the same files (the
+# data is kept), to measure the engine settings on the recipe's real prompts; the main run
+# then uses the fastest (GEN_LIMIT s; 0 = probes only).
+best=${GEN_ATTENTION:-dense}:${SLOTS:-256}; best_rate=0
+for p in ${PROBES:-}; do
+  gen ${PROBE_SECONDS:-90} ${p%%:*} ${p##*:}
+  rate=$(grep "^probe $p " $LOG | tail -1 | awk '{print $4}')
+  if python3 -c "import sys; sys.exit(0 if float('${rate:-0}' or 0) > float('$best_rate') else 1)" 2>/dev/null; then best=$p; best_rate=$rate; fi
+done
+[ "${GEN_LIMIT:-420}" -gt 0 ] && gen ${GEN_LIMIT:-420} ${best%%:*} ${best##*:}
 wc -l $W/gen/gen-*.jsonl | tee -a $LOG
 for f in $W/gen/gen-*.log; do tail -c 20000 $f > $OUT/$(basename $f); done  # the summary: written, new tok/s
 grep -E "^===|written|new_tokens|stopped|rror|Traceback" $LOG $W/gen/gen-*.log | tail -20

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # H200 session 5, call F (after C: needs /tmp/recipe/data and data-heldout): the levers
-# sweep of docs/recipe-smollm2.md. Each lever is a short training (LEVER_SECONDS, default 100 s)
-# on the same prepared data, one GPU per lever, two levers at once on two GPUs (one on one), then the fast eval
-# (HumanEval 48 x 128 and the held-out chat set 48 x 128). One JSON per lever in $OUT/levers/.
-# Levers beyond the first 8 go to a second call (LEVERS="..." to pick). ~9 min for 8 levers.
+# sweep of docs/recipe-smollm2.md. Each lever is a short training on the same prepared data,
+# then the fast eval (HumanEval 48 x 128 and the held-out chat set 48 x 128). One JSON line per lever
+# in $OUT/levers.jsonl. LEVER_STEPS (default 400) fixes the optimizer steps, so levers that share a
+# GPU (PER_GPU at once, default 2; SmolLM2's training leaves most of an H200 idle) are compared
+# on equal terms; LEVER_STEPS=0 uses LEVER_SECONDS (100) of training instead. LEVERS="..." picks.
+# With PREPARE=1 it first runs prepare (call C's first half) when /tmp/recipe/data is missing.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5f.log; W=/tmp/recipe; mkdir -p $OUT/levers
+OUT=${OUT:-/tmp/out}; LOG=$OUT/session5f.log; W=/tmp/recipe; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+if [ "${PREPARE:-0}" = 1 ] && [ ! -f $W/data/manifest.json ] && [ -f $W/gen/gen-0.jsonl ]; then
+  echo "=== prepare $(date +%T)" | tee -a $LOG
+  TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=prepare timeout 200 bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
+  grep -E "^wrote|^read|no near-duplicate" $LOG | tail -4
+fi
 if [ ! -f $W/data/manifest.json ] || [ ! -f /tmp/smol/hf/model.safetensors ]; then echo "FRESH MACHINE: run A-C first" | tee -a $LOG; exit 3; fi
-SEC=${LEVER_SECONDS:-100}
+SEC=${LEVER_SECONDS:-100}; STEPS_N=${LEVER_STEPS:-400}; PER_GPU=${PER_GPU:-2}
+# a short run warms up over its first eighth (the config's 200 steps are for full-length runs)
+if [ "$STEPS_N" -gt 0 ]; then BOX=(--run.max_steps $STEPS_N --run.max_minutes 0 --optim.warmup_steps $((STEPS_N / 8))); LIMIT=900
+else BOX=(--run.max_minutes $(python3 -c "print($SEC/60)")); LIMIT=$((SEC + 90)); fi
 declare -A ARGS=(
   [base]=""                                         # configs/smollm2-135m-diverse.yaml as is (5 layers, block 16, decay)
   [layers1]="--drafter.num_layers 1"
@@ -25,15 +35,15 @@ declare -A ARGS=(
 LEVERS=${LEVERS:-base layers1 layers3 block8 cap noise lr3e-4 lr3e-3 init-spread init-first}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
-  rm -rf $dir
-  CUDA_VISIBLE_DEVICES=$gpu timeout $((SEC + 90)) python3 -m dflash_train train --config configs/smollm2-135m-diverse.yaml \
+  rm -rf $dir; mkdir -p $dir
+  CUDA_VISIBLE_DEVICES=$gpu timeout $LIMIT python3 -m dflash_train train --config configs/smollm2-135m-diverse.yaml \
     --target.path /tmp/smol/hf --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir $dir \
-    --run.max_minutes $(python3 -c "print($SEC/60)") --run.eval_every 0 --run.save_every_minutes 0 --run.progress false ${ARGS[$name]} >> $LOG.$name 2>&1 || echo "train $name rc=$?" >> $LOG
+    "${BOX[@]}" --run.eval_every 0 --run.save_every_minutes 0 --run.progress false ${ARGS[$name]} >> $dir/lever.log 2>&1 || echo "train $name rc=$?" >> $LOG
   for p in humaneval chat; do
     CUDA_VISIBLE_DEVICES=$gpu timeout 120 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $dir/final \
-      --prompts $p --num-prompts 48 --max-new-tokens 128 --no-greedy --output $dir/eval-$p --no-progress >> $LOG.$name 2>&1
+      --prompts $p --num-prompts 48 --max-new-tokens 128 --no-greedy --output $dir/eval-$p --no-progress >> $dir/lever.log 2>&1
   done
-  python3 - $name $dir "${ARGS[$name]}" > $OUT/levers/$name.json <<'PY'
+  python3 - $name $dir "${ARGS[$name]}" > $dir/result.json <<'PY'
 import json, os, sys
 name, d, args = sys.argv[1:]
 out = {"lever": name, "args": args, "measured": {}}
@@ -46,15 +56,20 @@ m = os.path.join(d, "metrics.jsonl")
 if os.path.exists(m):
     rows = [json.loads(l) for l in open(m) if l.strip()]
     out["last_metrics"] = rows[-1] if rows else None
-print(json.dumps(out, indent=2))
+print(json.dumps(out))
 PY
+  cat $dir/result.json >> $OUT/levers.jsonl  # one line per lever as it ends: a call cut short keeps the finished ones
   echo "=== lever $name done $(date +%T)" | tee -a $LOG
 }
 set -- $LEVERS
-while [ $# -gt 0 ]; do
-  one 0 $1 & a=$!; shift
-  if [ $# -gt 0 ] && [ "$NGPU" -gt 1 ]; then one 1 $1 & b=$!; shift; wait $b; fi
-  wait $a
+while [ $# -gt 0 ]; do  # a wave: PER_GPU levers on every GPU at once
+  pids=()
+  for ((g = 0; g < NGPU; g++)); do for ((k = 0; k < PER_GPU; k++)); do
+    [ $# -gt 0 ] && { one $g $1 & pids+=($!); shift; }
+  done; done
+  wait "${pids[@]}"
 done
-for f in $OUT/levers/*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print(r['lever'], {k: round(v['tau'],3) for k,v in r['measured'].items()})"; done
-grep -E "rc=|rror|Traceback" $LOG $LOG.* | tail -10
+# $OUT brings back at most 8 files: the levers in levers.jsonl, their logs' tails in the log
+for f in $W/lever-*/result.json; do python3 -c "import json,sys; r=json.load(open('$f')); print(r['lever'], {k: round(v['tau'],3) for k,v in r['measured'].items()})"; done | tee -a $LOG
+for d in $W/lever-*; do echo "--- $d" >> $LOG; grep -vE "it/s\]" $d/lever.log | tail -25 >> $LOG; done
+grep -E "rc=|rror|Traceback" $LOG | tail -10

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.generate.builtin import BuiltinEngine
-from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, check_supported
+from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
 from dflash_train.generate.engine import Completion, Request
 
 from .tiny import make_model
@@ -46,8 +46,9 @@ def run_engine(engine: BuiltinEngine, requests: list[Request]) -> dict[int, Comp
     return results
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_equals_hf_greedy_with_rows_finishing_at_different_steps(kind):
+@pytest.mark.parametrize("kind,attention", [("llama", "dense"), ("qwen2", "dense"), ("qwen3", "dense"),
+                                            ("llama", "flex"), ("qwen3", "flex")])
+def test_equals_hf_greedy_with_rows_finishing_at_different_steps(kind, attention):
     model = make_model(kind, vocab=256, seed=1)
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(2)
@@ -57,7 +58,9 @@ def test_equals_hf_greedy_with_rows_finishing_at_different_steps(kind):
     assert len({len(e) for e in expected}) >= 3, "the test needs rows that stop at different steps"
 
     # 3 slots for 10 prompts: finished slots are refilled while the others keep decoding
-    engine = BuiltinEngine(model, None, slots=3, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids={eos})
+    engine = BuiltinEngine(model, None, slots=3, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids={eos},
+                           attention=attention)
+    assert engine.buckets == ([64] if attention == "dense" else [128])  # flex: whole 128-key blocks, one step
     results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
 
     assert [results[i].token_ids for i in range(len(prompts))] == expected
@@ -128,6 +131,35 @@ def test_compiled_layer_functions_trace_once_and_match():
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_flex_decode_compiles_its_three_functions_once_and_matches_dense():
+    """With flex attention a decode step is `verify` of one token: the compiled k/v-writing
+    q, post-attention and logits head each trace once for the whole run (CPU, a backend that
+    runs the traced graph as is), and the tokens equal the dense engine's."""
+    import torch._dynamo
+
+    model = make_model("llama", vocab=256, seed=6)
+    prompts = [[3, 4, 5, 6], [9], [20, 21], [7, 7, 7]]
+    traced: list[int] = []
+
+    def recording_backend(gm, example_inputs):
+        traced.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def tokens(attention: str, compiled: bool):
+        engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=6, stop_ids=set(),
+                               attention=attention)
+        if compiled:
+            engine._compile_layer_functions(backend=recording_backend)
+            assert engine.attention == "flex" and engine.decoder.q_writing_kv is not _q_writing_kv
+        reqs = [Request(prompt_ids=p, max_new_tokens=6, tag=i) for i, p in enumerate(prompts)]
+        return {i: c.token_ids for i, c in run_engine(engine, reqs).items()}
+
+    dense = tokens("dense", False)
+    torch._dynamo.reset()
+    assert tokens("flex", True) == dense
+    assert len(traced) == 3  # q_writing_kv, post_attention, final_logits: no recompilation
+
+
 def test_a_failing_compiler_falls_back_to_eager():
     model = make_model("llama", vocab=256, seed=7)
     engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set())
@@ -135,3 +167,15 @@ def test_a_failing_compiler_falls_back_to_eager():
         engine._compile_layer_functions(backend="no-such-backend")
     assert engine.decoder.pre_attention is _pre_attention
     assert len(run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids) == 4
+
+
+def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():
+    model = make_model("llama", vocab=256, seed=7)
+    want = run_engine(BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set()),
+                      [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set(), attention="flex")
+    with pytest.warns(UserWarning, match="uncompiled with dense attention"):
+        engine._compile_layer_functions(backend="no-such-backend")
+    assert engine.attention == engine.decoder.attention_kind == "dense"
+    assert engine.decoder.q_writing_kv is _q_writing_kv
+    assert run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids == want

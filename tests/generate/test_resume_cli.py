@@ -1,4 +1,5 @@
-"""`dflash-train generate` end to end: killed with SIGKILL mid-run, then resumed."""
+"""`dflash-train generate` end to end: killed with SIGKILL mid-run, resumed and stopped by SIGTERM,
+then resumed to the end."""
 
 from __future__ import annotations
 
@@ -34,7 +35,15 @@ def lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
 
 
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
+def wait_for_lines(proc: subprocess.Popen, out: Path, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(lines(out)) < n:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the run wrote nothing in time"
+        time.sleep(0.01)
+
+
+def test_sigkill_then_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     args = {"target": str(model_dir), "prompts": [str(prompts)], "max_new_tokens": 40, "batch_size": 2,
@@ -46,11 +55,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
         cmd += [f"--{key.replace('_', '-')}", str(args[key])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while len(lines(out)) < 5:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the run wrote nothing in time"
-        time.sleep(0.01)
+    wait_for_lines(proc, out, 5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = len(lines(out))
@@ -58,11 +63,23 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
     with out.open("ab") as fh:  # what a write cut short by the kill would leave behind
         fh.write(b'{"id": "r-torn", "messages": [{"role": "us')
 
+    # SIGTERM: no new prompt, the rows in flight are finished and written, the summary, exit 0
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_lines(proc, out, killed_at + 3)
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    stopped = json.loads(stdout)
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["already_done"] == killed_at, stopped
+    assert "torn last line" in stderr.decode() and "stopped early (SIGTERM)" in stderr.decode()
+    stopped_at = len(lines(out))
+    assert stopped_at == killed_at + stopped["written"] < N_ROWS, "the stop must land mid-run"
+
     resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
-    assert summary["already_done"] == killed_at and summary["written"] == N_ROWS - killed_at, summary
-    assert summary["skipped_errors"] == 0 and "torn last line" in resumed.stderr
+    assert summary["already_done"] == stopped_at and summary["written"] == N_ROWS - stopped_at, summary
+    assert summary["skipped_errors"] == 0 and summary["stopped_by"] is None
 
     rows = [json.loads(line) for line in lines(out)]  # every line parses: nothing torn remains
     ids = [r["id"] for r in rows]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 
 from dflash_train.data.sources import parse_row
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
-from dflash_train.generate.tasks import conversation_id, normalize_prompt, run_generate
+from dflash_train.generate.tasks import conversation_id, engine_summary, normalize_prompt, run_generate
 from dflash_train.target.chat_template import user_header
 from dflash_train.utils.config import ConfigError, from_dict
 
@@ -143,3 +145,93 @@ def test_mix_interleaves_files_and_synthesis_by_share(tmp_path, tokenizer, mix):
         assert _order(rows) == [("a", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 1), ("b", 2), "syn", "syn", "syn"]
     else:  # a then b row by row; a synthetic conversation whenever synthesis (k/3) is behind the files (n/6)
         assert _order(rows) == [("a", 1), "syn", ("b", 1), ("a", 2), "syn", ("b", 2), ("a", 3), "syn", ("a", 4)]
+
+
+class TickingEngine(FakeEngine):
+    """FakeEngine on a fake clock: every completion takes 60 s; `on_done(n)` runs after the n-th."""
+
+    def __init__(self, clock: list[float], on_done=None) -> None:
+        super().__init__()
+        self.clock, self.on_done, self.done = clock, on_done, 0
+
+    def run(self, next_request, on_complete) -> None:
+        def complete(req, comp):
+            self.clock[0] += 60.0
+            on_complete(req, comp)
+            self.done += 1
+            if self.on_done:
+                self.on_done(self.done)
+
+        super().run(next_request, complete)
+
+
+def _rows(path) -> dict:
+    return {r["id"]: r["messages"] for r in map(json.loads, open(path))}
+
+
+def _multi_turn_prompts(tmp_path) -> str:
+    rows = []
+    for i in range(6):
+        if i == 3:  # two assistant turns: two requests
+            rows.append({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "and?"}, {"role": "assistant", "content": "y"}]})
+        else:
+            rows.append({"prompt": f"q{i}", "response": "r"})
+    return write_prompts(tmp_path / "p.jsonl", rows)
+
+
+def test_max_minutes_stops_taking_prompts_and_a_rerun_finishes_the_rest(tmp_path, tokenizer):
+    prompts = _multi_turn_prompts(tmp_path)
+    reference = GenerateConfig(output=str(tmp_path / "ref.jsonl"), prompts=[prompts], progress=False)
+    run_generate(reference, engine=FakeEngine(), tokenizer=tokenizer)
+
+    clock = [0.0]
+    cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False, max_minutes=3)
+    first = run_generate(cfg, engine=TickingEngine(clock), tokenizer=tokenizer, clock=lambda: clock[0])
+    # rows 1-3 take 60 s each; at 180 s the time box ends the intake: row 4 never starts
+    assert first["stopped_by"] == "max_minutes=3" and first["written"] == 3
+    assert list(_rows(cfg.output)) == list(_rows(reference.output))[:3]
+
+    second = run_generate(GenerateConfig(output=cfg.output, prompts=[prompts], progress=False), engine=FakeEngine(),
+                          tokenizer=tokenizer)
+    assert second["stopped_by"] is None and second["already_done"] == 3 and second["written"] == 3
+    assert _rows(cfg.output) == _rows(reference.output)
+
+
+def test_a_stop_signal_drops_the_cut_conversation_and_a_rerun_redoes_it_whole(tmp_path, tokenizer):
+    prompts = _multi_turn_prompts(tmp_path)
+    reference = GenerateConfig(output=str(tmp_path / "ref.jsonl"), prompts=[prompts], progress=False)
+    run_generate(reference, engine=FakeEngine(), tokenizer=tokenizer)
+
+    signals = SimpleNamespace(received=None)
+
+    def sigterm_after(n: int) -> None:  # after the first turn of the two-turn row 4
+        if n == 4:
+            signals.received = "SIGTERM"
+
+    cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False)
+    engine = TickingEngine([0.0], on_done=sigterm_after)
+    first = run_generate(cfg, engine=engine, tokenizer=tokenizer, signals=signals)
+    assert first["stopped_by"] == "SIGTERM" and first["written"] == 3 and len(engine.seen) == 4
+    assert list(_rows(cfg.output)) == list(_rows(reference.output))[:3]  # row 4 had one of two turns: not written
+
+    second = run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer, signals=SimpleNamespace(received=None))
+    assert second["written"] == 3 and _rows(cfg.output) == _rows(reference.output)
+
+
+def test_without_a_progress_bar_progress_is_logged(tmp_path, tokenizer, caplog):
+    prompts = _multi_turn_prompts(tmp_path)
+    cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False, log_every_seconds=1e-9)
+    with caplog.at_level(logging.INFO, logger="dflash_train.generate.tasks"):
+        run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer)
+    lines = [r.getMessage() for r in caplog.records if "conversations written" in r.getMessage()]
+    assert [line.split(",")[0] for line in lines] == [f"generate: {n} of 6 conversations written" for n in range(1, 7)]
+
+
+def test_engine_summary_derives_step_time_utilisation_and_rates():
+    stats = {"prompt_tokens": 300, "new_tokens": 500, "completed": 5, "prefill_seconds": 0.5, "decode_seconds": 2.0,
+             "decode_steps": 100, "slot_steps_active": 600}
+    out = engine_summary(stats, slots=8)
+    assert out["ms_per_decode_step"] == 20.0 and out["slot_utilisation"] == 0.75
+    assert out["decode_tok_per_s"] == 300.0 and out["prefill_tok_per_s"] == 600.0
+    assert engine_summary({"decode_steps": 0}, slots=8) == {"decode_steps": 0}

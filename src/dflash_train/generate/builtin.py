@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
@@ -80,6 +81,7 @@ class BuiltinEngine:
         compile: bool = False,
         prefill_tokens: int = 16384,
         refill_fraction: float = 0.125,
+        attention: AttentionKind = "dense",
         model_name: str = "",
     ) -> None:
         if slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
@@ -97,8 +99,11 @@ class BuiltinEngine:
         self.model_name = model_name or getattr(getattr(model, "config", None), "name_or_path", "") or ""
         self.stats = EngineStats()
 
-        max_len = -(-(max_prompt_tokens + max_new_tokens) // 64) * 64
-        self.decoder = StaticDecoder(model, slots, max_len)
+        # flex reads the cache in 128-key blocks, so its length is a whole number of blocks
+        multiple = FLEX_BLOCK if attention == "flex" else 64
+        max_len = -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
+        self.attention = attention
+        self.decoder = StaticDecoder(model, slots, max_len, attention=attention)
         dev = self.decoder.device
         self.device = dev
         # Per-slot state the decode step and token selection read, all static device buffers.
@@ -111,7 +116,9 @@ class BuiltinEngine:
         self.steps = torch.zeros(slots, dtype=torch.long, device=dev)
         if compile and dev.type == "cuda":
             self._compile_layer_functions()
-        self.buckets = kv_buckets(max_len)
+        # Dense attention reads cache positions [0, bucket) of every slot, the bucket set by the
+        # longest row; flex reads each slot's own blocks whatever the bucket: one step for all.
+        self.buckets = kv_buckets(max_len) if self.attention == "dense" else [max_len]
         self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
                                 use_graphs=cuda_graphs and dev.type == "cuda", name="decode")
         self._rows: list[_Row | None] = [None] * slots
@@ -123,8 +130,8 @@ class BuiltinEngine:
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._any_sampled = self._any_filtered = self._flags_dirty = False
         log.info(
-            "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s",
-            slots, max_len, self.decoder.kv_bytes() / 2**30,
+            "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s",
+            slots, max_len, self.decoder.kv_bytes() / 2**30, self.attention,
             "CUDA graphs" if self.step.use_graphs else "eager",
         )  # fmt: skip
 
@@ -132,28 +139,31 @@ class BuiltinEngine:
 
     def _compile_layer_functions(self, backend: str = "inductor") -> None:
         """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
-        Only the per-layer functions are compiled: their shapes do not depend on the
-        attention length, so one compilation serves every layer and every kv bucket.
-        (The CPU tests run this with a non-fusing backend to check that it traces as one
-        graph per function and never recompiles.)"""
+        Only the per-layer functions (and, with flex, the logits head) are compiled: their
+        shapes do not depend on the attention length, so one compilation serves every layer
+        and every kv bucket. (The CPU tests run this with a non-fusing backend to check that
+        it traces as one graph per function and never recompiles.)"""
         dec = self.decoder
-        try:  # compile now, on dummy inputs, so any failure falls back to eager cleanly
-            pre = torch.compile(dec.pre_attention, backend=backend, dynamic=False, fullgraph=True)
-            post = torch.compile(dec.post_attention, backend=backend, dynamic=False, fullgraph=True)
-            # the exact shapes and strides `decode` passes, so this compilation is the one used
-            x = torch.zeros(self.slots, dec.embed_w.shape[1], dtype=dec.dtype, device=dec.device)
-            pos = torch.zeros(self.slots, dtype=torch.long, device=dec.device)
-            cos, sin = dec.cos[pos][:, None, :], dec.sin[pos][:, None, :]
-            lay = dec.layers[0]
+        # dense decode: pre_attention + SDPA + post_attention; flex decode = `verify` of one
+        # token: q_writing_kv + FlexAttention + post_attention + final_logits
+        names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
+            else ("pre_attention", "post_attention")
+        originals = {name: getattr(dec, name) for name in names}
+        try:  # compile now, with the exact inputs of a step, so any failure falls back cleanly
+            for name in names:
+                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=False, fullgraph=True))
             with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
-                q, _, _ = pre(x, cos, sin, *lay.pre, **dec._pre_kw(lay))
-                post(x, q.reshape(self.slots, -1), *lay.post, eps=lay.ln2_eps)
+                # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
+                dec.decode(self.tokens, self.positions, dec.max_len)
             if dec.device.type == "cuda":
                 torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled
-            warnings.warn(f"torch.compile of the decode step failed, running it uncompiled: {exc}", stacklevel=2)
-            return
-        dec.pre_attention, dec.post_attention = pre, post
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled, dense attention
+            warnings.warn(f"torch.compile of the decode step failed, running it uncompiled with dense attention: "
+                          f"{exc}", stacklevel=2)
+            for name, fn in originals.items():
+                setattr(dec, name, fn)
+            self.attention = dec.attention_kind = "dense"
+            dec._attentions.clear()
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model_name}

@@ -46,6 +46,9 @@ class GenerateConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help("auto = bfloat16 on GPU, float32 on CPU"))
     cuda_graphs: bool = field(default=True, metadata=_help("capture the decode step in CUDA graphs (GPU only)"))
     compile: bool = field(default=True, metadata=_help("torch.compile the per-layer decode functions (GPU only)"))
+    attention: Literal["dense", "flex"] = field(default="dense", metadata=_help(
+        "built-in engine's decode attention: dense (SDPA over every slot's cache up to the longest row's bucket) "
+        "or flex (FlexAttention reading each slot's own 128-key blocks; compiled on GPU)"))
 
     # HTTP engine
     base_url: str = field(default="http://localhost:8000/v1", metadata=_help("OpenAI-compatible server"))
@@ -59,6 +62,11 @@ class GenerateConfig:
     flush_rows: int = field(default=32, metadata=_help("fsync the output after this many rows"))
     flush_seconds: float = field(default=5.0, metadata=_help("... or after this many seconds"))
     progress: bool = field(default=True, metadata=_help("show a progress bar"))
+    log_every_seconds: float = field(default=60.0, metadata=_help(
+        "without the progress bar: a progress line (rows, new tok/s) this often; 0 = none"))
+    max_minutes: float = field(default=0.0, metadata=_help(
+        "time box: after this many minutes take no new prompt, finish the rows in flight and end "
+        "with the summary (a rerun resumes); 0 = no limit"))
 
     def __post_init__(self) -> None:
         if not self.output:
@@ -75,6 +83,8 @@ class GenerateConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_attempts_factor < 1:
             raise ValueError(f"max_attempts_factor must be >= 1, got {self.max_attempts_factor}")
+        if self.max_minutes < 0 or self.log_every_seconds < 0:
+            raise ValueError("max_minutes and log_every_seconds must be >= 0")
         if self.retry_backoff_s < 0 or self.request_timeout_s <= 0 or self.flush_seconds < 0:
             raise ValueError("retry_backoff_s and flush_seconds must be >= 0, request_timeout_s > 0")
         if not 0 <= self.seed < 2**63:

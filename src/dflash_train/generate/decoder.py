@@ -268,7 +268,11 @@ class StaticDecoder:
 
         Fixed shapes for a given `kv_len` and no host synchronisation: safe to capture in a
         CUDA graph. Attention reads cache positions [0, kv_len) of each slot, masked to
-        positions <= the slot's own; the caller guarantees max(positions) < kv_len."""
+        positions <= the slot's own; the caller guarantees max(positions) < kv_len. With
+        `attention_kind` flex it is `verify` of one token per slot, which reads every slot's
+        cache only up to its own position (by 128-key blocks) whatever `kv_len`."""
+        if self.attention_kind == "flex":  # each slot reads only its own 128-key blocks
+            return self.verify(tokens[:, None], positions, kv_len)[0][:, 0]
         s, rep = self.slots, self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed_w)  # [S, H]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [S, 1, D]

@@ -41,8 +41,13 @@ from dflash_train.target.chat_template import special_strings, user_header
 from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import DataError, ModelError
+from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
+
+STOP_ANNOUNCE = ("taking no new prompts, finishing the rows in flight, then the summary "
+                 "(Ctrl-C again to stop at once; finished rows are saved either way)")
+
 
 def conversation_id(file: str | Path, line: int, messages: list[dict[str, str]]) -> str:
     """Stable id of a prompt row: survives moving the file, changes when the row changes."""
@@ -101,8 +106,12 @@ class Driver:
         seen_prompts: set[str] | None = None,
         synth_done: int = 0,
         on_row: Callable[[int], None] | None = None,
+        should_stop: Callable[[], str | None] | None = None,
     ) -> None:
         self.cfg, self.write, self.done_ids = cfg, write, done_ids
+        # asked before every new request: a reason (signal, time box) ends the intake for good
+        self.should_stop = should_stop
+        self.stopped_by: str | None = None
         self.records = records
         # --mix: a synthetic conversation starts whenever synthesis is behind the files' progress
         self.records_total, self.records_started = records_total, 0
@@ -131,6 +140,13 @@ class Driver:
     # --- requests -----------------------------------------------------------------------
 
     def next_request(self) -> Request | None:
+        if self.stopped_by is None and self.should_stop is not None:
+            self.stopped_by = self.should_stop()
+            if self.stopped_by:
+                log.info("generate: stopping (%s): taking no new prompts, finishing the rows in flight", self.stopped_by)
+        if self.stopped_by:
+            # follow-up turns too: a conversation cut here is not written and a rerun redoes it whole
+            return None
         if self._ready:
             return self._ready.popleft()
         if self.cfg.mix and self._synthesis_behind():
@@ -295,7 +311,8 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     engine = BuiltinEngine(
         model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
         max_new_tokens=max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1),
-        cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, model_name=source.name or source.describe(),
+        cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, attention=cfg.attention,
+        model_name=source.name or source.describe(),
     )  # fmt: skip
     return engine, tokenizer
 
@@ -308,6 +325,22 @@ def _count_prompt_rows(cfg: GenerateConfig, done_ids: set[str]) -> int:
         if record.messages is not None and conversation_id(record.file, record.line, record.messages) not in done_ids:
             todo += 1
     return todo
+
+
+def engine_summary(stats: dict[str, float], slots: int) -> dict[str, float]:
+    """The built-in engine's counters plus what they mean: ms per decode step, the share of
+    slot-steps that decoded a live row, prefill and decode tok/s."""
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()}
+    steps = stats.get("decode_steps", 0)
+    if steps:
+        out["ms_per_decode_step"] = round(1000 * stats["decode_seconds"] / steps, 3)
+        if slots:
+            out["slot_utilisation"] = round(stats["slot_steps_active"] / (steps * slots), 4)
+    if stats.get("decode_seconds"):
+        out["decode_tok_per_s"] = round(stats["slot_steps_active"] / stats["decode_seconds"], 1)
+    if stats.get("prefill_seconds"):
+        out["prefill_tok_per_s"] = round(stats["prompt_tokens"] / stats["prefill_seconds"], 1)
+    return out
 
 
 def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError]) -> Iterator[Record]:
@@ -323,8 +356,25 @@ def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError
                 yield record
 
 
-def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[str, Any]:
-    """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests)."""
+def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: StopSignals | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests).
+
+    Stops early, cleanly, on SIGINT/SIGTERM (recorded by `signals`, installed here unless
+    given) or when `cfg.max_minutes` of the job have passed (`clock`): no new prompt is taken,
+    the rows in flight finish and are written, and the summary says why (`stopped_by`)."""
+    if signals is None:
+        with StopSignals(announce=STOP_ANNOUNCE) as own:
+            return run_generate(cfg, engine=engine, tokenizer=tokenizer, signals=own, clock=clock)
+    job_start = clock()
+
+    def should_stop() -> str | None:
+        if signals.received:
+            return signals.received
+        if cfg.max_minutes and clock() - job_start >= cfg.max_minutes * 60:
+            return f"max_minutes={cfg.max_minutes:g}"
+        return None
+
     if cfg.prompts:
         expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
@@ -356,18 +406,24 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[st
                 else iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad)
 
         bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
-        t0, last = time.perf_counter(), [0.0]
+        t0 = time.perf_counter()
+        last_bar, last_line = [t0], [t0]
 
         def on_row(_tokens: int) -> None:
             bar.update(1)
             now = time.perf_counter()
-            if now - last[0] > 0.5:
-                last[0] = now
-                bar.set_postfix_str(f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s")
+            rate = f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s"
+            if cfg.progress and now - last_bar[0] > 0.5:
+                last_bar[0] = now
+                bar.set_postfix_str(rate)
+            elif not cfg.progress and cfg.log_every_seconds and now - last_line[0] >= cfg.log_every_seconds:
+                last_line[0] = now  # a log without a terminal (a batch job) still shows progress
+                log.info("generate: %d of %d conversations written, %s, %.0f s", driver.counts.written, todo, rate,
+                         now - t0)
 
         driver = Driver(
             cfg, out.add, engine.describe(), done_ids=done_ids, records=records, records_total=prompt_todo, header=header,
-            tokenizer=tokenizer, seen_prompts=seen, synth_done=synth_done, on_row=on_row,
+            tokenizer=tokenizer, seen_prompts=seen, synth_done=synth_done, on_row=on_row, should_stop=should_stop,
         )  # fmt: skip
         try:
             engine.run(driver.next_request, driver.on_complete)
@@ -390,7 +446,11 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None) -> dict[st
         "new_tokens": counts.new_tokens,
         "seconds": round(seconds, 2),
         "new_tokens_per_second": round(counts.new_tokens / max(seconds, 1e-9), 1),
+        "stopped_by": driver.stopped_by,
     }
+    stats = getattr(engine, "stats", None)
+    if stats is not None:  # the built-in engine: where the time went
+        summary["engine_stats"] = engine_summary(stats.as_dict(), getattr(engine, "slots", 0))
     if cfg.synthesize and driver.synth_have < cfg.synthesize:
         log.warning(
             "only %d of %d synthetic conversations after %d attempts (rejected: %s)",
