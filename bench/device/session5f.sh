@@ -57,6 +57,8 @@ m = os.path.join(d, "metrics.jsonl")
 if os.path.exists(m):
     rows = [json.loads(l) for l in open(m) if l.strip()]
     out["last_metrics"] = rows[-1] if rows else None
+    train = [r for r in rows if r.get("kind") == "train"]
+    out["train_tok_per_s"] = train[-1].get("tok_per_s") if train else None  # shared GPU: compare within a wave
 print(json.dumps(out))
 PY
   cat $dir/result.json >> $OUT/levers.jsonl  # one line per lever as it ends: a call cut short keeps the finished ones
