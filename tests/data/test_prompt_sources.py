@@ -108,6 +108,19 @@ def test_code_prompts_exact_on_a_fixture_tree(tmp_path):
     assert len(two) == 4 and {(p.group, p.style) for p in two} <= set(by)
 
 
+def test_parsing_in_worker_processes_gives_the_same_prompts_in_the_same_order(tmp_path):
+    """Two roots, many files: the files are parsed by 2 processes (forked) and regrouped by root."""
+    extra = {f"pkg/m{i:02d}.py": CLAMP.replace("clamp", f"clamp_{i}") + "\n\n" + GREET.replace("Greeter", f"G{i}")
+             for i in range(12)}
+    roots = [("one", _tree(tmp_path / "a", extra)), ("two", _tree(tmp_path / "b", extra))]
+    serial = code_prompts(roots, source="package-code", seed=5, styles_per_function=3, max_functions_per_root=9)
+    parallel = code_prompts(roots, source="package-code", seed=5, styles_per_function=3, max_functions_per_root=9,
+                            workers=2)
+    assert len(serial) == 2 * 9 * 3
+    assert [(p.group, p.style, p.text) for p in parallel] == [(p.group, p.style, p.text) for p in serial]
+    assert [p.group.split(":")[0] for p in serial] == ["one"] * 27 + ["two"] * 27
+
+
 def test_first_sentence():
     assert first_sentence("return the value of the thing.\n\nMore.") == "Return the value of the thing."
     assert first_sentence("Compute a value without a period at the end") == "Compute a value without a period at the end."

@@ -45,7 +45,7 @@ from dflash_train.data.render import ChatRenderer
 from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.target.loading import load_tokenizer, tokenizer_identity
 from dflash_train.utils.config import cli
-from dflash_train.utils.device import busy_cores_elsewhere
+from dflash_train.utils.device import idle_cores
 from dflash_train.utils.errors import DataError
 from dflash_train.utils.fs import atomic_directory_write, check_output_dir
 
@@ -133,9 +133,7 @@ def default_workers() -> int:
     With a single worker, tokenisation runs in-process and the Rust tokenizer uses its own
     threads (on a 2-core machine that beats two processes fighting the main one for the
     cores). Cores other processes keep busy are left to them, as `eval` does."""
-    cores = os.cpu_count() or 1
-    busy = busy_cores_elsewhere() or 0.0
-    return max(1, int(cores - busy + 0.5) - 1)
+    return max(1, idle_cores() - 1)
 
 
 def _apply_limits(encoded: tuple[np.ndarray, np.ndarray], where: str, max_length: int,

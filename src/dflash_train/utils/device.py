@@ -64,6 +64,14 @@ def busy_cores_elsewhere(window_s: float = 0.5) -> float | None:
     return max(0.0, busy - (self1 - self0) / window_s)
 
 
+def idle_cores() -> int:
+    """Cores that other processes leave idle right now (at least 1): how many worker
+    processes a CPU-bound job starts by default."""
+    cores = os.cpu_count() or 1
+    busy = busy_cores_elsewhere() or 0.0
+    return max(1, int(cores - busy + 0.5))
+
+
 def choose_cpu_threads(requested: int = 0) -> tuple[int, str]:
     """Torch CPU threads: `requested`, or (0) as many cores as other processes leave idle.
 

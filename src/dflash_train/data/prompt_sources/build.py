@@ -42,6 +42,7 @@ from dflash_train.data.prompt_sources.math_problems import math_prompts
 from dflash_train.data.prompt_sources.python_code import code_prompts, package_roots, stdlib_root
 from dflash_train.data.prompt_sources.text_docs import document_prompts, package_descriptions, python_docs
 from dflash_train.data.sources import iter_records
+from dflash_train.utils.device import idle_cores
 from dflash_train.utils.errors import DataError, OutputError
 from dflash_train.utils.fs import atomic_directory_write, made_by
 
@@ -73,17 +74,18 @@ class SourceReport:
 def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptItem]:
     """The prompts of one source, in a fixed order."""
     stdlib = Path(cfg.stdlib) if cfg.stdlib else stdlib_root()
+    workers = cfg.workers or idle_cores()
     if name == "stdlib-code":
         report.provenance[f"Python {platform.python_version()} standard library ({stdlib})"] = "PSF-2.0"
         return code_prompts([("stdlib", stdlib)], source=name, seed=cfg.seed,
-                            styles_per_function=cfg.styles_per_function)
+                            styles_per_function=cfg.styles_per_function, workers=workers)
     if name == "package-code":
         roots = package_roots()
         for dist, directory, licence in roots:
             report.provenance[f"{dist} ({directory.name})"] = licence
         return code_prompts([(f"{dist}/{d.name}", d) for dist, d, _ in roots], source=name, seed=cfg.seed,
                             styles_per_function=cfg.styles_per_function,
-                            max_functions_per_root=cfg.max_functions_per_package)
+                            max_functions_per_root=cfg.max_functions_per_package, workers=workers)
     if name == "python-docs":
         report.provenance[f"Python {platform.python_version()} documentation, docstrings ({stdlib})"] = "PSF-2.0"
         return document_prompts(python_docs(stdlib), source=name, seed=cfg.seed, code_styles=True,
@@ -111,13 +113,31 @@ def _seeded_order(keys: list[int], seed: int) -> np.ndarray:
     return np.argsort(values, kind="stable")
 
 
-def _near(queries: list[PromptItem], corpus: list[PromptItem], threshold: float, seed: int) -> np.ndarray:
+class WordIds:
+    """`word_ids` of prompts, each computed once: the de-duplication passes read the same
+    prompts again and again (every earlier source, then all training prompts)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, np.ndarray] = {}
+
+    def __call__(self, items: list[PromptItem]) -> list[np.ndarray]:
+        out = []
+        for p in items:
+            ids = self._ids.get(p.text)
+            if ids is None:
+                ids = self._ids[p.text] = word_ids(p.text)
+            out.append(ids)
+        return out
+
+
+def _near(queries: list[PromptItem], corpus: list[PromptItem], threshold: float, seed: int,
+          ids: WordIds | None = None) -> np.ndarray:
     if threshold <= 0 or not queries or not corpus:
         return np.zeros(len(queries), bool)
-    corpus_ids = [word_ids(p.text) for p in corpus]
+    ids = ids or WordIds()
+    corpus_ids = ids(corpus)
     ignore = common_shingles(corpus_ids, NGRAM, min_fraction=0.05, min_count=10, seed=seed)
-    return near_duplicate_of([word_ids(p.text) for p in queries], corpus_ids, threshold=threshold, ngram=NGRAM,
-                             seed=seed, ignore=ignore)
+    return near_duplicate_of(ids(queries), corpus_ids, threshold=threshold, ngram=NGRAM, seed=seed, ignore=ignore)
 
 
 def split_heldout(items: list[PromptItem], cfg: PromptsConfig) -> tuple[list[PromptItem], list[PromptItem], int]:
@@ -155,6 +175,7 @@ def build_sets(cfg: PromptsConfig, guard: HumanEvalGuard) -> tuple[dict[str, lis
             items = collected[name]
             raise leak_error(f"source {name}", found, lambda i: f"{items[i].id} ({items[i].group})")
     kept: dict[str, list[PromptItem]] = {}
+    ids = WordIds()
     seen: set[str] = set()
     earlier: list[PromptItem] = []
     for name in cfg.sources:
@@ -166,7 +187,7 @@ def build_sets(cfg: PromptsConfig, guard: HumanEvalGuard) -> tuple[dict[str, lis
                 continue
             seen.add(key)
             unique.append(item)
-        near = _near(unique, earlier, cfg.dedup_threshold, cfg.seed)
+        near = _near(unique, earlier, cfg.dedup_threshold, cfg.seed, ids)
         reports[name].near_duplicates = int(near.sum())
         kept[name] = [p for p, dup in zip(unique, near) if not dup]
         earlier.extend(kept[name])
@@ -176,7 +197,7 @@ def build_sets(cfg: PromptsConfig, guard: HumanEvalGuard) -> tuple[dict[str, lis
             else ([], [], 0)
     all_train = [p for name in cfg.sources for p in train[name]]
     for name in cfg.sources:
-        dup = _near(heldout[name], all_train, cfg.dedup_threshold, cfg.seed)
+        dup = _near(heldout[name], all_train, cfg.dedup_threshold, cfg.seed, ids)
         reports[name].heldout_dropped = int(dup.sum())
         heldout[name] = [p for p, d in zip(heldout[name], dup) if not d]
         order = _seeded_order([int(hashlib.blake2b(p.id.encode(), digest_size=8).hexdigest(), 16)
@@ -192,7 +213,7 @@ def build_sets(cfg: PromptsConfig, guard: HumanEvalGuard) -> tuple[dict[str, lis
 
 def options_key(cfg: PromptsConfig) -> dict:
     """What decides the output (besides the installed files): compared on a rerun."""
-    opts = {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite", "check")}
+    opts = {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite", "check", "workers")}
     return {"format_version": FORMAT_VERSION, "python": platform.python_version(), **opts}
 
 

@@ -44,6 +44,8 @@ class PromptsConfig:
     """instead of building: check these JSONL/JSON files of conversations or prompts against HumanEval"""
     overwrite: bool = False
     """rebuild an existing output directory built with other options"""
+    workers: int = 0
+    """processes that parse source files (0 = one per idle core); the output does not depend on it"""
 
     def __post_init__(self) -> None:
         if self.check:
@@ -55,7 +57,7 @@ class PromptsConfig:
             raise ValueError(f"unknown prompt source(s) {unknown}; choose from {list(SOURCE_NAMES)}")
         if len(set(self.sources)) != len(self.sources):
             raise ValueError(f"sources repeat a name: {self.sources}")
-        for name in ("limit", "math_count", "max_functions_per_package", "heldout"):
+        for name in ("limit", "math_count", "max_functions_per_package", "heldout", "workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.styles_per_function < 1 or self.shards < 1:

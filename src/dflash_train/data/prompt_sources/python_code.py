@@ -21,11 +21,13 @@ All prompts of one function form one group: the held-out split keeps them on one
 from __future__ import annotations
 
 import ast
+import multiprocessing as mp
 import random
 import re
 import sysconfig
 import textwrap
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -203,13 +205,33 @@ def prompt(fn: Function, style: str, rng: random.Random) -> str | None:
     raise ValueError(f"unknown style {style!r}")
 
 
+def _functions_in_task(task: tuple[Path, Path, str]) -> list[Function]:
+    return functions_in(*task)
+
+
+def parse_files(tasks: list[tuple[Path, Path, str]], workers: int) -> list[list[Function]]:
+    """`functions_in(path, root, label)` of every task, in the tasks' order. Parsing is most of
+    the job's time (tens of thousands of files on a machine with many packages), so with
+    `workers` > 1 the files are parsed in that many processes; the result is the same."""
+    if workers <= 1 or len(tasks) < 2 * workers:
+        return [functions_in(*task) for task in tasks]
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return list(pool.map(_functions_in_task, tasks, chunksize=max(1, min(64, len(tasks) // (8 * workers)))))
+
+
 def code_prompts(roots: list[tuple[str, Path]], *, source: str, seed: int, styles_per_function: int,
-                 max_functions_per_root: int = 0) -> list[PromptItem]:
+                 max_functions_per_root: int = 0, workers: int = 1) -> list[PromptItem]:
     """Prompts of every usable function under each (label, root) directory, in a fixed order.
-    With `max_functions_per_root`, a root keeps that many functions, drawn by seeded hash."""
+    With `max_functions_per_root`, a root keeps that many functions, drawn by seeded hash.
+    `workers` processes parse the files (`parse_files`)."""
+    files = [(i, path) for i, (_, root) in enumerate(roots) for path in iter_py_files(root)]
+    parsed = parse_files([(path, roots[i][1], roots[i][0]) for i, path in files], workers)
+    per_root: list[list[Function]] = [[] for _ in roots]
+    for (i, _), functions in zip(files, parsed):
+        per_root[i].extend(functions)
     items = []
-    for label, root in roots:
-        functions = [fn for path in iter_py_files(root) for fn in functions_in(path, root, label)]
+    for functions in per_root:
         if max_functions_per_root and len(functions) > max_functions_per_root:
             key = {fn.group: group_hash(f"{seed}", fn.group) for fn in functions}
             functions = sorted(sorted(functions, key=lambda f: key[f.group])[:max_functions_per_root],
