@@ -57,8 +57,10 @@ class Function:
     header: str  # the `def` line(s)
     docstring_lines: tuple[int, int]  # 0-based [start, end) of the docstring within `source`
     docstring: str
-    node: ast.FunctionDef | ast.AsyncFunctionDef
+    signature: str  # `name(args)`, as the source spells the arguments
     annotated: bool
+    # (plain strings only: worker processes send these back, and pickling AST nodes costs
+    # more than parsing them)
 
 
 def stdlib_root() -> Path:
@@ -131,7 +133,8 @@ def functions_in(path: Path, root: Path, label: str) -> list[Function]:
         all_args = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]
         annotated = node.returns is not None or any(a.annotation is not None for a in all_args)
         header = "\n".join(source.splitlines()[:header_end])
-        fn = Function(f"{label}:{module}.{qualname}", qualname, source, header, doc_lines, doc, node, annotated)
+        fn = Function(f"{label}:{module}.{qualname}", qualname, source, header, doc_lines, doc,
+                      f"{node.name}({ast.unparse(node.args)})", annotated)
         try:  # both must stand alone (a string literal at column 0 defeats the dedent)
             ast.parse(source)
             ast.parse(without_docstring(fn))
@@ -139,11 +142,6 @@ def functions_in(path: Path, root: Path, label: str) -> list[Function]:
             continue
         out.append(fn)
     return out
-
-
-def signature(fn: Function) -> str:
-    args = ast.unparse(fn.node.args)
-    return f"{fn.node.name}({args})"
 
 
 def without_docstring(fn: Function) -> str:
@@ -182,7 +180,7 @@ def prompt(fn: Function, style: str, rng: random.Random) -> str | None:
         if sentence is None:
             return None
         where = f" (a method of class `{fn.qualname.split('.')[0]}`)" if "." in fn.qualname else ""
-        return rng.choice(_WRITE).format(sig=signature(fn), where=where, sentence=sentence)
+        return rng.choice(_WRITE).format(sig=fn.signature, where=where, sentence=sentence)
     if style == "complete":
         lines = fn.source.splitlines()
         return "Complete this Python function:\n\n" + _code("\n".join(lines[:fn.docstring_lines[1]]))
