@@ -407,17 +407,20 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
 
         bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
         t0 = time.perf_counter()
-        last_bar, last_line = [t0], [t0]
+        last = [t0]
+        # the bar's rate twice a second; without a bar (a batch job's log) a line now and then
+        interval = 0.5 if cfg.progress else cfg.log_every_seconds
 
         def on_row(_tokens: int) -> None:
             bar.update(1)
             now = time.perf_counter()
+            if not interval or now - last[0] < interval:
+                return
+            last[0] = now
             rate = f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s"
-            if cfg.progress and now - last_bar[0] > 0.5:
-                last_bar[0] = now
+            if cfg.progress:
                 bar.set_postfix_str(rate)
-            elif not cfg.progress and cfg.log_every_seconds and now - last_line[0] >= cfg.log_every_seconds:
-                last_line[0] = now  # a log without a terminal (a batch job) still shows progress
+            else:
                 log.info("generate: %d of %d conversations written, %s, %.0f s", driver.counts.written, todo, rate,
                          now - t0)
 
