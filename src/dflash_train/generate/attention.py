@@ -88,6 +88,15 @@ def write_cache(cache_flat: Tensor, index: Tensor, values: Tensor) -> None:
     cache_flat.index_put_((index,), values)
 
 
+def use_dense_attention(*parts) -> None:
+    """Switch steps (StaticDecoder, StaticDrafter: an `attention_kind` and their CacheAttentions
+    by shape) to the dense kernel, e.g. when FlexAttention cannot compile; the masks are made
+    again on the next call."""
+    for part in parts:
+        part.attention_kind = "dense"
+        part._attentions.clear()
+
+
 class CacheAttention:
     """`rule`-masked attention of `q_len` queries per slot over `slots` static cache rows.
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
@@ -162,8 +162,8 @@ class BuiltinEngine:
                           f"{exc}", stacklevel=2)
             for name, fn in originals.items():
                 setattr(dec, name, fn)
-            self.attention = dec.attention_kind = "dense"
-            dec._attentions.clear()
+            self.attention = "dense"
+            use_dense_attention(dec)
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model_name}

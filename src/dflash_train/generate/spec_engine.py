@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.speculative import DecodeResult, Round
@@ -278,10 +278,7 @@ class SpecEngine:
         if self.attention == "dense":
             return
         self.attention = "dense"
-        for part in (self.decoder, self.drafter):
-            if isinstance(part, (StaticDecoder, StaticDrafter)):
-                part.attention_kind = "dense"
-                part._attentions.clear()
+        use_dense_attention(*(p for p in (self.decoder, self.drafter) if isinstance(p, (StaticDecoder, StaticDrafter))))
         self.buckets = kv_buckets(self.max_len)
 
     @torch.no_grad()
