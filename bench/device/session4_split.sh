@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # H200 x2 session 4 (issue 16): split 1+1 over NCCL vs colocated x2 (qwen3-8b preset), split's
 # losses vs one process (the real SmolLM2 target when /tmp/smol/hf exists), SIGTERM to torchrun
-# (colocated and split), SIGKILL of one rank. SKIP_BENCH=1 / SKIP_FAULTS=1 leave parts out.
+# (colocated and split), SIGKILL of one rank. SKIP_BENCH=1 / SKIP_LOSSES=1 / SKIP_FAULTS=1 leave
+# parts out; LAYOUTS="split" (default "split colocated") picks the throughput rows.
 # Run from the repo root on nvidia-h200-x2; one call, ~6-8 min. DRY=1: the plumbing on CPU (gloo,
 # tiny preset), a few minutes on 2 cores. Results: $OUT/*.json, $OUT/session4.log, a summary at the end.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session4.log; W=${W:-/tmp/s4}; mkdir -p $OUT; rm -rf $W; mkdir -p $W
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site4 .whl/*.whl >> $LOG 2>&1
+export PYTHONPATH=/tmp/site4:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
   BIG=tiny; SMALL=tiny; DEV=cpu; COMPILE=""; BENCH_DEV="--device cpu"; export OMP_NUM_THREADS=1
@@ -20,9 +21,10 @@ $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.devic
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
 # 1. throughput: split 1+1 (NCCL between the GPUs) and colocated x2, same preset and batches
-stage split_${BIG} 150 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
+LAYOUTS=${LAYOUTS:-split colocated}
+[[ " $LAYOUTS " == *" split "* ]] && stage split_${BIG} 150 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout split --target-ranks 1 --drafter-ranks 1 \
   --drafter-dtype bfloat16 $COMPILE --warmup 5 --measure 10 $BENCH_DEV --out $OUT/split_${BIG}.json
-stage colocated_${BIG} 120 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
+[[ " $LAYOUTS " == *" colocated "* ]] && stage colocated_${BIG} 120 "${TRUN[@]}" -m dflash_train bench --preset $BIG --layout colocated --drafter-dtype bfloat16 \
   $COMPILE --warmup 3 --measure 6 $BENCH_DEV --out $OUT/colocated_${BIG}.json
 
 fi
@@ -31,9 +33,11 @@ T=preset:$SMALL; [ -f /tmp/smol/hf/config.json ] && [ "${DRY:-0}" != 1 ] && T=/t
 TRAIN=(-m dflash_train train --target.path $T --data.path synthetic:2048:512 --data.plan.token_budget 2048
   --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 12 --run.log_every 1 --run.device $DEV
   --run.progress false --run.tensorboard false --eval.spec_prompts null)
+if [ "${SKIP_LOSSES:-0}" != 1 ]; then
 stage losses_single 60 $PY "${TRAIN[@]}" --run.output_dir $W/single
 stage losses_split 70 "${TRUN[@]}" "${TRAIN[@]}" --run.output_dir $W/split --pipeline.layout split \
   --pipeline.target_ranks 1 --pipeline.drafter_ranks 1
+fi
 
 # 3. stops and deaths: time to exit, exit code, checkpoint, resume (helper in Python for exact timing)
 FAULT=(-m dflash_train train --target.path preset:$SMALL --data.path synthetic:4096:512 --data.plan.token_budget 2048
