@@ -26,6 +26,7 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
         t_per = sum(r.get("median_busy_ms_per_batch", 0) for r in targets) / max(len(targets), 1) / 1000
         d_per = sum(r.get("median_busy_ms_per_batch", 0) for r in drafters) / max(len(drafters), 1) / 1000
         world = ctx.num_targets + ctx.num_drafters
+        t_rate = d_rate = None
         if t_per > 0 and d_per > 0:
             t_rate, d_rate = ctx.num_targets / t_per, ctx.num_drafters / d_per  # batches/s each side sustains
             side = "targets" if t_rate < d_rate else "drafters"
@@ -41,7 +42,7 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
                           f"{t_wait:.1f}s on full ones)")
         lines.append(conclusion)
         out.update(bottleneck=side, target_ms_per_batch=t_per * 1e3, drafter_ms_per_batch=d_per * 1e3,
-                   balanced_targets=balanced_t)
+                   balanced_targets=balanced_t, targets_batches_per_s=t_rate, drafters_batches_per_s=d_rate)
     out["text"] = "\n".join(lines)
     return out
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# A fresh machine, made ready for the issue-17 calls that follow generation (prepare, levers,
+# train, eval) from what the tree carries in two calls (64 MiB each): call 1 carries .smol1 and
+# .recipe1 (`RESTORE=1 bash bench/device/restore.sh` copies them to /tmp/smol), call 2 carries
+# .smol2, .recipe2 and .whl (`bash bench/device/restore.sh` joins the GGUF, converts it, installs the
+# wheels, unpacks the conversations into /tmp/recipe/gen). The recipe parts: one xz stream
+# (session5b's export) re-split so each half fits beside a GGUF half.
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/restore.log; mkdir -p $OUT /tmp/smol /tmp/recipe
+if [ "${RESTORE:-2}" = 1 ]; then
+  cp .smol1/part_aa /tmp/smol/ && cp .recipe1/recipe.tar.xz.part_* /tmp/smol/ && ls -la /tmp/smol | tee -a $LOG; exit
+fi
+[ -f /tmp/smol/part_aa ] || { echo "FRESH MACHINE: run RESTORE=1 first" | tee -a $LOG; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
+if [ ! -f /tmp/smol/hf/model.safetensors ]; then
+  cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a $LOG
+  PYTHONPATH=/tmp/site:$PWD/src timeout 120 python3 bench/device/convert_smollm2.py \
+    /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> $LOG 2>&1
+fi
+if [ ! -f /tmp/recipe/gen/gen-0.jsonl ]; then
+  cat /tmp/smol/recipe.tar.xz.part_* .recipe2/recipe.tar.xz.part_* | xz -d | tar -C /tmp/recipe -xf -
+fi
+ls -la /tmp/smol/hf | tee -a $LOG; wc -l /tmp/recipe/gen/gen-*.jsonl | tee -a $LOG
