@@ -21,8 +21,8 @@ PER_SOURCE=${PER_SOURCE:-0}        # training prompts kept per source (0 = all)
 N_MATH=${N_MATH:-20000}            # math problems generated
 N_SYNTH=${N_SYNTH:-30000}          # self-instructed conversations (split over the GPUs)
 MAX_NEW=${MAX_NEW:-512}            # answer length limit (tokens)
-SLOTS=${SLOTS:-256}                # generation slots per GPU
-GEN_ATTENTION=${GEN_ATTENTION:-dense}  # generation's decode attention: dense or flex (generate --attention)
+SLOTS=${SLOTS:-768}                # generation slots per GPU (flex: 28.7K new tok/s at 768 vs 21.8K at 256, H200)
+GEN_ATTENTION=${GEN_ATTENTION:-auto}  # generation's decode attention: auto (flex on a GPU), dense or flex (generate --attention)
 GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 = no limit; resumable)
 TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # 0 = the config's run.max_minutes
 EVAL_NEW=${EVAL_NEW:-256}

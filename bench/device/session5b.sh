@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # H200 session 5, call B (right after A; carry .smol2 and .whl): join + convert
 # the GGUF, then generation on both GPUs (one process per GPU, disjoint prompt shards plus
-# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 256) sequences per GPU,
-# GEN_ATTENTION (dense|flex); PROBES measures engine settings first (below).
+# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 768) sequences per GPU,
+# GEN_ATTENTION (auto|dense|flex); PROBES measures engine settings first (below).
 # Resumable: call B2 (the same script) adds more if the budget allows; so does a later session
 # that unpacked an earlier export (RECIPE_FROM in call A): finished rows are skipped. ~8.5 min.
 set -u
@@ -35,7 +35,7 @@ PY
 # PROBES="dense:256 flex:256 flex:768": each a PROBE_SECONDS generation into the same files (the
 # data is kept), to measure the engine settings on the recipe's real prompts; the main run
 # then uses the fastest (GEN_LIMIT s; 0 = probes only).
-best=${GEN_ATTENTION:-dense}:${SLOTS:-256}; best_rate=0
+best=${GEN_ATTENTION:-flex}:${SLOTS:-768}; best_rate=0
 for p in ${PROBES:-}; do
   gen ${PROBE_SECONDS:-90} ${p%%:*} ${p##*:}
   rate=$(grep "^probe $p " $LOG | tail -1 | awk '{print $4}')

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.generate.attention import (
-    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, flat, write_cache,
+    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, decode_attention_for, flat, write_cache,
 )
 from dflash_train.generate.spec_engine import SpecEngine
 from dflash_train.generate.static_drafter import block_rule
@@ -111,3 +111,9 @@ def test_cache_writes_land_where_advanced_indexing_puts_them(layers):
             for lay in range(n):
                 want[lay, rows[r], :, grid[r, t]] = values[r, t, lay]
     assert torch.equal(got, want)
+
+
+def test_auto_decode_attention_is_flex_only_on_a_compiled_gpu():
+    assert decode_attention_for(torch.device("cuda", 1), compile=True) == "flex"
+    assert decode_attention_for("cuda", compile=False) == "dense"  # the fused kernel needs the compiler
+    assert decode_attention_for(torch.device("cpu"), compile=True) == "dense"

@@ -167,6 +167,7 @@ def test_a_failing_compiler_falls_back_to_eager():
         engine._compile_layer_functions(backend="no-such-backend")
     assert engine.decoder.pre_attention is _pre_attention
     assert len(run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids) == 4
+    assert engine.attention == "dense"  # auto on a CPU
 
 
 def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():

@@ -88,6 +88,15 @@ def write_cache(cache_flat: Tensor, index: Tensor, values: Tensor) -> None:
     cache_flat.index_put_((index,), values)
 
 
+def decode_attention_for(device: torch.device, compile: bool) -> AttentionKind:
+    """The built-in engine's decode attention when asked for `auto`: flex on a GPU, where each
+    slot reads only its own cache blocks while dense reads every slot up to the longest row's
+    bucket (SmolLM2 on an H200, the recipe's real prompts: 7.0 vs 8.9 ms per step at 256 slots;
+    28.7K new tok/s at 768 slots against dense's 18.7K at 256). Its fused kernel needs
+    torch.compile; the CPU runs the unfused reference, slower than dense."""
+    return "flex" if compile and torch.device(device).type == "cuda" else "dense"
+
+
 def use_dense_attention(*parts) -> None:
     """Switch steps (StaticDecoder, StaticDrafter: an `attention_kind` and their CacheAttentions
     by shape) to the dense kernel, e.g. when FlexAttention cannot compile; the masks are made

@@ -17,12 +17,12 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, use_dense_attention
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
@@ -81,7 +81,7 @@ class BuiltinEngine:
         compile: bool = False,
         prefill_tokens: int = 16384,
         refill_fraction: float = 0.125,
-        attention: AttentionKind = "dense",
+        attention: AttentionKind | Literal["auto"] = "auto",
         model_name: str = "",
     ) -> None:
         if slots < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
@@ -99,6 +99,8 @@ class BuiltinEngine:
         self.model_name = model_name or getattr(getattr(model, "config", None), "name_or_path", "") or ""
         self.stats = EngineStats()
 
+        if attention == "auto":
+            attention = decode_attention_for(model.get_input_embeddings().weight.device, compile)
         # flex reads the cache in 128-key blocks, so its length is a whole number of blocks
         multiple = FLEX_BLOCK if attention == "flex" else 64
         max_len = -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple

@@ -46,9 +46,10 @@ class GenerateConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help("auto = bfloat16 on GPU, float32 on CPU"))
     cuda_graphs: bool = field(default=True, metadata=_help("capture the decode step in CUDA graphs (GPU only)"))
     compile: bool = field(default=True, metadata=_help("torch.compile the per-layer decode functions (GPU only)"))
-    attention: Literal["dense", "flex"] = field(default="dense", metadata=_help(
-        "built-in engine's decode attention: dense (SDPA over every slot's cache up to the longest row's bucket) "
-        "or flex (FlexAttention reading each slot's own 128-key blocks; compiled on GPU)"))
+    attention: Literal["auto", "dense", "flex"] = field(default="auto", metadata=_help(
+        "built-in engine's decode attention: dense (SDPA over every slot's cache up to the longest row's bucket), "
+        "flex (FlexAttention reading each slot's own 128-key blocks; compiled on GPU) or auto "
+        "(flex on a GPU with --compile, else dense)"))
 
     # HTTP engine
     base_url: str = field(default="http://localhost:8000/v1", metadata=_help("OpenAI-compatible server"))
