@@ -21,19 +21,20 @@ SEC=${LEVER_SECONDS:-100}; STEPS_N=${LEVER_STEPS:-400}; PER_GPU=${PER_GPU:-2}
 if [ "$STEPS_N" -gt 0 ]; then BOX=(--run.max_steps $STEPS_N --run.max_minutes 0 --optim.warmup_steps $((STEPS_N / 8))); LIMIT=900
 else BOX=(--run.max_minutes $(python3 -c "print($SEC/60)")); LIMIT=$((SEC + 90)); fi
 declare -A ARGS=(
-  [base]=""                                         # configs/smollm2-135m-diverse.yaml as is (5 layers, block 16, decay)
+  [base]=""                                         # configs/smollm2-135m-diverse.yaml as is (5 layers, block 16, cap+decay, packed target)
+  [decay]="--loss.weighting decay"                  # the 2026-12-01 table's base (with hf-target)
+  [hf-target]="--target.forward hf --target.compile false"
   [layers1]="--drafter.num_layers 1"
   [layers3]="--drafter.num_layers 3"
   [block8]="--drafter.block_size 8"
-  [cap]="--loss.weighting cap+decay"               # acceptance-aware
   [noise]="--step.noise_sigma 0.05"
   [lr3e-4]="--optim.lr 3e-4"
   [lr3e-3]="--optim.lr 3e-3"
   [init-spread]="--drafter.init_from_target spread"  # target layers 3 9 15 21 27
   [init-first]="--drafter.init_from_target layers --drafter.init_target_layers 0,1,2,3,4"
-  [packed]="--target.forward packed --target.compile true"  # a speed lever (issue 18): tok/s in last_metrics, tau unchanged
 )
-LEVERS=${LEVERS:-base layers1 layers3 block8 cap noise lr3e-4 lr3e-3 init-spread init-first}
+# cap+decay and the packed target were levers of the 2026-12-01 table and are now the config's
+LEVERS=${LEVERS:-base decay layers1 block8 lr3e-4 init-first}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
   rm -rf $dir; mkdir -p $dir
