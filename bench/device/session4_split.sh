@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/out}; LOG=$OUT/session4.log; W=${W:-/tmp/s4}; mkdir -p $OUT; rm 
 export PYTHONPATH=/tmp/site4:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
-  BIG=tiny; SMALL=tiny; DEV=cpu; COMPILE=""; BENCH_DEV="--device cpu"; export OMP_NUM_THREADS=1
+  BIG=tiny; SMALL=tiny; DEV=cpu; COMPILE=""; export OMP_NUM_THREADS=1
+  BENCH_DEV="--device cpu --tokens 512 --doc-len 40-120 --anchors 16 --block 4 --layers 1"  # the bench shape: 79 s a CPU step
 else
   BIG=qwen3-8b; SMALL=smollm2-135m; DEV=cuda; COMPILE="--compile"; BENCH_DEV=""
 fi

@@ -36,8 +36,12 @@ class PipelineConfig:
     """device: hidden states GPU to GPU over NCCL (ranks on distinct GPUs); host: through pinned
     host memory over gloo (always works; needed when a target and a drafter share one GPU,
     which NCCL refuses); auto picks per pair"""
-    timeout_s: float = 60.0
-    """a blocked collective or transfer fails after this long"""
+    timeout_s: float = 600.0
+    """a blocked collective or transfer fails after this long. It must exceed the longest wait a
+    live peer may cause: its first step's compilation (a CPU drafter step of the bench shape took
+    over 60 s and ended a split run with a gloo timeout), a target's compiled forward, a
+    checkpoint save. Dead or frozen processes are found sooner by the heartbeat
+    (dead_rank_timeout_s); this only ends a live rank stuck in a call that never returns"""
     startup_timeout_s: float = 1800.0
     """model loading may take long: the first barrier waits this long"""
     heartbeat_s: float = 1.0
