@@ -32,9 +32,11 @@ declare -A ARGS=(
   [lr3e-3]="--optim.lr 3e-3"
   [init-spread]="--drafter.init_from_target spread"  # target layers 3 9 15 21 27
   [init-first]="--drafter.init_from_target layers --drafter.init_target_layers 0,1,2,3,4"
+  [compiled]="--run.compile true"                   # speed (session7_train_speed.sh): tau should not move
+  [compiled-bf16]="--run.compile true --run.drafter_dtype bfloat16"
 )
 # cap+decay and the packed target were levers of the 2026-12-01 table and are now the config's
-LEVERS=${LEVERS:-base decay layers1 block8 lr3e-4 init-first}
+LEVERS=${LEVERS:-base compiled decay layers1 block8 lr3e-4 init-first compiled-bf16}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
   rm -rf $dir; mkdir -p $dir
