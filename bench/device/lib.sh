@@ -7,3 +7,13 @@ stage() {
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
   echo "=== $name rc=$? $(date +%T)" | tee -a "$LOG"
 }
+
+# `smol_hf`: the built-in SmolLM2 target as a bf16 Hugging Face folder in /tmp/smol/hf, once per
+# machine: the GGUF's two halves (part one left in /tmp/smol by an earlier call, part two carried
+# in .smol2) joined, checked and converted (~30 s). Needs gguf on PYTHONPATH.
+smol_hf() {
+  [ -f /tmp/smol/hf/model.safetensors ] && return 0
+  cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$LOG"
+  timeout 120 python3 bench/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> "$LOG" 2>&1
+}

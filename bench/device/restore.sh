@@ -12,12 +12,9 @@ if [ "${RESTORE:-2}" = 1 ]; then
 fi
 [ -f /tmp/smol/part_aa ] || { echo "FRESH MACHINE: run RESTORE=1 first" | tee -a $LOG; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
-if [ ! -f /tmp/smol/hf/model.safetensors ]; then
-  cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
-  sha256sum /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a $LOG
-  PYTHONPATH=/tmp/site:$PWD/src timeout 120 python3 bench/device/convert_smollm2.py \
-    /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> $LOG 2>&1
-fi
+export PYTHONPATH=/tmp/site:$PWD/src
+source bench/device/lib.sh
+smol_hf
 if [ ! -f /tmp/recipe/gen/gen-0.jsonl ]; then
   cat /tmp/smol/recipe.tar.xz.part_* .recipe2/recipe.tar.xz.part_* | xz -d | tar -C /tmp/recipe -xf -
 fi

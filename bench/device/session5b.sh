@@ -11,10 +11,8 @@ OUT=${OUT:-/tmp/out}; LOG=$OUT/session5b.log; W=/tmp/recipe; mkdir -p $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -f /tmp/smol/part_aa ] || [ ! -f $W/prompts/manifest.json ]; then echo "FRESH MACHINE: run call A first" | tee -a $LOG; exit 3; fi
-if [ ! -f /tmp/smol/hf/model.safetensors ]; then
-  cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
-  timeout 120 python3 bench/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> $LOG 2>&1
-fi
+source bench/device/lib.sh
+smol_hf
 gen() {  # SECONDS ATTENTION SLOTS: generation (resumes the same files), then its summary's rates
   echo "=== generate ${1}s, $2 attention, $3 slots $(date +%T)" | tee -a $LOG
   TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=$1 GEN_ATTENTION=$2 SLOTS=$3 MAX_NEW=${MAX_NEW:-512} \
