@@ -27,6 +27,7 @@ declare -A ARGS=(
   [layers1]="--drafter.num_layers 1"
   [layers3]="--drafter.num_layers 3"
   [block8]="--drafter.block_size 8"
+  [gamma4]="--loss.gamma 4"                         # block 8's decay (gamma 4) kept at block 16: is that block 8's gain?
   [noise]="--step.noise_sigma 0.05"
   [lr3e-4]="--optim.lr 3e-4"
   [lr3e-3]="--optim.lr 3e-3"
@@ -36,7 +37,7 @@ declare -A ARGS=(
   [compiled-bf16]="--run.compile true --run.drafter_dtype bfloat16"
 )
 # cap+decay and the packed target were levers of the 2026-12-01 table and are now the config's
-LEVERS=${LEVERS:-base compiled decay layers1 block8 lr3e-4 init-first compiled-bf16}
+LEVERS=${LEVERS:-base compiled gamma4 block8 decay layers1 lr3e-4 compiled-bf16}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
   rm -rf $dir; mkdir -p $dir
