@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.bench.cli import split_targets_tokens_per_s
 from dflash_train.pipeline.context import DistContext
-from dflash_train.pipeline.report import pipeline_report
+from dflash_train.pipeline.report import pipeline_report, targets_tokens_per_s
+from dflash_train.train.run import print_summary
 
 
 def split_ctx(targets: int, drafters: int) -> DistContext:
@@ -50,15 +50,29 @@ def test_split_bench_reports_what_the_targets_sustain_when_the_drafters_ate_a_qu
     report = pipeline_report(split_ctx(1, 1), ranks([281.56], [212.64], t_wait=29.6, d_wait=1.2))
     assert report["targets_batches_per_s"] == pytest.approx(1000 / 281.56)
     assert report["drafters_batches_per_s"] == pytest.approx(1000 / 212.64)
-    assert split_targets_tokens_per_s(report, 8192) == pytest.approx(8192 * 1000 / 281.56)  # 29,095
+    assert targets_tokens_per_s(report, 8192) == pytest.approx(8192 * 1000 / 281.56)  # 29,095
     # several targets add up: 5 at 500 ms feed 10 batches/s
     report = pipeline_report(split_ctx(5, 3), ranks([500.0] * 5, [200.0] * 3, t_wait=0.0, d_wait=9.0))
-    assert split_targets_tokens_per_s(report, 100) == pytest.approx(1000.0)
+    assert targets_tokens_per_s(report, 100) == pytest.approx(1000.0)
 
 
 def test_no_target_rate_without_a_split_or_without_busy_times():
     colocated = DistContext(layout="colocated", world=2, target_ranks=[0, 1], drafter_ranks=[0, 1])
-    assert split_targets_tokens_per_s(pipeline_report(colocated, []), 8192) is None
-    assert split_targets_tokens_per_s({}, 8192) is None  # a single process has no pipeline report
+    assert targets_tokens_per_s(pipeline_report(colocated, []), 8192) is None
+    assert targets_tokens_per_s({}, 8192) is None  # a single process has no pipeline report
     idle = pipeline_report(split_ctx(1, 1), ranks([0.0], [0.0], t_wait=0.5, d_wait=4.0))
-    assert split_targets_tokens_per_s(idle, 8192) is None
+    assert targets_tokens_per_s(idle, 8192) is None
+
+
+def test_a_short_split_runs_summary_says_what_the_targets_sustain(capsys):
+    # SmolLM2 split 1+1 on two H200s: 12 steps of 2,048 tokens at 176K tok/s, the target needs
+    # 13.67 ms a batch (73.16 batches/s: 149.8K tok/s)
+    report = pipeline_report(split_ctx(1, 1), ranks([13.669], [12.486], t_wait=6.7, d_wait=0.3))
+    report["ranks"][1]["batches"] = 12
+    summary = {"steps": 12, "tokens": 24576, "elapsed_s": 0.1396, "tok_per_s": 176078.0, "pipeline": report,
+               "checkpoint": "runs/x/checkpoints/step-00000012"}
+    print_summary(summary)
+    assert "split: the targets sustain 149,828 tok/s" in capsys.readouterr().out
+    # a long run: the measured rate within 5% of what the targets sustain, no correction printed
+    print_summary({**summary, "tok_per_s": 1.04 * 73.159 * 2048})
+    assert "sustain" not in capsys.readouterr().out

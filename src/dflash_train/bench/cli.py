@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 
 from dflash_train.bench.flops import step_flops
+from dflash_train.pipeline.report import targets_tokens_per_s
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
@@ -213,7 +214,7 @@ def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
     drafters = cfg.pipeline.drafter_ranks if args.layout == "split" else world
     tok_s = drafters_tok_s = tokens / max(seconds, 1e-9)
     report = summary.get("pipeline") or {}
-    targets_tok_s = split_targets_tokens_per_s(report, args.tokens)
+    targets_tok_s = targets_tokens_per_s(report, args.tokens)
     if targets_tok_s is not None:
         tok_s = min(tok_s, targets_tok_s)
     achieved = tok_s * flops["per_token"] / 1e12
@@ -237,19 +238,6 @@ def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
         "pipeline": report.get("ranks"), "bottleneck": report.get("text"),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def split_targets_tokens_per_s(report: dict, tokens_per_batch: int) -> float | None:
-    """split: the tokens per second the target ranks sustain (their batches per second of work,
-    from the pipeline report, times the tokens of a batch), or None for other layouts.
-
-    The end-to-end rate of a split run is the lower of this and what the drafters measured. A
-    short bench cannot measure it directly: while the drafters compile, the targets fill the
-    queues, and the drafters' measured steps then eat that stock faster than the targets refill
-    it (H200, qwen3-8b, 1+1: the drafters measured 39.4K tok/s on 5 + 10 steps; the target
-    sustains 29.1K)."""
-    rate = report.get("targets_batches_per_s")
-    return rate * tokens_per_batch if rate else None
 
 
 def settings_of(args: BenchConfig) -> dict:

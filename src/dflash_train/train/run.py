@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dflash_train.data.splits import open_data
 from dflash_train.pipeline.context import DistContext, init_distributed, shutdown
-from dflash_train.pipeline.report import pipeline_report
+from dflash_train.pipeline.report import pipeline_report, targets_tokens_per_s
 from dflash_train.pipeline.target_worker import TargetWorker
 from dflash_train.target.loading import load_target_model, open_target, tokenizer_identity
 from dflash_train.train import setup
@@ -112,6 +112,12 @@ def print_summary(summary: dict) -> None:
     lines = ["", "training summary", "----------------"]
     lines.append(f"steps {summary['steps']}, {summary['tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
                  f"({summary['tok_per_s']:,.0f} tok/s)")
+    pipe = summary.get("pipeline") or {}
+    batches = sum(r.get("batches", 0) for r in pipe.get("ranks") or [] if r.get("role") == "drafter")
+    sustained = targets_tokens_per_s(pipe, summary["tokens"] / batches) if batches else None
+    if sustained is not None and summary["tok_per_s"] > 1.05 * sustained:  # a start-up stock, not bf16 jitter
+        lines.append(f"split: the targets sustain {sustained:,.0f} tok/s; the rate above includes batches they "
+                     f"queued while the drafters started (it falls to that in a longer run)")
     if "loss" in summary:
         lines.append(f"last window: loss {summary['loss']:.4f}, tau {summary['tau']:.3f} ({summary.get('labels', 0):,.0f} labels)")
     if summary.get("eval"):
