@@ -110,14 +110,15 @@ def run_training(cfg: TrainConfig, *, resume: bool | str) -> int:
 
 def print_summary(summary: dict) -> None:
     lines = ["", "training summary", "----------------"]
+    window = summary.get("last_window_tok_per_s")
     lines.append(f"steps {summary['steps']}, {summary['tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
-                 f"({summary['tok_per_s']:,.0f} tok/s)")
+                 f"({summary['tok_per_s']:,.0f} tok/s" + (f"; last log window {window:,.0f})" if window else ")"))
     pipe = summary.get("pipeline") or {}
     batches = sum(r.get("batches", 0) for r in pipe.get("ranks") or [] if r.get("role") == "drafter")
     sustained = targets_tokens_per_s(pipe, summary["tokens"] / batches) if batches else None
-    if sustained is not None and summary["tok_per_s"] > 1.05 * sustained:  # a start-up stock, not bf16 jitter
-        lines.append(f"split: the targets sustain {sustained:,.0f} tok/s; the rate above includes batches they "
-                     f"queued while the drafters started (it falls to that in a longer run)")
+    if sustained is not None and window and window > 1.05 * sustained:  # a start-up stock, not bf16 jitter
+        lines.append(f"split: the targets sustain {sustained:,.0f} tok/s; the last window's rate includes "
+                     f"batches they queued while the drafters started (it falls to that in a longer run)")
     if "loss" in summary:
         lines.append(f"last window: loss {summary['loss']:.4f}, tau {summary['tau']:.3f} ({summary.get('labels', 0):,.0f} labels)")
     if summary.get("eval"):

@@ -253,9 +253,12 @@ class Trainer:
     def _finish(self, metrics: MetricsLogger, interrupted_by: str | None, path: Path | None, last: dict,
                 transport: dict) -> dict:
         state, D = self.state, self.ctx.num_drafters
-        summary = {"steps": state.step, "tokens": state.tokens * D, "elapsed_s": state.elapsed_s,
+        # `last` (the last log window's metrics) carries its own tok_per_s: kept apart from the
+        # run's average, which the summary line prints beside the run's tokens and seconds
+        summary = {**last, "last_window_tok_per_s": last.get("tok_per_s"),
+                   "steps": state.step, "tokens": state.tokens * D, "elapsed_s": state.elapsed_s,
                    "tok_per_s": state.tokens * D / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
-                   "interrupted_by": interrupted_by, "bad_steps": state.bad_steps_total, **last,
+                   "interrupted_by": interrupted_by, "bad_steps": state.bad_steps_total,
                    "transport": transport, "consumed": self.consumed.as_dict()}
         if interrupted_by is None and state.step < self.total_steps:
             metrics.line(f"stopped at step {state.step} of {self.total_steps}: run.max_minutes="
