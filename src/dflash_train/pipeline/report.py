@@ -47,7 +47,6 @@ def pipeline_report(ctx: DistContext, ranks: list[dict]) -> dict:
     return out
 
 
-
 def targets_tokens_per_s(report: dict, tokens_per_batch: float) -> float | None:
     """split: the tokens per second the target ranks sustain (their batches per second of work
     times the tokens of a batch), or None for other layouts or without busy times.
