@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # H200 (issue 17): how fast the SmolLM2 recipe can train, per drafter mode, before spending a
 # session's minutes on it. `dflash-train bench --preset smollm2-135m` (random weights of
-# SmolLM2-135M's shape) at the recipe's drafter (5 layers, block 16, 512 anchors per 8,192-token
-# row of 200-800-token documents, target labels), alone on the GPU, one row per mode:
+# SmolLM2-135M's shape) at the recipe's drafter and step (5 layers, block 16, 32,768 tokens of
+# 200-800-token documents and 2,048 anchors per step, target labels), alone on the GPU, one row
+# per mode. The step's size matters at this model size: a step is launch-bound, and one 8,192-token
+# row per step measured 79K tok/s where the recipe's 4 rows per step trained at 212K (session 8):
 #   recipe-before  HF target forward, eager fp32-master drafter (the config until 2026-12-01)
 #   recipe         packed compiled target forward, eager drafter (configs/smollm2-135m-diverse.yaml)
 #   compiled       + run.compile (fixed shapes, compiled drafter)
@@ -18,7 +20,7 @@ if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
   export OMP_NUM_THREADS=1
 else
-  SHAPE=(--preset smollm2-135m --tokens 8192 --doc-len 200-800 --warmup 10 --measure 30)
+  SHAPE=(--preset smollm2-135m --tokens 32768 --anchors 2048 --doc-len 200-800 --warmup 10 --measure 30)
 fi
 B=($PY -m dflash_train bench "${SHAPE[@]}")
 PACKED=(--target-forward packed --target-compile)
