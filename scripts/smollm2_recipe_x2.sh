@@ -25,6 +25,7 @@ SLOTS=${SLOTS:-768}                # generation slots per GPU (flex: 28.7K new t
 GEN_ATTENTION=${GEN_ATTENTION:-auto}  # generation's decode attention: auto (flex on a GPU), dense or flex (generate --attention)
 GEN_LIMIT=${GEN_LIMIT:-0}          # stop generating after this many seconds (0 = no limit; resumable)
 TRAIN_MINUTES=${TRAIN_MINUTES:-0}  # 0 = the config's run.max_minutes
+MIX=${MIX:-}                       # data mix of the training rows, SOURCE=WEIGHT,... (scripts/split_generated.py --weights)
 EVAL_NEW=${EVAL_NEW:-256}
 EVAL_PROMPTS=${EVAL_PROMPTS:-0}     # HumanEval and chat prompts in the eval (0 = all)
 EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-64}  # held-out (and training) prompts per source in the eval
@@ -61,7 +62,7 @@ fi
 
 if has prepare; then
   echo "== HumanEval guard on every user turn (self-instructed ones included), then prepare"
-  $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl
+  $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl ${MIX:+--weights "$MIX"}
   $DFT prompts --check "$WORK/gen/train.jsonl"
   for part in train heldout; do
     out=$WORK/data; [ "$part" = heldout ] && out=$WORK/data-heldout

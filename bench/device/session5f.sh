@@ -35,12 +35,28 @@ declare -A ARGS=(
   [init-first]="--drafter.init_from_target layers --drafter.init_target_layers 0,1,2,3,4"
   [compiled]="--run.compile true"                   # speed (session7_train_speed.sh): tau should not move
   [compiled-bf16]="--run.compile true --run.drafter_dtype bfloat16"
+  [anchors1024]="--step.num_anchors 1024"           # twice the supervised blocks per target forward
 )
+# data-mix levers: the training rows re-weighted by source (scripts/split_generated.py --weights),
+# prepared into $W/data-<lever> first; session 7's data: package-code 51% of the rows, math 25%,
+# self-instructed chats 12%, stdlib-code 8%, docs 4%
+declare -A MIXES=(
+  [mix-chat3]="self-instruct=3"    # chats to 29% of the rows
+  [mix-nopkg]="package-code=0"     # without package-code
+  [mix-pkg-half]="package-code=0.5"
+)
+for name in "${!MIXES[@]}"; do ARGS[$name]="--data.path $W/data-$name"; done
 # cap+decay and the packed target were levers of the 2026-12-01 table and are now the config's
 LEVERS=${LEVERS:-base compiled gamma4 block8 decay layers1 lr3e-4 compiled-bf16}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
   rm -rf $dir; mkdir -p $dir
+  if [ -n "${MIXES[$name]:-}" ] && [ ! -f $W/data-$name/manifest.json ]; then
+    python3 scripts/split_generated.py $W/gen/train-$name.jsonl $dir/heldout.jsonl $W/gen/gen-*.jsonl \
+      --weights "${MIXES[$name]}" >> $dir/lever.log 2>&1 &&
+    python3 -m dflash_train prepare $W/gen/train-$name.jsonl --target /tmp/smol/hf --output $W/data-$name --overwrite \
+      --no-progress --skip-bad-rows >> $dir/lever.log 2>&1 || echo "prepare $name rc=$?" >> $LOG
+  fi
   CUDA_VISIBLE_DEVICES=$gpu timeout $LIMIT python3 -m dflash_train train --config configs/smollm2-135m-diverse.yaml \
     --target.path /tmp/smol/hf --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir $dir \
     "${BOX[@]}" --run.eval_every 0 --run.save_every_minutes 0 --run.progress false ${ARGS[$name]} >> $dir/lever.log 2>&1 || echo "train $name rc=$?" >> $LOG
