@@ -78,11 +78,14 @@ class Window:
     def __init__(self) -> None:
         self.stats: list[StepStats] = []
         self.tokens = 0
+        self.steps = 0
         self.start = time.perf_counter()
 
     def add(self, micro: list[StepStats], tokens: int) -> None:
+        """One optimizer step's micro-batches."""
         self.stats.extend(micro)
         self.tokens += tokens
+        self.steps += 1
 
     def tok_per_s(self, num_drafters: int) -> float:
         return self.tokens * num_drafters / max(time.perf_counter() - self.start, 1e-9)

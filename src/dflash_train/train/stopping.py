@@ -71,6 +71,10 @@ class StopControl:
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start
 
+    def session_elapsed_s(self) -> float:
+        """Seconds since this process started training: run.max_minutes counts from here."""
+        return time.perf_counter() - self.session_start
+
     def saved(self) -> None:
         self.last_save = time.perf_counter()
 
@@ -92,3 +96,25 @@ class StopControl:
             self.reason = self.reason or self.signals.received or (
                 "stop request" if stop_requested or redo else "a stop on another rank")
         return agreed
+
+
+def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
+                 margin: float = 0.95) -> str | None:
+    """A line of advice when the learning-rate schedule does not fit run.max_minutes at the measured
+    rate: the box will stop the run before the cosine has decayed (the drafter ends at a high
+    learning rate), or the schedule ends with over a quarter of the box unused. The suggested
+    run.max_steps fills `margin` of the time left (evaluations and saves take the rest). None when
+    there is no box or the schedule fits it."""
+    if not max_minutes or steps_per_s <= 0 or step >= total:
+        return None
+    left_s = max(max_minutes * 60 - session_elapsed_s, 0.0)
+    need_s = (total - step) / steps_per_s
+    fits = step + int(steps_per_s * left_s * margin)
+    head = (f"schedule: {total - step:,} more steps need ~{need_s / 60:.1f} min at the measured {steps_per_s:.2f} "
+            f"steps/s; {left_s / 60:.1f} min of run.max_minutes={max_minutes:g} are left")
+    if need_s > left_s:
+        return (f"{head}: the time box will stop the run near step {fits:,} of {total:,}, before the learning rate "
+                f"has decayed; --run.max_steps {fits:,} fits the schedule to the box")
+    if need_s < 0.75 * left_s:
+        return f"{head}: --run.max_steps {fits:,} (more epochs, or more data) would use the box"
+    return None

@@ -39,7 +39,7 @@ from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.step import apply_gradients, batch_seed, micro_step
-from dflash_train.train.stopping import StopControl
+from dflash_train.train.stopping import StopControl, schedule_fit
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
@@ -136,7 +136,7 @@ class Trainer:
         metrics.truncate_after(state.step)
         source = setup.build_batch_source(cfg, self.ctx, self.data, self.target, self.drafter_config,
                                           start=(state.epoch, state.index), budget=self.remaining_batches)
-        window, last, exhausted = Window(), {}, False
+        window, last, exhausted, windows = Window(), {}, False, 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with StopControl(cfg.run, self.ctx, elapsed_before_s=state.elapsed_s, signals=self.signals) as control:
@@ -168,6 +168,12 @@ class Trainer:
                                                                                     if k in last}})
                     if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
                         last = self._log_window(metrics, window, timer, float(step.grad_norm))
+                        windows += 1
+                        if windows == 2:  # the first window holds the compiles: the second one's rate is the run's
+                            metrics.line(schedule_fit(step=state.step, total=self.total_steps,
+                                                      steps_per_s=window.steps / max(last["window_s"], 1e-9),
+                                                      session_elapsed_s=control.session_elapsed_s(),
+                                                      max_minutes=cfg.run.max_minutes) or "")
                         window = Window()
                     if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
                         self.evaluate(metrics)
