@@ -36,6 +36,9 @@ declare -A ARGS=(
   [compiled]="--run.compile true"                   # speed (session7_train_speed.sh): tau should not move
   [compiled-bf16]="--run.compile true --run.drafter_dtype bfloat16"
   [anchors1024]="--step.num_anchors 1024"           # twice the supervised blocks per target forward
+  [layers8]="--drafter.num_layers 8"                # capacity: 3 layers lost 6% against 5 (2026-12-01 table)
+  [mlp3x]="--drafter.intermediate_size 4608"        # capacity at nearly no time: SmolLM2's MLP is 1,536 wide
+  [taps10]="--drafter.num_taps 10"                  # twice the target layers in the context features
 )
 # data-mix levers: the training rows re-weighted by source (scripts/split_generated.py --weights),
 # prepared into $W/data-<lever> first; session 7's data: package-code 51% of the rows, math 25%,
