@@ -1,15 +1,21 @@
-"""The trainer's advice when the learning-rate schedule and run.max_minutes do not fit each other
-(train/stopping.py: schedule_fit), with exact values, and the line in a real CPU run."""
+"""The learning-rate schedule against run.max_minutes (train/stopping.py): the advice when they do not
+fit each other, and run.fit_schedule, which fits one to the other once; exact values, real CPU runs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import shutil
 
-from dflash_train.train.stopping import schedule_fit
+import pytest
+
+import dflash_train.train.trainer as trainer_mod
+from dflash_train.train.checkpoint import latest_checkpoint, step_dir_name
+from dflash_train.train.stopping import fitted_total, schedule_fit
 from dflash_train.train.trainer import Trainer
 
-from .test_trainer import make_config
+from .test_trainer import make_config, read_metrics
 
 
 def test_a_schedule_longer_than_the_box_is_cut_and_the_fitting_step_count_named() -> None:
@@ -49,3 +55,61 @@ def test_a_cpu_run_with_a_long_box_prints_the_advice_after_its_second_log_window
     assert len(lines) == 1, lines  # once, at step 2
     m = re.search(r"^schedule: 2 more steps need .* --run\.max_steps ([\d,]+) \(more epochs", lines[0])
     assert m and int(m.group(1).replace(",", "")) > 4
+
+
+def test_fitted_total_is_capped_by_the_most_the_run_does_and_moves_at_least_one_step() -> None:
+    assert fitted_total(step=200, total=5000, steps_per_s=4.0, session_elapsed_s=200.0, max_minutes=10) == 1720
+    assert fitted_total(step=200, total=1000, steps_per_s=4.0, session_elapsed_s=200.0, max_minutes=10) == 1000
+    assert fitted_total(step=200, total=1000, steps_per_s=4.0, session_elapsed_s=900.0, max_minutes=10) == 201
+
+
+def fit_config(targets, datasets, out, **extra):
+    return make_config(targets["llama"], datasets["llama"], out, **{
+        "run.max_steps": 20, "run.max_minutes": 30, "run.fit_schedule": True, "run.log_every": 1,
+        "run.save_every": 4, "optim.warmup_steps": 2, "optim.min_lr_ratio": 0.1, **extra})
+
+
+def test_a_fitted_schedule_is_the_run_that_had_that_many_steps_from_the_start(
+        tiny_targets, tiny_datasets, tmp_path, monkeypatch, caplog) -> None:
+    """The fit happens at step 2, still in the warm-up, so the fitted run must equal, step for step,
+    a run configured with the fitted length (the reference); the checkpoint keeps the length."""
+    calls = []
+    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: calls.append(box) or 7)
+    with caplog.at_level(logging.INFO):
+        summary = Trainer(fit_config(tiny_targets, tiny_datasets, tmp_path / "fit")).fit()
+    assert [c["step"] for c in calls] == [2] and calls[0]["total"] == 20
+    assert any(r.getMessage().startswith("schedule fitted to run.max_minutes=30: 7 steps (the most was 20)")
+               for r in caplog.records)
+    assert summary["steps"] == 7
+    Trainer(make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "ref", **{
+        "run.max_steps": 7, "run.log_every": 1, "run.save_every": 4, "optim.warmup_steps": 2,
+        "optim.min_lr_ratio": 0.1})).fit()
+    fit, ref = read_metrics(tmp_path / "fit"), read_metrics(tmp_path / "ref")
+    assert sorted(fit) == sorted(ref) == list(range(1, 8))
+    for step in ref:
+        assert fit[step]["lr"] == ref[step]["lr"] and fit[step]["loss"] == ref[step]["loss"], step
+    assert fit[7]["lr"] == pytest.approx(0.1 * 3e-3)  # the cosine ran to its end
+    assert json.loads((latest_checkpoint(tmp_path / "fit" / "checkpoints") / "state.json").read_text()
+                      )["train_state"]["fitted_total"] == 7
+
+
+def test_a_resumed_run_keeps_its_fitted_schedule(tiny_targets, tiny_datasets, tmp_path, monkeypatch) -> None:
+    out = tmp_path / "fit"
+    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: 7)
+    Trainer(fit_config(tiny_targets, tiny_datasets, out)).fit()
+    before = read_metrics(out)
+    for step_dir in (out / "checkpoints").iterdir():  # back to the step-4 checkpoint, as if stopped there
+        if step_dir.name != step_dir_name(4):
+            shutil.rmtree(step_dir)
+    shutil.rmtree(out / "final")
+    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: pytest.fail("the schedule was fitted again"))
+    summary = Trainer(fit_config(tiny_targets, tiny_datasets, out), resume=True).fit()
+    after = read_metrics(out)
+    assert summary["steps"] == 7 and sorted(after) == list(range(1, 8))
+    assert all(after[s]["lr"] == before[s]["lr"] for s in range(5, 8))
+
+
+def test_fit_schedule_without_a_time_box_keeps_max_steps(tiny_targets, tiny_datasets, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: pytest.fail("fitted without a time box"))
+    cfg = fit_config(tiny_targets, tiny_datasets, tmp_path / "x", **{"run.max_minutes": 0, "run.max_steps": 3})
+    assert Trainer(cfg).fit()["steps"] == 3

@@ -61,6 +61,7 @@ class TrainState:
     batches: int = 0  # micro-batches consumed (skipped steps included)
     bad_steps_total: int = 0
     elapsed_s: float = 0.0
+    fitted_total: int = 0  # the schedule's length fitted to the time box (run.fit_schedule); 0 = not fitted
 
 
 def capture_rng() -> tuple[dict, dict]:

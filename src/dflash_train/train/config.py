@@ -78,6 +78,11 @@ class RunConfig:
     """passes over the training data when max_steps is not set"""
     max_minutes: float = 0.0
     """stop (checkpoint, final drafter, evaluation) after this much training time; 0 = no limit"""
+    fit_schedule: bool = False
+    """with max_minutes: once the rate is measured (the second log window), shorten the schedule
+    (max_steps, or the epochs' steps: the most the run does) to what 95% of the time box holds, so
+    the learning rate has decayed when the box ends; the fitted length is kept across resumes. No
+    effect without a box (a short run with run.max_minutes 0 keeps its max_steps)"""
     seed: int = 0
     """seed of initialisation, anchors, noise and the eval split"""
     device: str = "auto"

@@ -62,6 +62,10 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
 
+    def set_total(self, total_steps: int) -> None:
+        self.bar.total = total_steps
+        self.bar.refresh()
+
     def line(self, text: str) -> None:
         if self.enabled and text:
             log.info("%s", text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +24,7 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: Callable[[], int]):
+    """`total_steps` is read at every step: run.fit_schedule may shorten the schedule once, mid-run."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, warmup=cfg.warmup_steps, total=total_steps(), min_ratio=cfg.min_lr_ratio))

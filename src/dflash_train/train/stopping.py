@@ -98,6 +98,21 @@ class StopControl:
         return agreed
 
 
+def steps_in_box(*, step: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
+                 margin: float = 0.95) -> int:
+    """The step the run reaches when `margin` of the time box left is spent at the measured rate
+    (evaluations and saves take the rest)."""
+    left_s = max(max_minutes * 60 - session_elapsed_s, 0.0)
+    return step + int(steps_per_s * left_s * margin)
+
+
+def fitted_total(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float) -> int:
+    """run.fit_schedule: the schedule's length that the time box holds, at most `total` (the most
+    the run does) and at least one step more than done."""
+    fits = steps_in_box(step=step, steps_per_s=steps_per_s, session_elapsed_s=session_elapsed_s, max_minutes=max_minutes)
+    return max(step + 1, min(total, fits))
+
+
 def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
                  margin: float = 0.95) -> str | None:
     """A line of advice when the learning-rate schedule does not fit run.max_minutes at the measured
@@ -109,7 +124,8 @@ def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s
         return None
     left_s = max(max_minutes * 60 - session_elapsed_s, 0.0)
     need_s = (total - step) / steps_per_s
-    fits = step + int(steps_per_s * left_s * margin)
+    fits = steps_in_box(step=step, steps_per_s=steps_per_s, session_elapsed_s=session_elapsed_s,
+                        max_minutes=max_minutes, margin=margin)
     head = (f"schedule: {total - step:,} more steps need ~{need_s / 60:.1f} min at the measured {steps_per_s:.2f} "
             f"steps/s; {left_s / 60:.1f} min of run.max_minutes={max_minutes:g} are left")
     if need_s > left_s:

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from dflash_train.data.splits import open_data
@@ -39,7 +40,7 @@ from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.step import apply_gradients, batch_seed, micro_step
-from dflash_train.train.stopping import StopControl, schedule_fit
+from dflash_train.train.stopping import StopControl, fitted_total, schedule_fit
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
@@ -102,7 +103,7 @@ class Trainer:
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.state = TrainState()
         if resume_from is not None:
             self.state = load_checkpoint(resume_from, drafter=self.drafter, optimizer=self.optimizer,
@@ -112,6 +113,8 @@ class Trainer:
             if self.init_layers:
                 log.info("drafter.init_from_target=%s not applied: the run continues from its checkpoint's weights",
                          cfg.drafter.init_from_target)
+            if self.state.fitted_total:  # run.fit_schedule fitted it before: the schedule continues as fitted
+                self.total_steps = min(self.total_steps, self.state.fitted_total)
         self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
         if ctx.layout == "split":
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
@@ -170,10 +173,7 @@ class Trainer:
                         last = self._log_window(metrics, window, timer, float(step.grad_norm))
                         windows += 1
                         if windows == 2:  # the first window holds the compiles: the second one's rate is the run's
-                            metrics.line(schedule_fit(step=state.step, total=self.total_steps,
-                                                      steps_per_s=window.steps / max(last["window_s"], 1e-9),
-                                                      session_elapsed_s=control.session_elapsed_s(),
-                                                      max_minutes=cfg.run.max_minutes) or "")
+                            self._check_schedule(metrics, control, window.steps / max(last["window_s"], 1e-9))
                         window = Window()
                     if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
                         self.evaluate(metrics)
@@ -212,6 +212,22 @@ class Trainer:
                                         loss_cfg=cfg.loss, device=self.device, timer=timer,
                                         seed=batch_seed(cfg.run.seed, batch.epoch, global_index)))
         return micro, tokens, redo, False
+
+    def _check_schedule(self, metrics: MetricsLogger, control: StopControl, steps_per_s: float) -> None:
+        """Against the time box, once: fit the schedule to it (run.fit_schedule), or say when it does not fit."""
+        run, state = self.cfg.run, self.state
+        box = dict(step=state.step, total=self.total_steps, steps_per_s=steps_per_s,
+                   session_elapsed_s=control.session_elapsed_s(), max_minutes=run.max_minutes)
+        if not (run.fit_schedule and run.max_minutes and not state.fitted_total):
+            metrics.line(schedule_fit(**box) or "")
+            return
+        fitted = torch.tensor(fitted_total(**box), device=self.device)
+        if self.ctx.num_drafters > 1:  # the replicas must end at one step: the slowest one's count
+            dist.all_reduce(fitted, op=dist.ReduceOp.MIN, group=self.ctx.drafters)
+        metrics.line(f"schedule fitted to run.max_minutes={run.max_minutes:g}: {int(fitted):,} steps (the most was "
+                     f"{self.total_steps:,}) at the measured {steps_per_s:.2f} steps/s")
+        self.total_steps = state.fitted_total = int(fitted)
+        metrics.set_total(self.total_steps)
 
     def _skip_nonfinite(self, metrics: MetricsLogger) -> None:
         self.bad_in_a_row += 1
