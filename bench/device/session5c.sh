@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # H200 session 5, call C (right after B): HumanEval guard on the generated user
 # turns, prepare (train + held-out datasets), then training on both GPUs (torchrun, colocated)
-# for TRAIN_MINUTES (default 7; TRAIN_ARGS="--run.max_steps N" sizes the LR schedule to the time box);
-# call D resumes it to the config's 15 minutes. ~9 min.
+# for TRAIN_MINUTES (default 7; the config's run.fit_schedule sizes the LR schedule to that box).
+# Call D can resume it for more minutes only when C did not fit the schedule to its own box:
+# TRAIN_ARGS="--run.fit_schedule false --run.max_steps N" for a C + D chain. ~9 min.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session5c.log; W=/tmp/recipe; mkdir -p $OUT

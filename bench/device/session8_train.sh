@@ -28,7 +28,8 @@ if mode == "auto":
     mode = "compiled" if rate.get("compiled", 0) >= 1.15 * rate.get("recipe", float("inf")) else "recipe"
 tok_s = rate.get(mode, 90_000)  # 90K: an eager lever run's rate on a shared H200 (session 7)
 steps = int(0.85 * tok_s * total_min * 60 / 32768)  # the config's token budget per step
-args = f"--run.max_steps {steps}" + (" --run.compile true" if mode == "compiled" else "")
+# the schedule spans both parts (B and a resume in C): sized here, not fitted to B's box
+args = f"--run.fit_schedule false --run.max_steps {steps}" + (" --run.compile true" if mode == "compiled" else "")
 print(args)
 print(f"mode {mode} at {tok_s:,.0f} tok/s (rows: {rate}) -> {steps} steps in {total_min:g} min", file=sys.stderr)
 PY
