@@ -61,6 +61,7 @@ def test_fitted_total_is_capped_by_the_most_the_run_does_and_moves_at_least_one_
     assert fitted_total(step=200, total=5000, steps_per_s=4.0, session_elapsed_s=200.0, max_minutes=10) == 1720
     assert fitted_total(step=200, total=1000, steps_per_s=4.0, session_elapsed_s=200.0, max_minutes=10) == 1000
     assert fitted_total(step=200, total=1000, steps_per_s=4.0, session_elapsed_s=900.0, max_minutes=10) == 201
+    assert fitted_total(step=1000, total=1000, steps_per_s=4.0, session_elapsed_s=900.0, max_minutes=10) == 1000
 
 
 def fit_config(targets, datasets, out, **extra):

@@ -108,9 +108,9 @@ def steps_in_box(*, step: int, steps_per_s: float, session_elapsed_s: float, max
 
 def fitted_total(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float) -> int:
     """run.fit_schedule: the schedule's length that the time box holds, at most `total` (the most
-    the run does) and at least one step more than done."""
+    the run does) and, below that, at least one step more than done."""
     fits = steps_in_box(step=step, steps_per_s=steps_per_s, session_elapsed_s=session_elapsed_s, max_minutes=max_minutes)
-    return max(step + 1, min(total, fits))
+    return min(total, max(step + 1, fits))
 
 
 def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
