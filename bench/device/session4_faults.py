@@ -1,12 +1,13 @@
-"""Session 4 (issue 16): stops and deaths on 2 ranks, timed from outside.
+"""Session 4 (issue 16) and the scaling session (issue 19): stops and deaths, timed from outside.
 
-    python3 bench/device/session4_faults.py WORKDIR OUT -m dflash_train train ARGS...
+    [NPROC=8 SPLIT="5 3" KILL_RANK=5] python3 bench/device/session4_faults.py WORKDIR OUT -m dflash_train train ARGS...
 
-For colocated x2 and split 1+1: SIGTERM to torchrun once 5 steps are logged (time to exit,
-exit code, checkpoints written, then `--resume` for 3 more steps: the first resumed step
-must be the checkpoint's + 1); and for colocated x2 a SIGKILL of rank 1 (time until every
-process is gone, whether the survivor named the dead rank). One JSON line per case is
-printed ("FAULT ...") and all of them go to OUT/faults.json.
+For colocated on NPROC ranks (default 2) and split T+D (SPLIT, default "1 1"): SIGTERM to
+torchrun once 5 steps are logged (time to exit, exit code, checkpoints written, then
+`--resume` for 3 more steps: the first resumed step must be the checkpoint's + 1); and for
+colocated a SIGKILL of rank KILL_RANK (default 1; time until every process is gone, whether a
+survivor named the dead rank). One JSON line per case is printed ("FAULT ...") and all of them
+go to OUT/faults.json.
 """
 
 import json
@@ -18,8 +19,13 @@ import time
 from pathlib import Path
 
 
+NPROC = int(os.environ.get("NPROC", "2"))
+SPLIT = os.environ.get("SPLIT", "1 1").split()
+KILL_RANK = int(os.environ.get("KILL_RANK", "1"))
+
+
 def torchrun(args, out, log):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--master-port",
            str(29500 + os.getpid() % 1000), *args, "--run.output_dir", str(out)]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -54,12 +60,13 @@ def rank_pid(launcher_pid, rank):
 def main():
     work, out_dir, args = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     layouts = {"colocated": ["--pipeline.layout", "colocated"],
-               "split": ["--pipeline.layout", "split", "--pipeline.target_ranks", "1", "--pipeline.drafter_ranks", "1"]}
+               "split": ["--pipeline.layout", "split", "--pipeline.target_ranks", SPLIT[0],
+                         "--pipeline.drafter_ranks", SPLIT[1]]}
     results = []
     for name, extra in layouts.items():
         out, log = work / f"term_{name}", work / f"term_{name}.log"
         proc = torchrun([*args, *extra], out, log)
-        r = {"case": f"sigterm_torchrun_{name}", "started": wait_steps(proc, out, 5)}
+        r = {"case": f"sigterm_torchrun_{name}_x{NPROC}", "started": wait_steps(proc, out, 5)}
         last = max(steps(out), default=0)
         if proc.poll() is not None:  # it never ran: keep why, go on with the next case
             r.update(exit_code=proc.returncode, log_tail=log.read_text(errors="replace")[-800:])
@@ -87,15 +94,15 @@ def main():
 
     out, log = work / "kill_colocated", work / "kill_colocated.log"
     proc = torchrun([*args, *layouts["colocated"]], out, log)
-    r = {"case": "sigkill_rank1_colocated", "started": wait_steps(proc, out, 5)}
-    victim = rank_pid(proc.pid, 1)
+    r = {"case": f"sigkill_rank{KILL_RANK}_colocated_x{NPROC}", "started": wait_steps(proc, out, 5)}
+    victim = rank_pid(proc.pid, KILL_RANK)
     if victim:
         os.kill(victim, signal.SIGKILL)
         t = time.time()
         proc.wait(timeout=120)
         text = log.read_text(errors="replace")
         r.update(seconds_to_all_exit=round(time.time() - t, 2), exit_code=proc.returncode,
-                 survivor_named_rank1="rank 1 sent no heartbeat" in text,
+                 survivor_named_victim=f"rank {KILL_RANK} sent no heartbeat" in text,
                  sigkilled_by_torchrun="forcefully exiting via" in text)
     else:
         proc.kill()
