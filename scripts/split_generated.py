@@ -24,11 +24,11 @@ SELF_INSTRUCT = "self-instruct"
 
 
 def source_of(row: dict) -> str:
+    """The source of a training row (held-out rows never reach here)."""
     name = (row.get("source") or {}).get("file", "")
     if not name:
         return SELF_INSTRUCT
-    name = re.sub(r"\.jsonl$", "", os.path.basename(name))
-    return re.sub(r"-(heldout|\d+of\d+)$", "", name)
+    return re.sub(r"(-\d+of\d+)?\.jsonl$", "", os.path.basename(name))
 
 
 def hash_fraction(row_id: str) -> float:
