@@ -98,12 +98,16 @@ class StopControl:
         return agreed
 
 
-def steps_in_box(*, step: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
-                 margin: float = 0.95) -> int:
-    """The step the run reaches when `margin` of the time box left is spent at the measured rate
-    (evaluations and saves take the rest)."""
-    left_s = max(max_minutes * 60 - session_elapsed_s, 0.0)
-    return step + int(steps_per_s * left_s * margin)
+FIT_MARGIN = 0.95  # of the time box left that the steps may fill: evaluations and saves take the rest
+
+
+def box_left_s(session_elapsed_s: float, max_minutes: float) -> float:
+    return max(max_minutes * 60 - session_elapsed_s, 0.0)
+
+
+def steps_in_box(*, step: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float) -> int:
+    """The step the run reaches when FIT_MARGIN of the time box left is spent at the measured rate."""
+    return step + int(steps_per_s * box_left_s(session_elapsed_s, max_minutes) * FIT_MARGIN)
 
 
 def fitted_total(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float) -> int:
@@ -113,19 +117,18 @@ def fitted_total(*, step: int, total: int, steps_per_s: float, session_elapsed_s
     return min(total, max(step + 1, fits))
 
 
-def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float, max_minutes: float,
-                 margin: float = 0.95) -> str | None:
+def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float,
+                 max_minutes: float) -> str | None:
     """A line of advice when the learning-rate schedule does not fit run.max_minutes at the measured
     rate: the box will stop the run before the cosine has decayed (the drafter ends at a high
     learning rate), or the schedule ends with over a quarter of the box unused. The suggested
-    run.max_steps fills `margin` of the time left (evaluations and saves take the rest). None when
+    run.max_steps fills FIT_MARGIN of the time left. None when
     there is no box or the schedule fits it."""
     if not max_minutes or steps_per_s <= 0 or step >= total:
         return None
-    left_s = max(max_minutes * 60 - session_elapsed_s, 0.0)
+    left_s = box_left_s(session_elapsed_s, max_minutes)
     need_s = (total - step) / steps_per_s
-    fits = steps_in_box(step=step, steps_per_s=steps_per_s, session_elapsed_s=session_elapsed_s,
-                        max_minutes=max_minutes, margin=margin)
+    fits = steps_in_box(step=step, steps_per_s=steps_per_s, session_elapsed_s=session_elapsed_s, max_minutes=max_minutes)
     head = (f"schedule: {total - step:,} more steps need ~{need_s / 60:.1f} min at the measured {steps_per_s:.2f} "
             f"steps/s; {left_s / 60:.1f} min of run.max_minutes={max_minutes:g} are left")
     if need_s > left_s:
