@@ -6,6 +6,7 @@ import torch
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter import loss as loss_module
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions, rope_inverse_frequencies
@@ -177,6 +178,31 @@ def test_step_backward_reaches_drafter_parameters_only():
     assert taps.grad is None
     names = {n for n, _ in model.named_parameters()}
     assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+@pytest.mark.parametrize("fixed_shape,fused_head,wrapped", [(True, True, ["_hard_label_chunk"]), (True, False, []),
+                                                            (False, True, [])])
+def test_compiled_mode_compiles_the_tested_head_chunk_math(monkeypatch, fixed_shape, fused_head, wrapped):
+    """Compiled mode (fixed shapes) with loss.fused_head runs the LM head's chunk math through
+    `compiled_once`, on exactly the function the loss tests check, and to the same numbers
+    (here the wrapper is the identity: compiling on a CPU costs tens of seconds)."""
+    seen = []
+    monkeypatch.setattr(loss_module, "compiled_once", lambda fn: seen.append(fn.__name__) or fn)
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config())
+    ids, pos, doc, loss, _, _ = _batch(3)
+    heads = FrozenHeads(torch.randn(V, H), torch.randn(V, H))
+    taps = torch.randn(2, 18, TAPS * H)
+
+    def step(fixed, fused):
+        return drafter_step(model, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss, taps=taps,
+                            final_hidden=None, step_cfg=StepConfig(num_anchors=4, fixed_shape=fixed),
+                            loss_cfg=LossConfig(fused_head=fused), generator=torch.Generator().manual_seed(0))
+
+    got = step(fixed_shape, fused_head)
+    assert seen == wrapped
+    want = step(fixed_shape, False)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=0, atol=0)
 
 
 def test_noise_only_in_training_mode():

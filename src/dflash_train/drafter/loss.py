@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from dflash_train.utils.compile import compiled_once
+
 WEIGHTINGS = ("decay", "cap", "cap+decay", "uniform")
 
 
@@ -38,6 +40,9 @@ class LossConfig:
     """floor of the acceptance-aware weights"""
     chunk_rows: int = 4096
     """rows of the [rows, vocab] logits computed at once (memory vs speed)"""
+    fused_head: bool = True
+    """in compiled mode (run.compile), torch.compile the softmax / cross-entropy between the
+    LM head's two matmuls so it fuses into a few passes over each [chunk_rows, vocab] block"""
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -52,6 +57,32 @@ class LossConfig:
             raise ValueError("loss.chunk_rows must be >= 1")
 
 
+def _hard_label_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """One chunk against hard labels: logits [c, V] in the head's dtype, labels [c] ->
+    (CE [c] float32, argmax [c], dCE/dlogits = softmax - onehot [c, V] in the head's dtype or None)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    ce = lse - lf.gather(1, labels[:, None]).squeeze(1)
+    pred = lf.argmax(dim=-1)
+    if not need_grad:
+        return ce, pred, None
+    probs = torch.exp(lf - lse[:, None])
+    probs.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+    return ce, pred, probs.to(logits.dtype)
+
+
+def _soft_target_chunk(logits: torch.Tensor, target_logits: torch.Tensor, need_grad: bool):
+    """The same against the target's distribution softmax(target_logits) (distillation)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    soft = torch.softmax(target_logits.float(), dim=-1)
+    ce = lse - (soft * lf).sum(-1)
+    pred = lf.argmax(dim=-1)
+    if not need_grad:
+        return ce, pred, None
+    return ce, pred, (torch.exp(lf - lse[:, None]) - soft).to(logits.dtype)
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     """Cross-entropy of hidden @ W.T against hard labels or a soft target, chunked.
 
@@ -59,33 +90,28 @@ class _HeadCrossEntropy(torch.autograd.Function):
     with respect to the hidden states is (softmax - target) @ W per row, times the
     incoming gradient of that row's loss: it is computed in the forward chunk loop while
     the logits are at hand and saved as a [rows, H] tensor, so the backward pass is a
-    single multiply and the logits are never recomputed.
+    single multiply and the logits are never recomputed. The per-chunk math between the
+    two matmuls reads and writes [c, V] tensors several times when run op by op; with
+    `compiled` it is torch.compile'd (fixed shapes: compiled mode) into a few fused passes.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool):
+    def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool, compiled: bool):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
+        chunk_fn = _hard_label_chunk if target_hidden is None else _soft_target_chunk
+        if compiled:
+            chunk_fn = compiled_once(chunk_fn)
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
-            logits = (hidden[sl].to(w.dtype) @ w.T).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            pred[sl] = logits.argmax(dim=-1)
-            if target_hidden is None:
-                ce[sl] = lse - logits.gather(1, labels[sl, None]).squeeze(1)
-            else:
-                soft = torch.softmax((target_hidden[sl].to(w.dtype) @ w.T).float(), dim=-1)
-                ce[sl] = lse - (soft * logits).sum(-1)
+            logits = hidden[sl].to(w.dtype) @ w.T  # [c, V]
+            other = labels[sl] if target_hidden is None else target_hidden[sl].to(w.dtype) @ w.T
+            ce[sl], pred[sl], grad_logits = chunk_fn(logits, other, need_grad)
             if need_grad:
-                probs = torch.exp(logits - lse[:, None])
-                if target_hidden is None:
-                    probs.scatter_add_(1, labels[sl, None], torch.full_like(lse[:, None], -1.0))
-                else:
-                    probs -= soft
-                grad_hidden[sl] = (probs.to(w.dtype) @ w).to(hidden.dtype)
+                grad_hidden[sl] = (grad_logits @ w).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
         ctx.mark_non_differentiable(pred)
         return ce, pred
@@ -93,7 +119,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_pred):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(
@@ -102,13 +128,15 @@ def head_cross_entropy(
     labels: torch.Tensor | None,  # [M] (any value where invalid; masked by weights)
     target_hidden: torch.Tensor | None = None,  # [M, H] for distillation
     chunk_rows: int = 4096,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
     if (labels is None) == (target_hidden is None):
         raise ValueError("give exactly one of labels and target_hidden")
     if labels is not None:
         labels = labels.clamp(min=0)  # IGNORE slots carry weight 0; any id is fine there
-    return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows, hidden.requires_grad)
+    return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows,
+                                   hidden.requires_grad, compiled)
 
 
 def slot_weights(
@@ -179,6 +207,7 @@ def drafter_loss(
     cfg: LossConfig,
     *,
     target_states: torch.Tensor | None = None,  # [R, N, B-1, H] for distillation
+    compiled: bool = False,  # compiled mode (fixed shapes): the head's chunk math compiled (cfg.fused_head)
 ) -> StepStats:
     R, N, B = labels.shape
     H = final_hidden.shape[-1]
@@ -186,7 +215,8 @@ def drafter_loss(
     lab = labels[:, :, 1:].reshape(-1)
     valid = label_valid[:, :, 1:]
     soft = target_states.reshape(-1, H) if target_states is not None else None
-    ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows)
+    ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows,
+                                  compiled=compiled and cfg.fused_head)
     ce = ce.view(R, N, B - 1)
     p_correct = torch.exp(-ce.detach()) if "cap" in cfg.weighting else None
     weights = slot_weights(cfg, B, valid, p_correct)

@@ -123,4 +123,4 @@ def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, *, step_cfg: StepCo
     final_hidden), then the loss sums and metrics."""
     out = drafter_forward(drafter, heads, step_cfg=step_cfg, generator=generator, **batch)
     return drafter_loss(out.hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
-                        target_states=out.target_states)
+                        target_states=out.target_states, compiled=step_cfg.fixed_shape)

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
+from dflash_train.utils.compile import compiled_once
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -133,17 +134,6 @@ def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
     return bool(((position_ids == cols) | (document_ids < 0)).all())
 
 
-_COMPILED: dict[str, Callable] = {}
-
-
-def _compiled(fn: Callable) -> Callable:
-    """One torch.compile'd wrapper per function and process: a second runner (another lever
-    of the benchmark, the eval) reuses the graphs compiled for the first."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _COMPILED[fn.__name__]
-
-
 class _LayerWeights:
     """References to one decoder layer's weights, grouped as the arguments of the two functions."""
 
@@ -181,8 +171,8 @@ class PackedForward:
         self.compile = compile
         # what every layer calls: the plain functions, or their compiled versions
         self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            _compiled(pre_attention) if compile else pre_attention
-        self.post_attention: Callable[..., Tensor] = _compiled(post_attention) if compile else post_attention
+            compiled_once(pre_attention) if compile else pre_attention
+        self.post_attention: Callable[..., Tensor] = compiled_once(post_attention) if compile else post_attention
 
     def layers_to_run(self, need_final: bool) -> int:
         """All layers with the final norm; otherwise up to the last tapped layer."""
