@@ -262,3 +262,34 @@ def test_resume_without_a_checkpoint_exits_2_and_resume_auto_starts_fresh(tiny_t
     assert main([*args, "--resume", "auto"]) == 0
     assert max(read_metrics(out)) == 2
     assert main([*args, "--resume"]) == 0  # now there is one: continues (nothing left to train)
+
+
+def _profiled_calls(table: str, name: str) -> int:
+    """'# of Calls' (the table's last column) of the row named `name`."""
+    rows = [ln.split() for ln in table.splitlines() if ln.strip().startswith(name + " ")]
+    assert len(rows) == 1, table
+    return int(rows[0][-1])
+
+
+@pytest.mark.parametrize("span,max_steps,written", [("3-4", 6, "steps-3-4.txt"), ("3-9", 4, "steps-3-4.txt")])
+def test_profile_steps_records_exactly_those_steps(tiny_targets, tiny_datasets, tmp_path, span, max_steps, written):
+    """run.profile_steps: the table covers optimizer steps FIRST..LAST (two here, each with its
+    forward, backward and optimizer ranges; 2 micro-batches a step), also when the run ends
+    before LAST; steps outside the span are not recorded."""
+    out = tmp_path / "run"
+    cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], out, **{
+        "run.profile_steps": span, "run.max_steps": max_steps, "optim.grad_accum": 2, "run.checkpoint": False,
+        "pipeline.queue_depth": 2})
+    Trainer(cfg).fit()
+    files = sorted(p.name for p in (out / "profile").iterdir())
+    assert files == sorted([written, "trace.json"])
+    table = (out / "profile" / written).read_text()
+    assert _profiled_calls(table, "train_step") == 2
+    assert _profiled_calls(table, "forward") == 4 and _profiled_calls(table, "backward") == 4
+    assert _profiled_calls(table, "optimizer") == 2
+
+
+@pytest.mark.parametrize("bad", ["5-3", "0-2", "x", "3-"])
+def test_profile_steps_rejects_a_bad_span(tiny_targets, tiny_datasets, tmp_path, bad):
+    with pytest.raises(ConfigError, match="run.profile_steps"):
+        make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path, **{"run.profile_steps": bad})

@@ -18,6 +18,7 @@ from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.pipeline.config import PipelineConfig
 from dflash_train.target.config import TargetConfig
+from dflash_train.train.profiling import parse_profile_steps
 
 
 @dataclass
@@ -111,8 +112,12 @@ class RunConfig:
     """also write TensorBoard event files"""
     progress: bool = True
     """show a progress bar"""
+    profile_steps: str = ""
+    """FIRST-LAST: torch.profiler over these optimizer steps (1-based; after the first log window,
+    which holds the compiles); the top ops and kernels go to <output_dir>/profile/ ('' = off)"""
 
     def __post_init__(self) -> None:
+        parse_profile_steps(self.profile_steps)
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("run.max_steps must be >= 1")
         if self.epochs <= 0:

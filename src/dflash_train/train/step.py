@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.loss import LossConfig, StepStats
@@ -43,7 +44,7 @@ def micro_step(model, heads: FrozenHeads, batch: PackedBatch, target_out: Target
     b = batch.to(device, non_blocking=True)
     generator = torch.Generator(device=device).manual_seed(seed)
     t = timer.start()
-    with autocast_for(device):
+    with autocast_for(device), record_function("forward"):  # ranges named for run.profile_steps
         stats = drafter_step(
             model, heads, input_ids=b.input_ids, position_ids=b.position_ids, document_ids=b.document_ids,
             loss_mask=b.loss_mask, taps=target_out.taps, final_hidden=target_out.final_hidden,
@@ -52,7 +53,8 @@ def micro_step(model, heads: FrozenHeads, batch: PackedBatch, target_out: Target
     timer.stop("forward", t)
     if train:
         t = timer.start()
-        stats.loss_sum.backward()
+        with record_function("backward"):
+            stats.loss_sum.backward()
         timer.stop("backward", t)
     return stats.detached()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from torch.profiler import record_function
 
 from dflash_train.data.splits import open_data
 from dflash_train.drafter.checkpoint import load_drafter_config, save_drafter
@@ -39,6 +40,7 @@ from dflash_train.train.config import TrainConfig
 from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
+from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import apply_gradients, batch_seed, micro_step
 from dflash_train.train.stopping import StopControl, fitted_total, schedule_fit
 from dflash_train.train.timing import StageTimer
@@ -74,7 +76,7 @@ class Trainer:
                                 f"with the config the run was started with, or start a new run.output_dir")
         # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
         self.init_layers = setup.resolve_init_layers(cfg, target_config)
-        if self.main and cfg.run.checkpoint:
+        if self.main:  # the resolved config and the metrics go there even without checkpoints
             check_writable_dir(self.output_dir)
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
@@ -140,11 +142,13 @@ class Trainer:
         source = setup.build_batch_source(cfg, self.ctx, self.data, self.target, self.drafter_config,
                                           start=(state.epoch, state.index), budget=self.remaining_batches)
         window, last, exhausted, windows = Window(), {}, False, 0
+        profiler = StepProfiler(cfg.run.profile_steps, self.output_dir, self.device, enabled=self.main)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with StopControl(cfg.run, self.ctx, elapsed_before_s=state.elapsed_s, signals=self.signals) as control:
             try:
                 while state.step < self.total_steps and not exhausted:
+                    profiler.step_begins(state.step + 1)
                     cursor = (state.epoch, state.index, state.batches)
                     micro, tokens, redo, exhausted = self._accumulate(source, timer)
                     if not micro:
@@ -157,8 +161,9 @@ class Trainer:
                         self.optimizer.zero_grad(set_to_none=True)
                         state.epoch, state.index, state.batches = cursor
                         break
-                    step = apply_gradients(self.params, self.optimizer, self.scheduler, global_weight=agreed.weight,
-                                           global_loss=agreed.loss, num_replicas=D, grad_clip=cfg.optim.grad_clip)
+                    with record_function("optimizer"):
+                        step = apply_gradients(self.params, self.optimizer, self.scheduler, global_weight=agreed.weight,
+                                               global_loss=agreed.loss, num_replicas=D, grad_clip=cfg.optim.grad_clip)
                     timer.stop("optimizer", t)
                     if not step.applied:
                         self._skip_nonfinite(metrics)
@@ -167,6 +172,7 @@ class Trainer:
                     state.step += 1
                     state.tokens += tokens
                     window.add(micro, tokens)
+                    profiler.step_ended(state.step)
                     metrics.progress(state.step, {"tok/s": window.tok_per_s(D), **{k: last[k] for k in ("loss", "tau")
                                                                                     if k in last}})
                     if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
@@ -183,6 +189,7 @@ class Trainer:
                     if state.step % cfg.run.save_every == 0 or agreed.save_due:
                         self.save(control, metrics)
             finally:
+                profiler.close(state.step)
                 source.close()
             state.elapsed_s = control.elapsed_s()
             path = self.save(control, metrics)
