@@ -4,7 +4,8 @@ Runs the real trainer (any layout; under torchrun for several ranks) on a random
 initialised target of a named real shape (`--preset`) and synthetic packed batches,
 then prints and writes JSON with: sequence tokens/s, analytic model FLOPs per token
 (target forward + drafter forward and backward, attention included), achieved TFLOP/s
-and MFU against the bf16 matmul peak measured in the same run, peak memory, and the time
+and MFU against the matmul peaks measured in the same run (bf16; float8 too for the
+target's decoder matmuls when they run in FP8), peak memory, and the time
 split (data, queue wait, target, drafter forward, backward, optimizer).
 
     dflash-train bench --preset qwen3-8b --out bench.json
@@ -26,6 +27,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ import torch
 
 from dflash_train.bench.flops import step_flops
 from dflash_train.pipeline.report import targets_tokens_per_s
+from dflash_train.target.fp8 import fp8_matmul, quantize_rows
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
@@ -101,6 +104,9 @@ class BenchConfig:
     """where the JSON result goes"""
     set: list[str] = field(default_factory=list)
     """any other training config override, KEY=VALUE"""
+    profile: bool = False
+    """after the measured steps, 3 more under torch.profiler (run.profile_steps): the top kernels
+    go to OUT's name + .kernels.txt (the measured steps are not slowed by it)"""
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.measure < 1 or self.measure % self.warmup:
@@ -108,6 +114,8 @@ class BenchConfig:
         bad = [item for item in self.set if "=" not in item]
         if bad:
             raise ValueError(f"--set takes KEY=VALUE, got {bad}")
+        if self.profile and self.levers:
+            raise ValueError("--profile profiles one setting: run it without --levers")
         if self.sdpa_backend == "best" and not self.levers:
             raise ValueError("--sdpa-backend best picks among the rows of a lever table: use it with --levers")
         unknown = [n for n in lever_names(self.levers) if n not in LEVERS]
@@ -147,29 +155,58 @@ def lever_names(levers: str) -> list[str]:
 CONFIG = BenchConfig
 
 
-def matmul_peak_tflops(device) -> float | None:
-    """Measured bf16 dense matmul rate of this device (8192^3, median of 10), TFLOP/s."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.set_device(device)  # the events below time the current device's stream
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+def _median_seconds(fn, repeats: int = 10) -> float:
     for _ in range(3):
-        a @ b
+        fn()
     times = []
-    for _ in range(10):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ b
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    return 2 * 8192**3 / sorted(times)[len(times) // 2] / 1e12
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_peaks_tflops(device, fp8: bool = False) -> dict[str, float] | None:
+    """Measured dense matmul rates of this device (8192^3, median of 10), TFLOP/s: bf16, and
+    with `fp8` also float8 through the target's own row-scaled kernel (`fp8_matmul`)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_device(device)  # the events time the current device's stream
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    flop = 2 * 8192**3
+    peaks = {"bf16": flop / _median_seconds(lambda: a @ b) / 1e12}
+    if fp8:
+        (a8, sa), (b8, sb) = quantize_rows(a), quantize_rows(b)
+        sb = sb.t().contiguous()
+        peaks["fp8"] = flop / _median_seconds(lambda: fp8_matmul(a8, sa, b8, sb, None, torch.bfloat16)) / 1e12
+    return peaks
+
+
+def model_flops_utilisation(flops: dict, tokens_per_s_per_gpu: float, peaks: dict[str, float] | None) -> float | None:
+    """The time the step's counted FLOPs would take at the measured peaks, over the time it
+    took: float8 target matmuls (when measured with FP8) at the float8 peak, the rest at the
+    bf16 peak. Without FP8 this is achieved TFLOP/s over the bf16 peak."""
+    if not peaks:
+        return None
+    fp8 = flops["target_linear"] if "fp8" in peaks else 0.0
+    ideal_s_per_token = (fp8 / (peaks["fp8"] * 1e12) if fp8 else 0.0) + (flops["per_token"] - fp8) / (peaks["bf16"] * 1e12)
+    return ideal_s_per_token * tokens_per_s_per_gpu
+
+
+PROFILED_STEPS = 3
+
+
+def kernels_path(out: str) -> Path:
+    return Path(out).with_suffix(".kernels.txt")
 
 
 def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
     doc = args.doc_len or str(args.tokens)
-    steps = args.warmup + args.measure
+    steps = args.warmup + args.measure + (PROFILED_STEPS if args.profile else 0)
     overrides = {
         "target.path": f"preset:{args.preset}",
         "data.path": f"synthetic:{max(4096, steps * 8)}:{doc}",
@@ -187,21 +224,28 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
     }
     if args.window:
         overrides["drafter.sliding_window"] = str(args.window)
+    if args.profile:
+        overrides["run.profile_steps"] = f"{steps - PROFILED_STEPS + 1}-{steps}"
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = value
     return load_config(TrainConfig, None, overrides)
 
 
-def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
+def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | None:
     """One setting: train on synthetic batches, return the result (None on a non-reporting rank)."""
-    out_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
-    cfg = build_config(args, out_dir)
-    summary = run_rank(cfg, resume=False)
-    if summary is None:  # not the main drafter: it reports
-        return None
-    rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    measured = [r for r in rows if r["kind"] == "train" and r["step"] > args.warmup]
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:  # the run's metrics, read here
+        out_dir = Path(tmp)
+        cfg = build_config(args, out_dir)
+        summary = run_rank(cfg, resume=False)
+        if summary is None:  # not the main drafter: it reports
+            return None
+        rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        if args.profile:
+            kernels = next((out_dir / "profile").glob("steps-*.txt"))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(kernels, kernels_path(args.out))
+    measured = [r for r in rows if r["kind"] == "train" and args.warmup < r["step"] <= args.warmup + args.measure]
     tokens = sum(r["window_tokens"] for r in measured)
     seconds = sum(r["window_s"] for r in measured)
     steps = args.measure
@@ -218,7 +262,10 @@ def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
     if targets_tok_s is not None:
         tok_s = min(tok_s, targets_tok_s)
     achieved = tok_s * flops["per_token"] / 1e12
-    peak = peak if peak is not None else matmul_peak_tflops(device)
+    if peaks is None or (args.fp8_target and "fp8" not in peaks):
+        peaks = matmul_peaks_tflops(device, fp8=args.fp8_target)
+    if peaks and not args.fp8_target:
+        peaks = {"bf16": peaks["bf16"]}
     return {
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
         "compile": args.compile, "labels": args.labels, "fp8_target": args.fp8_target,
@@ -230,7 +277,8 @@ def measure(args: BenchConfig, peak: float | None = None) -> dict | None:
         "step_ms": seconds / steps * 1000, "time_split_ms_per_step": split,
         "flops_per_token": flops["per_token"], "flops_breakdown_per_token": flops["parts"],
         "achieved_tflops": achieved, "achieved_tflops_per_gpu": achieved / world,
-        "matmul_peak_tflops": peak, "mfu": (achieved / world / peak) if peak else None,
+        "matmul_peak_tflops": peaks and peaks["bf16"], "fp8_matmul_peak_tflops": peaks and peaks.get("fp8"),
+        "mfu": model_flops_utilisation(flops, tok_s / world, peaks),
         "peak_mem_gib": measured[-1].get("peak_mem_gib"), "loss_last": measured[-1]["loss"],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "split_drafters_tokens_per_s": drafters_tok_s if targets_tok_s is not None else None,
@@ -287,9 +335,9 @@ def lever_row(name: str, r: dict, settings: dict) -> dict:
 def run_levers(args: BenchConfig) -> int:
     """Every lever of `args.levers` on top of `args`, one row each; the JSON after every row."""
     device = resolve_device(args.device)
-    peak = matmul_peak_tflops(device)
+    peaks = matmul_peaks_tflops(device, fp8=any(LEVERS[n][1].get("fp8_target") for n in lever_names(args.levers)))
     table = {"preset": args.preset, "base": {k: v for k, v in dataclasses.asdict(args).items() if k not in ("levers", "out")},
-             "matmul_peak_tflops": peak, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+             "matmul_peak_tflops": peaks and peaks["bf16"], "fp8_matmul_peak_tflops": peaks and peaks.get("fp8"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": []}
     if args.append and Path(args.out).is_file():
         earlier = json.loads(Path(args.out).read_text())
@@ -305,7 +353,7 @@ def run_levers(args: BenchConfig) -> int:
         log.info("lever %s: %s", name, settings)
         t0 = time.perf_counter()
         try:
-            r = measure(variant, peak)
+            r = measure(variant, peaks)
             row = lever_row(name, r, settings) if r is not None else None
         except Exception as exc:  # one lever that cannot run (a kernel this GPU lacks) is a row, not the end
             log.exception("lever %s failed", name)
@@ -349,6 +397,9 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(format_result(result))
+    if args.profile:
+        print(f"  profile         {kernels_path(args.out)} (steps after the measured ones):")
+        print("\n".join(kernels_path(args.out).read_text().splitlines()[:28]))
     return 0
 
 
@@ -367,7 +418,10 @@ def format_result(r: dict) -> str:
              f"  FLOPs/token     {r['flops_per_token'] / 1e9:.2f} GFLOP "
              + " ".join(f"{k} {v / 1e9:.2f}" for k, v in r["flops_breakdown_per_token"].items()),
              f"  achieved        {r['achieved_tflops_per_gpu']:.0f} TFLOP/s per rank"
-             + (f", MFU {r['mfu']:.1%} of measured {r['matmul_peak_tflops']:.0f}" if r["mfu"] else ""),
+             + (f", MFU {r['mfu']:.1%} of the measured peak{'s' if r.get('fp8_matmul_peak_tflops') else ''} "
+                f"(bf16 {r['matmul_peak_tflops']:.0f}"
+                + (f", fp8 {r['fp8_matmul_peak_tflops']:.0f} for the target's decoder matmuls" if r.get("fp8_matmul_peak_tflops") else "")
+                + ")" if r["mfu"] else ""),
              "  time/step (ms)  " + " ".join(f"{k} {v:.1f}" for k, v in r["time_split_ms_per_step"].items()),
              f"  peak memory     {r['peak_mem_gib'] or 0:.1f} GiB"]
     if r.get("bottleneck"):

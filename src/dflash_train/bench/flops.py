@@ -62,4 +62,5 @@ def step_flops(cfg, preset: str) -> dict:
     head = anchors * (B - 1) * 2 * H * V * 2  # logits + the cross-entropy gradient through W
     parts = {"target": target / S, "drafter_fwd": drafter_fwd / S, "drafter_bwd": 2 * drafter_fwd / S,
              "lm_head_ce": head / S}
-    return {"per_token": sum(parts.values()), "parts": parts, "visible_context_keys": ctx_keys}
+    return {"per_token": sum(parts.values()), "parts": parts, "visible_context_keys": ctx_keys,
+            "target_linear": layers_run * layer_linear}  # per token: the decoder matmuls (what FP8 runs)

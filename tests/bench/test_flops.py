@@ -1,0 +1,52 @@
+"""The MFU numerator and denominator of `dflash-train bench`: counted against the modules
+themselves, and the FP8-aware utilisation against its definition."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from dflash_train.bench.cli import BenchConfig, build_config, model_flops_utilisation, run
+from dflash_train.bench.flops import step_flops
+from dflash_train.target.presets import preset_config
+from dflash_train.target.runner import find_decoder_layers
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-8b"])
+def test_target_linear_flops_count_every_decoder_linear(tmp_path, preset):
+    """2 * in * out per token for every nn.Linear of every decoder layer the target runs
+    (the matmuls FP8 replaces), read off a model built from the preset (on the meta device)."""
+    cfg = build_config(BenchConfig(preset=preset, tokens=256, doc_len="40-120", device="cpu"), tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(f"preset:{preset}"))
+    brute = sum(2 * m.in_features * m.out_features for layer in find_decoder_layers(model)
+                for m in layer.modules() if isinstance(m, nn.Linear))
+    assert step_flops(cfg, preset)["target_linear"] == brute
+
+
+def test_utilisation_without_fp8_is_achieved_over_the_bf16_peak():
+    flops = {"per_token": 30e9, "target_linear": 20e9}
+    assert model_flops_utilisation(flops, 10_000, {"bf16": 750.0}) == pytest.approx(30e9 * 1e4 / 750e12)
+    assert model_flops_utilisation(flops, 10_000, None) is None
+
+
+def test_utilisation_with_fp8_counts_the_target_matmuls_at_the_fp8_peak():
+    """20 GFLOP at 1,500 TFLOP/s + 10 GFLOP at 750 = 26.67 us per token ideal; at 30K tok/s
+    a token takes 33.3 us: 80%. Against the bf16 peak alone it would read 120%."""
+    flops = {"per_token": 30e9, "target_linear": 20e9}
+    mfu = model_flops_utilisation(flops, 30_000, {"bf16": 750.0, "fp8": 1500.0})
+    assert mfu == pytest.approx((20e9 / 1500e12 + 10e9 / 750e12) * 30_000)
+    assert mfu == pytest.approx(0.8)
+
+
+def test_bench_profile_records_three_steps_after_the_measured_ones(tmp_path):
+    """`--profile`: a kernel table of 3 steps run after the measured ones, beside the JSON."""
+    out = tmp_path / "bench.json"
+    assert run(BenchConfig(preset="tiny", tokens=256, doc_len="40-120", anchors=8, block=4, layers=1, warmup=1,
+                           measure=2, device="cpu", profile=True, out=str(out))) == 0
+    table = (tmp_path / "bench.kernels.txt").read_text()
+    assert table.startswith("torch.profiler over optimizer steps 4-6")
+    row = [ln.split() for ln in table.splitlines() if ln.strip().startswith("train_step ")]
+    assert int(row[0][-1]) == 3
+    with pytest.raises(ValueError, match="--profile"):
+        BenchConfig(preset="tiny", levers="baseline", profile=True)
