@@ -39,6 +39,8 @@ declare -A ARGS=(
   [layers8]="--drafter.num_layers 8"                # capacity: 3 layers lost 6% against 5 (2026-12-01 table)
   [mlp3x]="--drafter.intermediate_size 4608"        # capacity at nearly no time: SmolLM2's MLP is 1,536 wide
   [taps10]="--drafter.num_taps 10"                  # twice the target layers in the context features
+  [distill]="--step.label_source distill --loss.weighting decay"  # the target's whole distribution as the label (compare: decay)
+  [fp8]="--target.fp8 true"                         # issue 18: a drafter trained on FP8-target states, evaluated on the bf16 target
 )
 # data-mix levers: the training rows re-weighted by source (scripts/split_generated.py --weights),
 # prepared into $W/data-<lever> first; session 7's data: package-code 51% of the rows, math 25%,

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# H200 (issue 18): the drafter step of the recommended bf16 setting (qwen3-8b preset, packed
+# compiled target, compiled bf16 drafter; 8192 tokens, 512 anchors, block 16, target labels):
+# `loss.fused_head` on (the default in compiled mode) and off, each with a kernel table of 3
+# steps after the measured ones (`bench --profile`). Carries nothing; ~4 min (two compiles a row).
+# ROWS="fused unfused fp8" picks (fp8: fused + FP8 target, which also checks the MFU against
+# the measured float8 peak). PRESET=dense-27b for the other shape. DRY=1: the tiny preset on CPU.
+# Results in $OUT: <row>.json, <row>.kernels.txt, session10_drafter.log.
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/session10_drafter.log; mkdir -p $OUT
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+source bench/device/lib.sh
+if [ "${DRY:-0}" = 1 ]; then
+  SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
+  export OMP_NUM_THREADS=1
+else
+  SHAPE=(--preset ${PRESET:-qwen3-8b} --warmup 5 --measure 10)
+fi
+B=(python3 -m dflash_train bench --compile --drafter-dtype bfloat16 --target-forward packed --target-compile --profile "${SHAPE[@]}")
+declare -A ARGS=(
+  [fused]=""
+  [unfused]="--set loss.fused_head=false"
+  [fp8]="--fp8-target"
+)
+for row in ${ROWS:-fused unfused}; do
+  stage $row ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$row.json
+done
+grep -E "^===|^bench |tokens/s|time/step|achieved|peak memory|rror|Traceback" $LOG | cut -c1-220 | tail -30
+for row in ${ROWS:-fused unfused}; do
+  [ -f $OUT/$row.kernels.txt ] && { echo "--- $row kernels"; head -30 $OUT/$row.kernels.txt | cut -c1-200; }
+done
