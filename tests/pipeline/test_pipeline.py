@@ -294,14 +294,15 @@ def test_fit_schedule_under_torchrun_ends_both_replicas_at_one_step(setup):
     """run.fit_schedule with a time box far shorter than max_steps, two colocated replicas: each
     measures its own rate and they take the smaller count. Were each to keep its own, the one that
     ends first would leave the other hanging in its next gradient all-reduce (the run would fail or
-    time out). The box may still end the run a little before the fitted step (CPU rates drift by
-    more than the 5% margin), on both replicas alike."""
+    time out). The box may still end the run before the fitted step (CPU rates drift by more than
+    the 5% margin, more so on a loaded machine), on both replicas alike, and then it says so."""
     root, cfg = setup
     out = run(cfg, root / "fit", 2, "--run.max_steps", "100000", "--run.max_minutes", "0.1",
               "--run.fit_schedule", "true", "--run.log_every", "2", "--run.save_every", "100000", timeout=90)
     fitted = [int(line.split(": ")[1].split(" steps")[0].replace(",", "")) for line in out.splitlines()
               if "schedule fitted to run.max_minutes=0.1: " in line]
     assert len(fitted) == 1, out[-3000:]  # the main replica says it, once
-    last = max(losses(root / "fit"))
-    assert 4 < fitted[0] < 100000 and 0.8 * fitted[0] <= last <= fitted[0], (fitted, last)
+    last = int(latest_checkpoint(root / "fit" / "checkpoints").name.split("-")[1])  # the final step
+    assert 4 < fitted[0] < 100000 and last <= fitted[0], (fitted, last)
+    assert last == fitted[0] or f"stopped at step {last} of {fitted[0]}: run.max_minutes=0.1" in out, out[-1500:]
     assert (root / "fit" / "final" / "model.safetensors").is_file()
