@@ -73,9 +73,12 @@ def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Opt
     # DDP averaged the replicas' gradients of the loss *sums*: times D / (global weight sum)
     # gives the gradient of the globally normalised loss.
     scale = num_replicas / global_weight.clamp(min=1e-12)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for dtype, grads in by_dtype.items():  # one multi-tensor kernel per dtype, not one per parameter
+        torch._foreach_mul_(grads, scale.to(dtype))
     if grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
