@@ -264,8 +264,8 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
     achieved = tok_s * flops["per_token"] / 1e12
     if peaks is None or (args.fp8_target and "fp8" not in peaks):
         peaks = matmul_peaks_tflops(device, fp8=args.fp8_target)
-    if peaks and not args.fp8_target:
-        peaks = {"bf16": peaks["bf16"]}
+    if peaks:  # the float8 peak counts only where the target ran in FP8
+        peaks = {k: v for k, v in peaks.items() if k == "bf16" or args.fp8_target}
     return {
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
         "compile": args.compile, "labels": args.labels, "fp8_target": args.fp8_target,
@@ -403,6 +403,15 @@ def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
     return 0
 
 
+def _mfu_text(r: dict) -> str:
+    if not r["mfu"]:
+        return ""
+    if r.get("fp8_matmul_peak_tflops"):
+        return (f", MFU {r['mfu']:.1%} of the measured peaks (bf16 {r['matmul_peak_tflops']:.0f}, "
+                f"fp8 {r['fp8_matmul_peak_tflops']:.0f} for the target's decoder matmuls)")
+    return f", MFU {r['mfu']:.1%} of the measured peak (bf16 {r['matmul_peak_tflops']:.0f})"
+
+
 def format_result(r: dict) -> str:
     target = f"target {r.get('target_forward', 'hf')}{' compiled' if r.get('target_compile') else ''}" \
              f"{' sdpa-' + r['sdpa_backend'] if r.get('sdpa_backend', 'auto') != 'auto' else ''}" \
@@ -418,10 +427,7 @@ def format_result(r: dict) -> str:
              f"  FLOPs/token     {r['flops_per_token'] / 1e9:.2f} GFLOP "
              + " ".join(f"{k} {v / 1e9:.2f}" for k, v in r["flops_breakdown_per_token"].items()),
              f"  achieved        {r['achieved_tflops_per_gpu']:.0f} TFLOP/s per rank"
-             + (f", MFU {r['mfu']:.1%} of the measured peak{'s' if r.get('fp8_matmul_peak_tflops') else ''} "
-                f"(bf16 {r['matmul_peak_tflops']:.0f}"
-                + (f", fp8 {r['fp8_matmul_peak_tflops']:.0f} for the target's decoder matmuls" if r.get("fp8_matmul_peak_tflops") else "")
-                + ")" if r["mfu"] else ""),
+             + _mfu_text(r),
              "  time/step (ms)  " + " ".join(f"{k} {v:.1f}" for k, v in r["time_split_ms_per_step"].items()),
              f"  peak memory     {r['peak_mem_gib'] or 0:.1f} GiB"]
     if r.get("bottleneck"):

@@ -54,7 +54,7 @@ class StepProfiler:
         if step == self.span[0] and self._prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             self._prof = profile(activities=activities)
-            self._prof.__enter__()
+            self._prof.start()
         if self._prof is not None:
             self._range = record_function("train_step")
             self._range.__enter__()
@@ -80,7 +80,7 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         if self.cuda:
             torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
+        prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         first = self.span[0]
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
