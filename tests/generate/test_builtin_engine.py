@@ -10,6 +10,8 @@ import torch
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
 from dflash_train.generate.engine import Completion, Request
+from dflash_train.generate.spec_eval import HeldOutProbe
+from dflash_train.target.fp8 import convert_decoder_linears
 
 from .tiny import make_model
 
@@ -106,6 +108,18 @@ def test_unsupported_architecture_points_to_http_engine():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="--engine http"):
         check_supported(model, 64)
+
+
+def test_fp8_target_is_refused_so_the_training_probe_is_skipped():
+    """A target.fp8 training target has float8 decoder layers: the engine would fail on them
+    (it reads each projection's bf16 weight), so check_supported refuses it and the trainer's
+    held-out probe reports itself unavailable (a warning, not a crashed run)."""
+    model = make_model("llama", vocab=256, seed=4)
+    check_supported(model, 64)
+    convert_decoder_linears(model, model.model.layers)
+    with pytest.raises(UnsupportedModelError, match="target.fp8"):
+        check_supported(model, 64)
+    assert not HeldOutProbe(model, {0}, [[5, 7, 9]], max_new_tokens=8).available()
 
 
 def test_compiled_layer_functions_trace_once_and_match():

@@ -78,6 +78,12 @@ def check_supported(model, max_len: int) -> None:
         raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{hint}")
     if head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{hint}")
+    mlp = inner.layers[0].mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        # e.g. target.fp8's float8 layers: decoding with them would measure a target nobody serves
+        raise UnsupportedModelError("the decoder's linear layers were replaced (target.fp8?): the engine decodes "
+                                    "with the model's own bf16 weights; load the target without target.fp8")
 
 
 class _Layer:

@@ -10,9 +10,12 @@ import torch
 from dflash_train.train.config import OptimConfig
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """Fused AdamW on every device (CPU and CUDA both have the kernel): one multi-tensor pass,
+    and it divides the gradients by `grad_scale` inside that pass (train/step.py uses this for
+    the global normalisation and the clip, instead of two more passes over the gradients)."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+                             weight_decay=cfg.weight_decay, fused=True)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

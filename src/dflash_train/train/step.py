@@ -69,23 +69,27 @@ def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Opt
                     global_weight: torch.Tensor, global_loss: torch.Tensor, num_replicas: int,
                     grad_clip: float) -> GradientStep:
     """`global_weight`/`global_loss` are the step's sums over every micro-batch and replica,
-    the same on every replica, so every replica takes the same decision without talking."""
+    the same on every replica, so every replica takes the same decision without talking.
+
+    The gradients are read once (their norm) and never rewritten here: the normalisation and
+    the clip are one factor that the fused AdamW applies inside its own pass, through the
+    `grad_scale` it divides by (the hook torch's GradScaler uses). `optimizer` must be the fused
+    AdamW of train/optimizer.py."""
     # DDP averaged the replicas' gradients of the loss *sums*: times D / (global weight sum)
     # gives the gradient of the globally normalised loss.
-    scale = num_replicas / global_weight.clamp(min=1e-12)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for dtype, grads in by_dtype.items():  # one multi-tensor kernel per dtype, not one per parameter
-        torch._foreach_mul_(grads, scale.to(dtype))
-    if grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    scale = num_replicas / global_weight.float().clamp(min=1e-12)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads).float() * scale  # the normalised gradient's norm
+    factor = scale
+    if grad_clip > 0:  # torch's clip_grad_norm_ rule: times max_norm / (norm + 1e-6), at most 1
+        factor = scale * (grad_clip / (norm + 1e-6)).clamp(max=1.0)
     finite = bool(torch.isfinite(norm) & torch.isfinite(global_loss))  # the step's one host sync
     if finite:
-        optimizer.step()
+        optimizer.grad_scale = 1.0 / factor
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale  # a later step() without it must not reuse this one
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return GradientStep(finite, norm)

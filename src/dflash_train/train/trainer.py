@@ -104,7 +104,7 @@ class Trainer:
                                            target_model=self.target.model)
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.state = TrainState()
         if resume_from is not None:
