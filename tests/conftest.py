@@ -9,6 +9,19 @@ import random
 
 import pytest
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache_in_a_temp_dir(tmp_path_factory):
+    """The suite never writes the user's cache; its own GGUF conversions (target/gguf_cache.py)
+    are shared by every test and subprocess of the session through the environment."""
+    previous = os.environ.get("DFLASH_TRAIN_CACHE")
+    os.environ["DFLASH_TRAIN_CACHE"] = str(tmp_path_factory.mktemp("dflash-train-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("DFLASH_TRAIN_CACHE", None)
+    else:
+        os.environ["DFLASH_TRAIN_CACHE"] = previous
+
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

