@@ -21,6 +21,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.masks import flex_block_mask
+from drafter_flex_vs_dense import log, rel_err  # the sibling bench's helpers (bench/ is on sys.path)
 
 # Named option sets. `rows-safe` (ROWS_GUARANTEED_SAFE) gave NaN against the default on an
 # H200 (2026-12-01): every DFlash query sees a key somewhere (its own block), but a sliding-window
@@ -42,17 +43,6 @@ OPTIONS: dict[str, dict] = {
     "bwd64x64w4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
                    "bwd_num_warps": 4, "bwd_num_stages": 3},
 }
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
