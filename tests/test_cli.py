@@ -66,6 +66,7 @@ def test_init_from_target_options(capsys):
     (["--optim.weight_decay", "-0.1"], "optim.weight_decay >= 0"),
     (["--step.attention", "fast"], "step.attention: 'fast' is not one of ['auto', 'flex', 'dense']"),
     (["--run.compile=maybe"], "run.compile: expected true/false"),
+    (["--run.compile_autotune"], "run.compile_autotune needs run.compile: true"),
     (["--drafter.init_from_target", "first"], "drafter.init_from_target: 'first' is not one of"),
     (["--drafter.init_target_layers", "1,2"], "drafter.init_target_layers is used only with drafter.init_from_target=layers"),
     (["--drafter.init_from_target", "layers", "--drafter.init_target_layers", "1,2"], "one target layer id per drafter layer (5), got 2"),

@@ -3,10 +3,12 @@
 # compiled target, compiled bf16 drafter; 8192 tokens, 512 anchors, block 16, target labels):
 # `loss.fused_head` on (the default in compiled mode) and off, each with a kernel table of 3
 # steps after the measured ones (`bench --profile`). Carries nothing; ~4 min (two compiles a row).
-# ROWS="fused unfused fp8" picks (fp8: fused + FP8 target, which also checks the MFU against
+# ROWS="fused unfused fp8 overlap autotune" picks (overlap: + pipeline.overlap_target; autotune:
+# + run.compile_autotune; fp8: fused + FP8 target, which also checks the MFU against
 # the measured float8 peak). PRESET=dense-27b for the other shape. DRY=1: the tiny preset on CPU.
 # Results in $OUT: <row>.json, <row>.kernels.txt, session10_drafter.log.
 set -u
+TAG=${TAG:-}  # prefix of the result files (two presets in one call)
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session10_drafter.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 source bench/device/lib.sh
@@ -21,11 +23,13 @@ declare -A ARGS=(
   [fused]=""
   [unfused]="--set loss.fused_head=false"
   [fp8]="--fp8-target"
+  [overlap]="--overlap"
+  [autotune]="--set run.compile_autotune=true"
 )
 for row in ${ROWS:-fused unfused}; do
-  stage $row ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$row.json
+  stage $TAG$row ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$TAG$row.json
 done
 grep -E "^===|^bench |tokens/s|time/step|achieved|peak memory|rror|Traceback" $LOG | cut -c1-220 | tail -30
 for row in ${ROWS:-fused unfused}; do
-  [ -f $OUT/$row.kernels.txt ] && { echo "--- $row kernels"; head -30 $OUT/$row.kernels.txt | cut -c1-200; }
+  [ -f $OUT/$TAG$row.kernels.txt ] && { echo "--- $TAG$row kernels"; head -30 $OUT/$TAG$row.kernels.txt | cut -c1-200; }
 done

@@ -1,13 +1,16 @@
 """The MFU numerator and denominator of `dflash-train bench`: counted against the modules
 themselves, and the FP8-aware utilisation against its definition."""
 
+import itertools
+from fractions import Fraction
+
 import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from dflash_train.bench.cli import BenchConfig, build_config, model_flops_utilisation, run
-from dflash_train.bench.flops import step_flops
+from dflash_train.bench.flops import expected_label_rows, step_flops
 from dflash_train.target.presets import preset_config
 from dflash_train.target.runner import find_decoder_layers
 
@@ -50,3 +53,12 @@ def test_bench_profile_records_three_steps_after_the_measured_ones(tmp_path):
     assert int(row[0][-1]) == 3
     with pytest.raises(ValueError, match="--profile"):
         BenchConfig(preset="tiny", levers="baseline", profile=True)
+
+
+@pytest.mark.parametrize("C,n,B", [(9, 3, 4), (10, 1, 5), (8, 8, 3), (12, 5, 16), (7, 2, 2), (6, 9, 4)])
+def test_expected_label_rows_is_the_mean_over_every_anchor_draw(C, n, B):
+    """Every draw of min(n, C) anchors of C candidates, equally likely: the mean count of
+    distinct positions a + k - 1 (k = 1..B-1) inside the candidate range."""
+    draws = list(itertools.combinations(range(C), min(n, C)))
+    total = sum(len({a + k - 1 for a in draw for k in range(1, B) if a + k - 1 < C}) for draw in draws)
+    assert expected_label_rows(C, n, B) == pytest.approx(float(Fraction(total, len(draws))), rel=1e-12)

@@ -9,6 +9,8 @@ from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.labels import build_block_labels
 from dflash_train.drafter.loss import (
     LossConfig,
+    _hard_label_chunk,
+    _log_sum_exp,
     default_gamma,
     drafter_loss,
     head_cross_entropy,
@@ -37,6 +39,38 @@ def test_head_cross_entropy_matches_full_logits(chunk):
     torch.testing.assert_close(ce.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(pred, logits.argmax(-1))
     torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e2, 1e4])
+def test_head_cross_entropy_with_large_logits(scale):
+    """Logits of +-1e4 and more: the max-shifted log-sum-exp neither overflows nor loses the label."""
+    g = torch.Generator().manual_seed(2)
+    M, H, V = 11, 8, 31
+    hidden = (torch.randn(M, H, generator=g, dtype=torch.float64) * scale).requires_grad_()
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (M,), generator=g)
+    ce, pred = head_cross_entropy(hidden, w, labels, chunk_rows=4)
+    ref = F.cross_entropy(hidden.detach() @ w.T, labels, reduction="none")
+    assert bool(torch.isfinite(ce).all())
+    torch.testing.assert_close(ce.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pred, (hidden.detach() @ w.T).argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hard_label_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit(dtype):
+    """The per-chunk gradient: exp(logit - lse), 1 taken off at the label, element by element."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 41, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, 41, (9,), generator=g)
+    ce, pred, grad = _hard_label_chunk(logits, labels, need_grad=True)
+    lf = logits.float()
+    lse = _log_sum_exp(lf)
+    want = torch.exp(lf - lse[:, None])
+    for i, label in enumerate(labels.tolist()):
+        want[i, label] = want[i, label] - 1.0
+    assert grad.dtype == dtype and torch.equal(grad, want.to(dtype))
+    assert torch.equal(ce, lse - lf[torch.arange(9), labels]) and torch.equal(pred, lf.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(lf, -1), rtol=1e-6, atol=1e-6)
 
 
 def test_head_cross_entropy_soft_targets():

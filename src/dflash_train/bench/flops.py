@@ -1,8 +1,8 @@
 """Analytic model FLOPs of one training step (the numerator of MFU).
 
 Counted: every matmul of the target forward (up to the last tapped layer with `data`
-labels, the whole stack with `target` labels, plus the LM head at the N*(B-1) label
-positions only), and of the drafter forward (context projection, context K/V, block-token
+labels, the whole stack with `target` labels, plus the LM head at the distinct label
+positions only: `expected_label_rows`), and of the drafter forward (context projection, context K/V, block-token
 layers, attention over the keys each query may see, LM head + cross-entropy gradient) and
 its backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key)
 pair in the forward pass. Elementwise work (norms, RoPE, softmax) is not counted.
@@ -19,6 +19,23 @@ from dflash_train.target.presets import preset_config
 def _doc_length(spec: str) -> float:
     lo, _, hi = spec.split(":")[2].partition("-")
     return (int(lo) + int(hi or lo)) / 2
+
+
+def expected_label_rows(candidates: int, anchors: int, block: int) -> float:
+    """Expected count of distinct positions a + k - 1 (k = 1..B-1, kept inside the candidate
+    range as valid labels are) when `anchors` anchors are drawn without replacement from
+    `candidates` consecutive candidate positions: the rows at which `target` labels run the
+    LM head (drafter/labels.distinct_label_rows). Position p (an offset into the range) is
+    needed unless none of the min(p + 1, B - 1) anchors whose block holds it was drawn."""
+    C, w = int(candidates), block - 1
+    n = min(int(anchors), C)
+    if C <= 0 or n <= 0 or w <= 0:
+        return 0.0
+    i = np.arange(w, dtype=np.float64)
+    # none_drawn[m - 1] = P(none of m given candidates drawn) = prod_{i<m} (C - n - i) / (C - i)
+    none_drawn = np.cumprod(np.clip((C - n - i) / (C - i), 0.0, None))
+    covering = np.minimum(np.arange(C) + 1, w)
+    return float((1.0 - none_drawn[covering - 1]).sum())
 
 
 def step_flops(cfg, preset: str) -> dict:
@@ -44,7 +61,8 @@ def step_flops(cfg, preset: str) -> dict:
     candidates = docs * (Ld - Ld // 4 - 1)  # synthetic documents: the first quarter is the prompt
     anchors = min(N, candidates)
     if cfg.step.label_source != "data":
-        target += anchors * (B - 1) * 2 * H * V
+        per_doc = candidates // docs
+        target += docs * expected_label_rows(per_doc, -(-anchors // docs), B) * 2 * H * V
 
     # average visible context keys of a query: anchors uniform over a document's candidates
     p = np.arange(Ld // 4 - 1, Ld - 1, dtype=np.float64)  # anchor offsets within the document

@@ -10,8 +10,8 @@ Label sources:
 * `target`: argmax of the target logits at a_j + k - 1        (`target_block_labels`)
 * `distill`: the target distribution at a_j + k - 1: its final hidden states there
             (`gather_target_states`), turned into logits chunk by chunk in drafter/loss.py
-Target logits are computed only at a_j .. a_j + B - 2 for valid anchors, never for the
-whole sequence and vocabulary.
+Target logits are computed only at the distinct positions a_j .. a_j + B - 2 of valid
+labels, never for the whole sequence and vocabulary.
 """
 
 from __future__ import annotations
@@ -78,6 +78,22 @@ def gather_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, bloc
     return gathered.view(R, *pos.shape[1:], H)
 
 
+def distinct_label_rows(anchors: torch.Tensor, label_valid: torch.Tensor, block_size: int,
+                        seq_len: int) -> torch.Tensor:
+    """Sorted flat indices (r * S + p) of the distinct positions whose target logits some valid
+    label needs. Blocks of nearby anchors overlap (512 random anchors of 16 slots in 8192
+    tokens need ~5,000 distinct positions, not 7,680), so each is computed once.
+
+    The count is data-dependent: `nonzero` is a host sync (it waits for the target forward
+    queued before it; the GPU idles only for the next launch)."""
+    R = anchors.shape[0]
+    pred = predecessor_positions(anchors, block_size, seq_len)  # [R, N, B-1]
+    flat = (pred + seq_len * torch.arange(R, device=anchors.device)[:, None, None]).reshape(-1)
+    needed = torch.zeros(R * seq_len, dtype=torch.uint8, device=anchors.device)
+    needed.scatter_reduce_(0, flat, label_valid[..., 1:].reshape(-1).to(torch.uint8), "amax")
+    return needed.nonzero().squeeze(1)
+
+
 @torch.no_grad()
 def target_block_labels(
     final_hidden: torch.Tensor,  # [R, S, H] target hidden states after its final norm
@@ -92,17 +108,19 @@ def target_block_labels(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`target` labels: the target's greedy token for each slot, same validity as `data`.
 
-    Logits are computed only at the R*N*(B-1) predecessor positions, in chunks, so the
-    [positions, V] matrix never exists at once.
+    Logits are computed only at the distinct predecessor positions of valid labels
+    (`distinct_label_rows`), in chunks, so the [positions, V] matrix never exists at once.
     """
+    R, S, H = final_hidden.shape
     label_valid, _ = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
-    states = gather_target_states(final_hidden, anchors, block_size)  # [R, N, B-1, H]
-    flat = states.reshape(-1, states.shape[-1])
-    greedy = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
-    w = lm_head_weight.to(flat.dtype)
-    for start in range(0, flat.shape[0], chunk_rows):
-        greedy[start:start + chunk_rows] = (flat[start:start + chunk_rows] @ w.T).argmax(dim=-1)
-    R, N = anchors.shape
-    labels = torch.full((R, N, block_size), IGNORE, dtype=torch.long, device=anchors.device)
-    labels[:, :, 1:] = greedy.view(R, N, block_size - 1)
+    rows = distinct_label_rows(anchors, label_valid, block_size, S)  # [U]
+    states = final_hidden.reshape(R * S, H)[rows]  # [U, H]
+    w = lm_head_weight.to(states.dtype)
+    greedy_at = torch.zeros(R * S, dtype=torch.long, device=states.device)  # per flat position
+    for start in range(0, rows.numel(), chunk_rows):
+        chunk = slice(start, start + chunk_rows)
+        greedy_at[rows[chunk]] = (states[chunk] @ w.T).argmax(dim=-1)
+    pred = predecessor_positions(anchors, block_size, S)  # [R, N, B-1]
+    labels = torch.full((*anchors.shape, block_size), IGNORE, dtype=torch.long, device=anchors.device)
+    labels[:, :, 1:] = torch.gather(greedy_at.view(R, S), 1, pred.view(R, -1)).view_as(pred)
     return torch.where(label_valid, labels, torch.full_like(labels, IGNORE)), label_valid

@@ -57,24 +57,38 @@ class LossConfig:
             raise ValueError("loss.chunk_rows must be >= 1")
 
 
+def _log_sum_exp(lf: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(lf))) over the vocabulary: [c, V] float32 -> [c]. Spelled as the max,
+    then the sum of exp(x - max): the pattern Inductor turns into one online-softmax pass
+    over the chunk (torch.logsumexp's guard for infinite maxima hides it, and its kernel
+    then reads the chunk several times). Logits are finite; a non-finite one makes the
+    loss NaN, and the step is skipped."""
+    m = lf.amax(dim=-1, keepdim=True)
+    return (m + (lf - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(1)
+
+
 def _hard_label_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
     """One chunk against hard labels: logits [c, V] in the head's dtype, labels [c] ->
     (CE [c] float32, argmax [c], dCE/dlogits = softmax - onehot [c, V] in the head's dtype or None)."""
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
+    lse = _log_sum_exp(lf)
     ce = lse - lf.gather(1, labels[:, None]).squeeze(1)
     pred = lf.argmax(dim=-1)
     if not need_grad:
         return ce, pred, None
     probs = torch.exp(lf - lse[:, None])
-    probs.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
-    return ce, pred, probs.to(logits.dtype)
+    # minus the one-hot label as a pointwise op, which compiled fuses into the one kernel that
+    # writes the gradient in the head's dtype (a scatter made Inductor write the float32
+    # probabilities out and read them back: two more passes over [c, V]); eager, it costs one
+    # uint8 [c, V] temporary
+    is_label = torch.arange(lf.shape[1], device=lf.device) == labels[:, None]
+    return ce, pred, probs.sub_(is_label.to(torch.uint8)).to(logits.dtype)
 
 
 def _soft_target_chunk(logits: torch.Tensor, target_logits: torch.Tensor, need_grad: bool):
     """The same against the target's distribution softmax(target_logits) (distillation)."""
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
+    lse = _log_sum_exp(lf)
     soft = torch.softmax(target_logits.float(), dim=-1)
     ce = lse - (soft * lf).sum(-1)
     pred = lf.argmax(dim=-1)

@@ -92,6 +92,10 @@ class RunConfig:
     """master weights of the drafter; bf16 autocast on GPU either way"""
     compile: bool = False
     """fixed shapes (padded batches, fixed-shape anchors) + torch.compile"""
+    compile_autotune: bool = False
+    """with compile: Inductor benchmarks its own kernel choices for the drafter's FlexAttention
+    (forward and backward) once per shape, at the first step (about a minute on an H200, where
+    it made the attention 10% faster: docs/performance.md); matmuls stay cuBLAS"""
     threads: int = 0
     """CPU threads for torch on CPU runs (0: the cores other processes leave idle)"""
     log_every: int = 10
@@ -118,6 +122,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         parse_profile_steps(self.profile_steps)
+        if self.compile_autotune and not self.compile:
+            raise ValueError("run.compile_autotune needs run.compile: true")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("run.max_steps must be >= 1")
         if self.epochs <= 0:

@@ -166,15 +166,25 @@ def init_drafter_from_target(cfg: TrainConfig, drafter: DFlashDrafter, init_laye
                     "copied: %s", ", ".join(report.left_out))
 
 
-def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool) -> torch.nn.Module:
-    """What the step calls: the drafter, data-parallel over the drafter ranks, compiled if asked."""
+# run.compile_autotune: Inductor's autotuning, kept to the kernels it generates from templates
+# (FlexAttention's forward and backward): matmuls stay cuBLAS, which won every matmul shape
+# measured (docs/performance.md), so benchmarking Triton matmuls would only cost compile time
+AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}
+
+
+def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool,
+                 autotune: bool = False) -> torch.nn.Module:
+    """What the step calls: the drafter, data-parallel over the drafter ranks, compiled if asked
+    (with `autotune`, its attention kernels autotuned)."""
     model: torch.nn.Module = drafter
     if ctx.num_drafters > 1:
         # the drafter's only buffer (RoPE frequencies) is identical everywhere: no syncing
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         model = DistributedDataParallel(drafter, process_group=ctx.drafters, broadcast_buffers=False,
                                         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    return torch.compile(model) if compile else model
+    if not compile:
+        return model
+    return torch.compile(model, options=AUTOTUNE_OPTIONS) if autotune else torch.compile(model)
 
 
 def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:
