@@ -2,9 +2,9 @@
 
 Counted: every matmul of the target forward (up to the last tapped layer with `data`
 labels, the whole stack with `target` labels, plus the LM head at the distinct label
-positions only: `expected_label_rows`), and of the drafter forward (context projection, context K/V, block-token
-layers, attention over the keys each query may see, LM head + cross-entropy gradient) and
-its backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key)
+positions only: `expected_label_rows`), and of the drafter forward (context projection,
+context K/V, block-token layers, attention over the keys each query may see, LM head +
+cross-entropy gradient) and its backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key)
 pair in the forward pass. Elementwise work (norms, RoPE, softmax) is not counted.
 """
 

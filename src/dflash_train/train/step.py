@@ -5,9 +5,9 @@ sums; backward when training), with the batch's own anchor/noise generator.
 
 `apply_gradients`: after all micro-batches of the step and the one agreement between
 drafter replicas (train/stopping.py): normalise the gradients by the global loss weight
-(the spec's global normalisation), clip, check finiteness (a host sync; the other one of a step is the count of
-`target` label positions, drafter/labels.py) and
-apply the optimizer and schedule, or skip a non-finite step.
+(the spec's global normalisation), clip, check finiteness (a host sync; a step's only other
+one counts the distinct `target` label positions, drafter/labels.py) and apply the
+optimizer and schedule, or skip a non-finite step.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Opt
     factor = scale
     if grad_clip > 0:  # torch's clip_grad_norm_ rule: times max_norm / (norm + 1e-6), at most 1
         factor = scale * (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-    finite = bool(torch.isfinite(norm) & torch.isfinite(global_loss))  # host sync: the step waits for its GPU work here
+    finite = bool(torch.isfinite(norm) & torch.isfinite(global_loss))  # host sync: waits for the step's GPU work
     if finite:
         optimizer.grad_scale = 1.0 / factor
         try:

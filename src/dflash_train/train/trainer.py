@@ -102,7 +102,8 @@ class Trainer:
         self.drafter = setup.build_drafter(cfg, d, self.target.heads, self.device,
                                            init_layers=self.init_layers if resume_from is None else None,
                                            target_model=self.target.model)
-        self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile, autotune=cfg.run.compile_autotune)
+        self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile,
+                                        autotune=cfg.run.compile_autotune)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
