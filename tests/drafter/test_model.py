@@ -97,8 +97,9 @@ def _batch(seed, R=2, S=18, N=4):
     return ids, pos, doc, loss, anchors, valid
 
 
+@pytest.mark.parametrize("mask_slots", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_drafter_forward_matches_per_query_reference(seed):
+def test_drafter_forward_matches_per_query_reference(seed, mask_slots):
     torch.manual_seed(seed)
     cfg = tiny_config()
     model = DFlashDrafter(cfg).double()
@@ -112,11 +113,46 @@ def test_drafter_forward_matches_per_query_reference(seed):
     block_ids = block_input_ids(ids, anchors, 4, cfg.mask_token_id)
     bpos = block_positions(pos, anchors, 4)
     masks = build_layer_masks(cfg, doc, pos, anchors, valid, backend="dense")
-    got = model(ctx_raw, pos, emb[block_ids], bpos, masks)
+    got = model(ctx_raw, pos, emb[block_ids], bpos, masks, mask_slots=mask_slots)
     ref_masks = [mask_ref(doc, pos, anchors, valid, 4, cfg.window_of(i), cfg.causal_in_block_of(i)) for i in range(2)]
     want = reference_forward(model, ctx_raw, pos, emb[block_ids], bpos, ref_masks)
     # float32 RoPE tables bound the agreement; a wrong mask or projection is off by O(1)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_mask_slots_project_the_first_layers_mask_row_once_with_the_same_gradients():
+    """`mask_slots`: the first layer's q/k/v see the N anchor rows and one mask row (not N*B
+    rows); outputs and every parameter's gradient equal the plain forward's."""
+    torch.manual_seed(4)
+    cfg = tiny_config()
+    model = DFlashDrafter(cfg).double()
+    ids, pos, doc, loss, anchors, valid = _batch(4)
+    emb = torch.randn(V, H, dtype=torch.float64)
+    ctx_raw = torch.randn(2, 18, TAPS * H, dtype=torch.float64)
+    block_emb = emb[block_input_ids(ids, anchors, 4, cfg.mask_token_id)]
+    bpos = block_positions(pos, anchors, 4)
+    masks = build_layer_masks(cfg, doc, pos, anchors, valid, backend="dense")
+    upstream = torch.randn(2, anchors.shape[1] * 4, H, dtype=torch.float64)
+    rows_seen, results = [], []
+    first = model.layers[0].self_attn
+    hooks = [m.register_forward_pre_hook(lambda mod, args: rows_seen.append(args[0].shape[:-1]))
+             for m in (first.q_proj, first.k_proj, first.v_proj)]
+    for mask_slots in (False, True):
+        model.zero_grad()
+        rows_seen.clear()
+        out = model(ctx_raw, pos, block_emb, bpos, masks, mask_slots=mask_slots)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(rows_seen)))
+    for h in hooks:
+        h.remove()
+    (out0, grads0, rows0), (out1, grads1, rows1) = results
+    torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-10, atol=1e-12, msg=name)
+    N = anchors.shape[1]
+    context = (2, 18)  # k/v of the context are projected for every position either way
+    assert sorted(rows0) == sorted([(2, 4 * N)] * 3 + [context] * 2)
+    assert sorted(rows1) == sorted([(2, N), (2, 1)] * 3 + [context] * 2)
 
 
 def test_block_inputs_and_positions():

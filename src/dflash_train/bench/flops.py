@@ -3,9 +3,10 @@
 Counted: every matmul of the target forward (up to the last tapped layer with `data`
 labels, the whole stack with `target` labels, plus the LM head at the distinct label
 positions only: `expected_label_rows`), and of the drafter forward (context projection,
-context K/V, block-token layers, attention over the keys each query may see, LM head +
-cross-entropy gradient) and its backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key)
-pair in the forward pass. Elementwise work (norms, RoPE, softmax) is not counted.
+context K/V, block-token layers with the first one's q/k/v at the anchors and one mask row,
+attention over the keys each query may see, LM head + cross-entropy gradient) and its
+backward (2x the trainable forward). Attention counts 4*h*hd FLOPs per (query, key) pair
+in the forward pass. Elementwise work (norms, RoPE, softmax) is not counted.
 """
 
 from __future__ import annotations
@@ -72,11 +73,13 @@ def step_flops(cfg, preset: str) -> dict:
     causal = W is not None  # sliding layers are causal within the block by default
     blk_keys = (B + 1) / 2 if causal else B
     Q = anchors * B
-    d_layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H + 3 * H * d_inter)
+    d_qkv = 2 * (H * h * hd + 2 * H * g * hd)
+    d_layer_linear = d_qkv + 2 * (h * hd * H + 3 * H * d_inter)
     drafter_fwd = (S * 2 * n_taps * H * H  # fc over the context
                    + D_layers * (S * 2 * H * 2 * g * hd  # context K/V of each layer
                                  + Q * d_layer_linear
-                                 + Q * 4 * h * hd * (ctx_keys + blk_keys)))
+                                 + Q * 4 * h * hd * (ctx_keys + blk_keys))
+                   - (Q - anchors - 1) * d_qkv)  # the first layer projects one mask row per row, not N*(B-1)
     head = anchors * (B - 1) * 2 * H * V * 2  # logits + the cross-entropy gradient through W
     parts = {"target": target / S, "drafter_fwd": drafter_fwd / S, "drafter_bwd": 2 * drafter_fwd / S,
              "lm_head_ce": head / S}

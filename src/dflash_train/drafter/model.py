@@ -10,6 +10,9 @@ H hidden, n taps, h heads, g kv heads, d head_dim):
                 v  = v_proj([ctx ; norm(block)])               [R, g, S+Q, d]
     output: norm(block) [R, Q, H]; logits come from the frozen target lm_head (drafter/loss.py).
 
+In training blocks ([anchor token, MASK, ..., MASK]) the first layer's mask rows are one
+row: its q/k/v are projected for the N anchors and that row only (`project_blocks`).
+
 The context never passes through q, o or the MLP. The drafter owns no embedding and no
 LM head: those are the target's, frozen, and passed in by the caller.
 """
@@ -85,6 +88,22 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+def project_blocks(linear: nn.Linear, x: torch.Tensor, mask_block: int | None) -> torch.Tensor:
+    """linear(x) for block rows x [R, N*B, H]. With `mask_block` = B, slots 1..B-1 of every
+    block hold one same row (the first layer of training blocks: the mask token's embedding,
+    normed), so the N anchor rows and that one row are projected and the row is repeated; the
+    repeat's backward sums its gradients, which is the gradient of the N*(B-1) copies."""
+    if mask_block is None or mask_block < 2:
+        return linear(x)
+    R, Q, H = x.shape
+    N, B = Q // mask_block, mask_block
+    blocks = x.view(R, N, B, H)
+    anchors = linear(blocks[:, :, 0])  # [R, N, out]
+    mask_row = linear(blocks[:, :1, 1])  # [R, 1, out]
+    rows = torch.cat([anchors[:, :, None], mask_row[:, :, None].expand(R, N, B - 1, -1)], dim=2)
+    return rows.view(R, Q, -1)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -97,10 +116,12 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            mask_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         R, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(R, T, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(R, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(project_blocks(self.k_proj, x, mask_block).view(R, T, self.kv_heads, self.head_dim))
+        v = project_blocks(self.v_proj, x, mask_block).view(R, T, self.kv_heads, self.head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -118,11 +139,12 @@ class DrafterAttention(nn.Module):
         ctx_k: torch.Tensor,  # [R, g, S, d]
         ctx_v: torch.Tensor,
         mask: AttentionMask,
+        mask_block: int | None = None,  # see project_blocks
     ) -> torch.Tensor:
         R, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(R, Q, self.heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        blk_k, blk_v = self._kv(x, cos, sin)
+        q = self.q_norm(project_blocks(self.q_proj, x, mask_block).view(R, Q, self.heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        blk_k, blk_v = self._kv(x, cos, sin, mask_block)
         k = torch.cat([ctx_k, blk_k], dim=2)  # key order: context first, then the blocks
         v = torch.cat([ctx_v, blk_v], dim=2)
         out = attend(q, k, v, mask)  # [R, h, Q, d]
@@ -148,8 +170,8 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask: AttentionMask, mask_block: int | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask, mask_block)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -196,15 +218,18 @@ class DFlashDrafter(nn.Module):
         *,
         noise_sigma: float = 0.0,
         generator: torch.Generator | None = None,
+        mask_slots: bool = False,
     ) -> torch.Tensor:
-        """Final normed hidden states of the block tokens, [R, Q, H]."""
+        """Final normed hidden states of the block tokens, [R, Q, H]. `mask_slots`: slots 1..B-1
+        of every block are the mask token (`block_input_ids`), so the first layer projects them
+        once (`project_blocks`)."""
         ctx = self.project_context(ctx_raw, noise_sigma, generator)
         x = block_embeds.to(self.norm.weight.dtype)  # the residual stream in the parameters' dtype
         ctx_cos, ctx_sin = self.rotary(ctx_positions, x.dtype)
         cos, sin = self.rotary(block_positions, x.dtype)
-        for layer, mask in zip(self.layers, masks, strict=True):
+        for i, (layer, mask) in enumerate(zip(self.layers, masks, strict=True)):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask, self.config.block_size if mask_slots and i == 0 else None)
         return self.norm(x)
 
 

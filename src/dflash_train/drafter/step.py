@@ -113,6 +113,7 @@ def drafter_forward(
         masks,
         noise_sigma=step_cfg.noise_sigma,
         generator=generator,
+        mask_slots=True,  # block_input_ids: [anchor token, MASK, ..., MASK]
     )
     return BlockForward(hidden, labels, label_valid, anchors, valid, target_states)
 
