@@ -2,6 +2,7 @@
 themselves, and the FP8-aware utilisation against its definition."""
 
 import itertools
+import json
 from fractions import Fraction
 
 import pytest
@@ -46,7 +47,8 @@ def test_bench_profile_records_three_steps_after_the_measured_ones(tmp_path):
     """`--profile`: a kernel table of 3 steps run after the measured ones, beside the JSON."""
     out = tmp_path / "bench.json"
     assert run(BenchConfig(preset="tiny", tokens=256, doc_len="40-120", anchors=8, block=4, layers=1, warmup=1,
-                           measure=2, device="cpu", profile=True, out=str(out))) == 0
+                           measure=2, device="cpu", profile=True, out=str(out), set=["loss.chunk_rows=64"])) == 0
+    assert json.loads(out.read_text())["overrides"] == ["loss.chunk_rows=64"]  # what the row ran with
     table = (tmp_path / "bench.kernels.txt").read_text()
     assert table.startswith("torch.profiler over optimizer steps 4-6")
     row = [ln.split() for ln in table.splitlines() if ln.strip().startswith("train_step ")]

@@ -273,7 +273,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         "sdpa_backend": cfg.target.sdpa_backend, "overlap": cfg.pipeline.overlap_target,
         "drafter_dtype": args.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
-        "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
+        "overrides": list(args.set), "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
         "step_ms": seconds / steps * 1000, "time_split_ms_per_step": split,
         "flops_per_token": flops["per_token"], "flops_breakdown_per_token": flops["parts"],
         "achieved_tflops": achieved, "achieved_tflops_per_gpu": achieved / world,
