@@ -44,16 +44,26 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeat=5):
-    fn()
+def timed(fn, device, repeat=5, warmup=1):
+    """Median milliseconds of `fn()` after `warmup` calls: CUDA events on a GPU (no host
+    round trip in the number: a 0.1 ms kernel stays 0.1 ms), the wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
     sync(device)
     times = []
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] * 1000
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1000)
+    return sorted(times)[len(times) // 2]
 
 
 def rel_err(x, ref):

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -36,27 +34,7 @@ from dflash_train.drafter.labels import predecessor_positions
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.packed import post_attention, pre_attention
 from dflash_train.target.presets import PRESETS
-from drafter_flex_vs_dense import log, rel_err  # the sibling bench's helpers (bench/ is on sys.path)
-
-
-def timed(fn, device, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` (CUDA events on a GPU, wall clock on a CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+from drafter_flex_vs_dense import log, rel_err, timed  # the sibling bench's helpers (bench/ is on sys.path)
 
 
 def fused_pre_attention(x, cos, sin, ln1_w, qkv_w, qn_w, kn_w, *, eps, qk_eps, n_heads, n_kv, head_dim):
@@ -97,7 +75,7 @@ def section_gemm(d, device, iters, rows):
     for name, (M, K, N) in shapes.items():
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
-        ms = timed(lambda: F.linear(x, w), device, iters)
+        ms = timed(lambda: F.linear(x, w), device, repeat=iters, warmup=3)
         rows.append(dict(section="gemm", row=name, M=M, K=K, N=N, ms=ms, tflops=2 * M * K * N / ms / 1e9))
         log(f"gemm {name:8s} [{M}x{K}] x [{K}x{N}]: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s")
     # the target labels: LM head + argmax at every label row, and at the distinct positions
@@ -109,7 +87,7 @@ def section_gemm(d, device, iters, rows):
     w = torch.randn(V, H, device=device, dtype=torch.bfloat16) * 0.02
     for name, M in (("labels_all", pos.numel()), ("labels_distinct", distinct)):
         x = torch.randn(M, H, device=device, dtype=torch.bfloat16)
-        ms = timed(lambda: (x @ w.T).argmax(-1), device, iters)
+        ms = timed(lambda: (x @ w.T).argmax(-1), device, repeat=iters, warmup=3)
         rows.append(dict(section="gemm", row=name, M=M, K=H, N=V, ms=ms, tflops=2 * M * H * V / ms / 1e9))
         log(f"gemm {name}: {M} rows, {ms:.3f} ms ({rows[-1]['tflops']:.0f} TFLOP/s incl. argmax)")
 
@@ -126,7 +104,7 @@ def section_layout(d, device, iters, rows):
         w_t = w.t().contiguous()
         ref = F.linear(x, w)
         for layout, fn in (("nk", lambda: F.linear(x, w)), ("kn", lambda: x @ w_t)):
-            ms = timed(fn, device, iters)
+            ms = timed(fn, device, repeat=iters, warmup=3)
             rows.append(dict(section="layout", row=f"{name}/{layout}", M=M, K=K, N=N, ms=ms,
                              tflops=2 * M * K * N / ms / 1e9, rel_err=rel_err(fn(), ref)))
             log(f"layout {name:5s} weight [{layout}]: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s")
@@ -175,9 +153,9 @@ def section_layer(d, device, iters, rows):
                 q, k, v = call_pre(pre)
                 a = attention(q, k, v)
                 out = call_post(post, a)
-                t_pre = timed(lambda: call_pre(pre), device, iters)
-                t_attn = timed(lambda: attention(q, k, v), device, iters)
-                t_post = timed(lambda: call_post(post, a), device, iters)
+                t_pre = timed(lambda: call_pre(pre), device, repeat=iters, warmup=3)
+                t_attn = timed(lambda: attention(q, k, v), device, repeat=iters, warmup=3)
+                t_post = timed(lambda: call_post(post, a), device, repeat=iters, warmup=3)
             ref = out if ref is None else ref
             row = dict(section="layer", row=f"{name}/{mode}", pre_ms=t_pre, attention_ms=t_attn, post_ms=t_post,
                        layer_ms=t_pre + t_attn + t_post, rel_err=rel_err(out, ref))
@@ -212,7 +190,7 @@ def section_attention(d, device, iters, rows):
         try:
             with ctx, torch.no_grad():
                 out = fn()
-                ms = timed(fn, device, iters)
+                ms = timed(fn, device, repeat=iters, warmup=3)
         except Exception as e:  # a kernel that cannot take the call: say so, go on
             rows.append(dict(section="attention", row=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
             log(f"attention {name}: not available ({type(e).__name__})")
