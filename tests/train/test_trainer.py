@@ -287,6 +287,7 @@ def test_profile_steps_records_exactly_those_steps(tiny_targets, tiny_datasets, 
     assert _profiled_calls(table, "train_step") == 2
     assert _profiled_calls(table, "forward") == 4 and _profiled_calls(table, "backward") == 4
     assert _profiled_calls(table, "optimizer") == 2
+    assert "GPU idle: no device ops in the trace (a CPU run)" in table  # the gap report's CPU answer
 
 
 @pytest.mark.parametrize("bad", ["5-3", "0-2", "x", "3-"])

@@ -5,19 +5,23 @@ first log window, which holds the compiles). Each step is one `train_step` range
 stages inside it are `forward`, `backward` and `optimizer` ranges. At LAST (or at the end
 of a run that stops before it) the table of the ops and kernels with the most device time
 (CPU time on a CPU run) is written to `<output_dir>/profile/steps-FIRST-LAST.txt`, with the
-Chrome trace beside it (`trace.json`, for chrome://tracing or Perfetto). Only the main
+Chrome trace beside it (`trace.json`, for chrome://tracing or Perfetto) and, below the table,
+where the device sat idle between kernels and why (`gpu_idle`). Only the main
 drafter profiles; it slows the profiled steps only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from dflash_train.train import gpu_idle
 
 log = logging.getLogger("dflash_train")
 
@@ -85,7 +89,9 @@ class StepProfiler:
         first = self.span[0]
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         path = self.dir / f"steps-{first}-{step}.txt"
-        path.write_text(f"torch.profiler over optimizer steps {first}-{step}, sorted by {sort}\n"
-                        + prof.key_averages().table(sort_by=sort, row_limit=self.top, max_name_column_width=90) + "\n")
-        prof.export_chrome_trace(str(self.dir / "trace.json"))
+        table = prof.key_averages().table(sort_by=sort, row_limit=self.top, max_name_column_width=90)
+        trace = self.dir / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        idle = gpu_idle.report(gpu_idle.summarize(json.loads(trace.read_text())["traceEvents"]), step - first + 1)
+        path.write_text(f"torch.profiler over optimizer steps {first}-{step}, sorted by {sort}\n{table}\n\n{idle}")
         log.info("profile of steps %d-%d: %s (and trace.json beside it)", first, step, path)
