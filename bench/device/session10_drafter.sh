@@ -4,13 +4,14 @@
 # `loss.fused_head` on (the default in compiled mode) and off, each with a kernel table of 3
 # steps after the measured ones (`bench --profile`). Carries nothing; ~4 min (two compiles a row).
 # ROWS="fused unfused fp8 overlap autotune" picks (overlap: + pipeline.overlap_target; autotune:
-# + run.compile_autotune; fp8: fused + FP8 target, which also checks the MFU against
+# + run.compile_autotune; autotune_fusedopt: that with torch's fused AdamW instead of the compiled
+# step; fp8: fused + FP8 target, which also checks the MFU against
 # the measured float8 peak). PRESET=dense-27b for the other shape. DRY=1: the tiny preset on CPU.
 # Results in $OUT: <row>.json, <row>.kernels.txt, session10_drafter.log.
 set -u
 TAG=${TAG:-}  # prefix of the result files (two presets in one call)
 OUT=${OUT:-/tmp/out}; LOG=$OUT/session10_drafter.log; mkdir -p $OUT
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=${SRC:-$PWD/src} PYTHONUNBUFFERED=1  # SRC=: another tree of the package (an A/B in one call)
 source bench/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
@@ -25,11 +26,13 @@ declare -A ARGS=(
   [fp8]="--fp8-target"
   [overlap]="--overlap"
   [autotune]="--set run.compile_autotune=true"
+  [autotune_fusedopt]="--set run.compile_autotune=true --set optim.compiled_step=false"
 )
 for row in ${ROWS:-fused unfused}; do
   stage $TAG$row ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$TAG$row.json
 done
 grep -E "^===|^bench |tokens/s|time/step|achieved|peak memory|rror|Traceback" $LOG | cut -c1-220 | tail -30
 for row in ${ROWS:-fused unfused}; do
-  [ -f $OUT/$TAG$row.kernels.txt ] && { echo "--- $TAG$row kernels"; head -30 $OUT/$TAG$row.kernels.txt | cut -c1-200; }
+  [ -f $OUT/$TAG$row.kernels.txt ] && { echo "--- $TAG$row kernels"; head -30 $OUT/$TAG$row.kernels.txt | cut -c1-200
+    sed -n '/^GPU timeline/,$p' $OUT/$TAG$row.kernels.txt | cut -c1-260; }
 done

@@ -7,10 +7,11 @@ import torch
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter import loss as loss_module
+from dflash_train.drafter.labels import target_block_labels
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions, rope_inverse_frequencies
-from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
+from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step
 
 from .reference import mask_ref, random_packed_layout
 
@@ -267,3 +268,28 @@ def test_rope_matches_transformers(scaling):
     theirs = LlamaRotaryEmbedding(target)
     torch.testing.assert_close(ours, theirs.inv_freq.float())
     assert scale == pytest.approx(theirs.attention_scaling)
+
+
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_target_labels_finished_after_the_drafter_equal_the_direct_ones(fixed_shape):
+    """drafter_forward queues the drafter between the two halves of PendingTargetLabels (the
+    host read of the distinct-row count waits only for the target); the labels must be exactly
+    target_block_labels' on the same anchors, and the hidden states those of the data-label run."""
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config())
+    ids, pos, doc, loss, _, _ = _batch(3)
+    heads = FrozenHeads(torch.randn(V, H), torch.randn(V, H))
+    taps, final = torch.randn(2, 18, TAPS * H), torch.randn(2, 18, H)
+
+    def forward(source):
+        return drafter_forward(model, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss,
+                               taps=taps, final_hidden=final, generator=torch.Generator().manual_seed(0),
+                               step_cfg=StepConfig(num_anchors=4, fixed_shape=fixed_shape, label_source=source))
+
+    out, data = forward("target"), forward("data")
+    want, want_valid = target_block_labels(final, heads.lm_head_weight, doc, loss, out.anchors, out.valid,
+                                           model.config.block_size)
+    assert torch.equal(out.labels, want) and torch.equal(out.label_valid, want_valid)
+    assert torch.equal(out.label_valid, data.label_valid) and torch.equal(out.anchors, data.anchors)
+    torch.testing.assert_close(out.hidden, data.hidden, rtol=0, atol=0)
+    assert (out.labels[out.label_valid] != data.labels[data.label_valid]).any()  # target greedy, not the data

@@ -7,8 +7,22 @@ import pytest
 import torch
 
 from dflash_train.train.config import OptimConfig
-from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
+from dflash_train.train import optimizer as optimizer_module
+from dflash_train.train.optimizer import CompiledAdamW, build_lr_scheduler
 from dflash_train.train.step import apply_gradients
+
+
+@pytest.fixture(params=["fused", "compiled"])
+def build_optimizer(request, monkeypatch):
+    """Both optimizers of train/optimizer.py, each must pass every test here; CompiledAdamW runs
+    its update eagerly (compiling on a CPU costs tens of seconds; the math is the same function)."""
+    monkeypatch.setattr(optimizer_module, "compiled_once", lambda fn: fn)
+
+    def build(params, cfg):
+        opt = optimizer_module.build_optimizer(params, cfg, compiled=request.param == "compiled")
+        assert isinstance(opt, CompiledAdamW) == (request.param == "compiled")
+        return opt
+    return build
 
 
 def make_params(seed: int) -> list[torch.nn.Parameter]:
@@ -37,7 +51,7 @@ def reference_step(params, *, weight: float, replicas: int, clip: float, cfg: Op
 
 
 @pytest.mark.parametrize("clip, magnitude", [(0.5, 3.0), (1e6, 3.0), (0.0, 40.0)])
-def test_matches_the_spelled_out_step(clip, magnitude):
+def test_matches_the_spelled_out_step(build_optimizer, clip, magnitude):
     # Adam's first step hardly depends on the gradients' scale; a large eps makes it depend
     cfg = OptimConfig(lr=0.05, warmup_steps=0, eps=0.1)
     ours, ref = make_params(0), make_params(0)
@@ -58,7 +72,7 @@ def test_matches_the_spelled_out_step(clip, magnitude):
     assert sched.last_epoch == 1  # the schedule advanced once
 
 
-def test_second_step_keeps_matching():
+def test_second_step_keeps_matching(build_optimizer):
     """Adam's moments carry the scaled gradients, not the raw ones."""
     cfg = OptimConfig(lr=0.05, warmup_steps=0)
     ours, ref = make_params(3), make_params(3)
@@ -80,18 +94,46 @@ def test_second_step_keeps_matching():
 
 
 @pytest.mark.parametrize("bad", ["grad", "loss"])
-def test_non_finite_step_is_skipped(bad):
+@pytest.mark.parametrize("when", ["first", "after_a_step"])
+def test_non_finite_step_is_skipped(build_optimizer, bad, when):
+    """The skip is decided on the device (the fused kernel's found_inf), so the step is queued
+    either way: weights, moments, step counts and the schedule must come out as if the bad step
+    never ran, and the next good step must match the reference that never saw it."""
     cfg = OptimConfig(lr=0.05, warmup_steps=0)
-    params = make_params(0)
+    params, ref = make_params(0), make_params(0)
+    opt = build_optimizer(params, cfg)
+    sched = build_lr_scheduler(opt, cfg, lambda: 1_000_000)  # lr ~constant, as the reference's
+    ref_opt = torch.optim.AdamW(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, foreach=False, fused=False)
+
+    def good_step(seed: int) -> None:
+        set_grads(params, seed, 1.0)
+        set_grads(ref, seed, 1.0)
+        assert apply_gradients(params, opt, sched, global_weight=torch.tensor(4.0), global_loss=torch.tensor(1.0),
+                               num_replicas=1, grad_clip=1.0).applied
+        for p in ref:
+            p.grad = p.grad / 4.0
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+
+    if when == "after_a_step":
+        good_step(1)
     before = [p.detach().clone() for p in params]
-    set_grads(params, 1, 1.0)
+    state_before = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params) if p in opt.state}
+    set_grads(params, 2, 1.0)
     if bad == "grad":
         params[1].grad[2] = float("inf")
-    opt = build_optimizer(params, cfg)
-    sched = build_lr_scheduler(opt, cfg, lambda: 100)
     loss = torch.tensor(float("nan") if bad == "loss" else 1.0)
     step = apply_gradients(params, opt, sched, global_weight=torch.tensor(4.0), global_loss=loss,
                            num_replicas=1, grad_clip=1.0)
     assert not step.applied
     assert all(torch.equal(a, b) for a, b in zip(params, before))
-    assert all(p.grad is None for p in params) and not opt.state and sched.last_epoch == 0
+    assert all(p.grad is None for p in params) and sched.last_epoch == (1 if when == "after_a_step" else 0)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    for i, p in enumerate(params):  # a first skipped step may leave a fresh state: step 0, zero moments
+        expected = state_before.get(i, {k: torch.zeros_like(v) for k, v in opt.state[p].items()})
+        assert all(torch.equal(opt.state[p][k], expected[k]) for k in opt.state[p]), i
+    good_step(3)
+    for a, b in zip(params, ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+    assert all(int(opt.state[p]["step"]) == int(ref_opt.state[r]["step"]) for p, r in zip(params, ref))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.utils.device import HostCopy
+
 IGNORE = -100  # invalid label slots hold this so that any accidental use fails loudly
 
 
@@ -78,21 +80,59 @@ def gather_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, bloc
     return gathered.view(R, *pos.shape[1:], H)
 
 
-def distinct_label_rows(pred: torch.Tensor, label_valid: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Sorted flat indices (r * S + p) of the distinct positions among `pred` [R, N, B-1]
-    (`predecessor_positions`) whose target logits some valid label needs. Blocks of nearby anchors overlap (512 random anchors of 16 slots in 8192
-    tokens need 4,500-5,300 distinct positions, not 7,680), so each is computed once.
-
-    The count is data-dependent: `nonzero` is a host sync (it waits for the target forward
-    queued before it; the GPU idles only for the next launch)."""
+def needed_label_rows(pred: torch.Tensor, label_valid: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[R * S] uint8: 1 at the flat positions (r * S + p) among `pred` [R, N, B-1]
+    (`predecessor_positions`) whose target logits some valid label needs."""
     R = pred.shape[0]
     flat = (pred + seq_len * torch.arange(R, device=pred.device)[:, None, None]).reshape(-1)
     needed = torch.zeros(R * seq_len, dtype=torch.uint8, device=pred.device)
-    needed.scatter_reduce_(0, flat, label_valid[..., 1:].reshape(-1).to(torch.uint8), "amax")
-    return needed.nonzero().squeeze(1)
+    return needed.scatter_reduce_(0, flat, label_valid[..., 1:].reshape(-1).to(torch.uint8), "amax")
 
 
-@torch.no_grad()
+def distinct_label_rows(pred: torch.Tensor, label_valid: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Sorted flat indices (r * S + p) of the distinct positions of `needed_label_rows`. Blocks of
+    nearby anchors overlap (512 random anchors of 16 slots in 8192 tokens need 4,500-5,300
+    distinct positions, not 7,680), so each is computed once. `nonzero` is a host sync:
+    `PendingTargetLabels` reads the count ahead instead."""
+    return needed_label_rows(pred, label_valid, seq_len).nonzero().squeeze(1)
+
+
+class PendingTargetLabels:
+    """`target` labels in two halves, so that their one host read never drains the GPU.
+
+    The number of distinct rows is data-dependent and the host must know it to size the LM-head
+    matmul. The constructor queues the validity rule and that count and starts copying the count
+    back (`HostCopy`); `finish()` computes the labels. Called with the drafter forward queued in
+    between, the host waits only for the count (the target forward) while the GPU has the drafter
+    to run, and the label kernels queue behind it instead of after an idle gap."""
+
+    def __init__(self, document_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                 valid: torch.Tensor, block_size: int):
+        R, S = document_ids.shape
+        self.anchors, self.block_size, self.seq_len = anchors, block_size, S
+        self.label_valid, _ = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
+        self.pred = predecessor_positions(anchors, block_size, S)  # [R, N, B-1]
+        self.needed = needed_label_rows(self.pred, self.label_valid, S)  # [R * S]
+        self.count = HostCopy(self.needed.sum())
+
+    @torch.no_grad()
+    def finish(self, final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, *,
+               chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [R, N, B], label_valid [R, N, B]): the target's greedy token per valid slot.
+        `final_hidden` [R, S, H]: the target states after its final norm; `lm_head_weight` [V, H]."""
+        R, S, H = final_hidden.shape
+        rows = torch.nonzero_static(self.needed, size=int(self.count.get())).squeeze(1)  # [U], no sync
+        states = final_hidden.reshape(R * S, H)[rows]  # [U, H]
+        w = lm_head_weight.to(states.dtype)
+        greedy_at = torch.zeros(R * S, dtype=torch.long, device=states.device)  # per flat position
+        for start in range(0, rows.numel(), chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            greedy_at[rows[chunk]] = (states[chunk] @ w.T).argmax(dim=-1)
+        labels = torch.full((*self.anchors.shape, self.block_size), IGNORE, dtype=torch.long, device=self.anchors.device)
+        labels[:, :, 1:] = torch.gather(greedy_at.view(R, S), 1, self.pred.view(R, -1)).view_as(self.pred)
+        return torch.where(self.label_valid, labels, torch.full_like(labels, IGNORE)), self.label_valid
+
+
 def target_block_labels(
     final_hidden: torch.Tensor,  # [R, S, H] target hidden states after its final norm
     lm_head_weight: torch.Tensor,  # [V, H]
@@ -109,16 +149,5 @@ def target_block_labels(
     Logits are computed only at the distinct predecessor positions of valid labels
     (`distinct_label_rows`), in chunks, so the [positions, V] matrix never exists at once.
     """
-    R, S, H = final_hidden.shape
-    label_valid, _ = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
-    pred = predecessor_positions(anchors, block_size, S)  # [R, N, B-1]
-    rows = distinct_label_rows(pred, label_valid, S)  # [U]
-    states = final_hidden.reshape(R * S, H)[rows]  # [U, H]
-    w = lm_head_weight.to(states.dtype)
-    greedy_at = torch.zeros(R * S, dtype=torch.long, device=states.device)  # per flat position
-    for start in range(0, rows.numel(), chunk_rows):
-        chunk = slice(start, start + chunk_rows)
-        greedy_at[rows[chunk]] = (states[chunk] @ w.T).argmax(dim=-1)
-    labels = torch.full((*anchors.shape, block_size), IGNORE, dtype=torch.long, device=anchors.device)
-    labels[:, :, 1:] = torch.gather(greedy_at.view(R, S), 1, pred.view(R, -1)).view_as(pred)
-    return torch.where(label_valid, labels, torch.full_like(labels, IGNORE)), label_valid
+    pending = PendingTargetLabels(document_ids, loss_mask, anchors, valid, block_size)
+    return pending.finish(final_hidden, lm_head_weight, chunk_rows=chunk_rows)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.drafter.anchors import select_anchors, trim_anchor_columns
-from dflash_train.drafter.labels import build_block_labels, gather_target_states, target_block_labels
+from dflash_train.drafter.labels import PendingTargetLabels, build_block_labels, gather_target_states
 from dflash_train.drafter.loss import LossConfig, StepStats, drafter_loss
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
@@ -91,15 +91,13 @@ def drafter_forward(
     if not step_cfg.fixed_shape:
         anchors, valid = trim_anchor_columns(anchors, valid)
 
-    target_states = None
+    target_states, pending = None, None
     if step_cfg.label_source == "data":
         labels, label_valid = build_block_labels(input_ids, document_ids, loss_mask, anchors, valid, B)
     else:
         if final_hidden is None:
             raise ValueError(f"label_source={step_cfg.label_source!r} needs the target's final hidden states")
-        labels, label_valid = target_block_labels(
-            final_hidden, heads.lm_head_weight, document_ids, loss_mask, anchors, valid, B
-        )
+        pending = PendingTargetLabels(document_ids, loss_mask, anchors, valid, B)  # finished after the drafter is queued
         if step_cfg.label_source == "distill":
             target_states = gather_target_states(final_hidden, anchors, B)
 
@@ -115,6 +113,8 @@ def drafter_forward(
         generator=generator,
         mask_slots=True,  # block_input_ids: [anchor token, MASK, ..., MASK]
     )
+    if pending is not None:
+        labels, label_valid = pending.finish(final_hidden, heads.lm_head_weight)
     return BlockForward(hidden, labels, label_valid, anchors, valid, target_states)
 
 

@@ -57,6 +57,10 @@ class OptimConfig:
     """clip the global gradient norm to this (0 disables clipping)"""
     grad_accum: int = 1
     """micro-batches per optimizer step"""
+    compiled_step: bool = True
+    """in compiled mode (run.compile): the AdamW step as one Inductor-generated pass per tensor
+    (train/optimizer.CompiledAdamW, ~1.5x faster than the fused kernel on an H200); false: torch's
+    fused AdamW. Same update, same checkpoint format"""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:

@@ -24,6 +24,7 @@ from dflash_train.drafter.loss import LossConfig, StepStats
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
 from dflash_train.target.runner import TargetOutput
 from dflash_train.train.timing import StageTimer
+from dflash_train.utils.device import HostCopy
 
 
 def batch_seed(seed: int, epoch: int, index: int, stream: int = 0) -> int:
@@ -74,8 +75,8 @@ def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Opt
 
     The gradients are read once (their norm) and never rewritten here: the normalisation and
     the clip are one factor that the fused AdamW applies inside its own pass, through the
-    `grad_scale` it divides by (the hook torch's GradScaler uses). `optimizer` must be the fused
-    AdamW of train/optimizer.py."""
+    `grad_scale` it divides by (the hook torch's GradScaler uses). `optimizer` must come from
+    train/optimizer.build_optimizer (torch's fused AdamW or CompiledAdamW: both take the hooks)."""
     # DDP averaged the replicas' gradients of the loss *sums*: times D / (global weight sum)
     # gives the gradient of the globally normalised loss.
     scale = num_replicas / global_weight.float().clamp(min=1e-12)
@@ -84,13 +85,18 @@ def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Opt
     factor = scale
     if grad_clip > 0:  # torch's clip_grad_norm_ rule: times max_norm / (norm + 1e-6), at most 1
         factor = scale * (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-    finite = bool(torch.isfinite(norm) & torch.isfinite(global_loss))  # host sync: waits for the step's GPU work
-    if finite:
-        optimizer.grad_scale = 1.0 / factor
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale  # a later step() without it must not reuse this one
+    finite = torch.isfinite(norm) & torch.isfinite(global_loss)
+    decision = HostCopy(finite)
+    # The step is queued before the host knows `finite`: the fused kernel skips every update
+    # where `found_inf` is set (GradScaler's hook; the step counts are restored too), so the
+    # GPU never idles while the host waits for the flag and then launches the optimizer.
+    optimizer.grad_scale, optimizer.found_inf = 1.0 / factor, (~finite).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf  # a later step() without them must not reuse these
+    applied = bool(decision.get())  # waits for the flag, not for the optimizer queued after it
+    if applied:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return GradientStep(finite, norm)
+    return GradientStep(applied, norm)

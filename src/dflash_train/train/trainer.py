@@ -105,7 +105,7 @@ class Trainer:
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile,
                                         autotune=cfg.run.compile_autotune)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.optimizer = build_optimizer(self.params, cfg.optim, compiled=cfg.run.compile and cfg.optim.compiled_step)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.state = TrainState()
         if resume_from is not None:

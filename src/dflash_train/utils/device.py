@@ -41,6 +41,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+class HostCopy:
+    """A small device tensor's value read back without draining the queue behind it.
+
+    `.item()` copies on the tensor's stream, so it waits for every kernel queued before the
+    call, and the GPU then idles until the host launches again. Started right after the value
+    is computed, this copy is waited for alone (an event), so kernels queued after it keep the
+    GPU busy while the host reads the value and decides. On CPU it is a plain read."""
+
+    def __init__(self, value: torch.Tensor):
+        if value.device.type == "cuda":
+            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(value.device))
+        else:
+            self._host, self._ready = value.detach().clone(), None
+
+    def get(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
 def busy_cores_elsewhere(window_s: float = 0.5) -> float | None:
     """Cores kept busy by other processes right now (Linux /proc/stat), or None if unknown."""
 
