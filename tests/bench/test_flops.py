@@ -14,6 +14,7 @@ from dflash_train.bench.cli import BenchConfig, build_config, model_flops_utilis
 from dflash_train.bench.flops import expected_label_rows, step_flops
 from dflash_train.target.presets import preset_config
 from dflash_train.target.runner import find_decoder_layers
+from dflash_train.utils.errors import TrainingError
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-8b"])
@@ -64,3 +65,13 @@ def test_expected_label_rows_is_the_mean_over_every_anchor_draw(C, n, B):
     draws = list(itertools.combinations(range(C), min(n, C)))
     total = sum(len({a + k - 1 for a in draw for k in range(1, B) if a + k - 1 < C}) for draw in draws)
     assert expected_label_rows(C, n, B) == pytest.approx(float(Fraction(total, len(draws))), rel=1e-12)
+
+
+def test_bench_stopped_before_its_measured_steps_says_so(tmp_path):
+    """A run cut short (here run.max_minutes; on a GPU box a timeout's SIGTERM) has no measured
+    window: a clear error naming the steps, not a missing-file traceback."""
+    out = tmp_path / "bench.json"
+    with pytest.raises(TrainingError, match=r"stopped at step 1 .* measured steps 2-3 were done"):
+        run(BenchConfig(preset="tiny", tokens=256, doc_len="40-120", anchors=8, block=4, layers=1, warmup=1,
+                        measure=2, device="cpu", out=str(out), set=["run.max_minutes=1e-9"]))
+    assert not out.exists()

@@ -43,7 +43,7 @@ from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
 from dflash_train.utils.device import resolve_device
-from dflash_train.utils.errors import ConfigError
+from dflash_train.utils.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -240,12 +240,17 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         summary = run_rank(cfg, resume=False)
         if summary is None:  # not the main drafter: it reports
             return None
-        rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        metrics = out_dir / "metrics.jsonl"
+        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
+        measured = [r for r in rows if r["kind"] == "train" and args.warmup < r["step"] <= args.warmup + args.measure]
+        if summary["steps"] < args.warmup + args.measure or not measured:  # a signal stopped it early
+            raise TrainingError(f"bench: the run stopped at step {summary['steps']} (interrupted by "
+                                f"{summary.get('interrupted_by') or 'a limit'}) before its measured steps "
+                                f"{args.warmup + 1}-{args.warmup + args.measure} were done: nothing to report")
         if args.profile:
             kernels = next((out_dir / "profile").glob("steps-*.txt"))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(kernels, kernels_path(args.out))
-    measured = [r for r in rows if r["kind"] == "train" and args.warmup < r["step"] <= args.warmup + args.measure]
     tokens = sum(r["window_tokens"] for r in measured)
     seconds = sum(r["window_s"] for r in measured)
     steps = args.measure
