@@ -165,3 +165,11 @@ def test_broken_pipe_is_quiet(monkeypatch, capsys):
     monkeypatch.setattr(cli_mod.os, "dup2", lambda src, dst: redirected.append(dst))
     assert main(["export", "src", "-o", "out"]) == 0  # `dflash-train ... | head`: quiet, stdout to /dev/null
     assert redirected == [1] and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_list_option_given_twice_keeps_both(capsys):
+    """`--set A=1 --set B=2` (how the device scripts combine overrides) must not drop the first."""
+    assert main(["bench", "--set", "run.compile_autotune=true", "--set", "optim.compiled_step=false",
+                 "loss.chunk_rows=64", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["set"] == ["run.compile_autotune=true", "optim.compiled_step=false", "loss.chunk_rows=64"]

@@ -304,9 +304,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         if _is_bool(leaf.type):
             help_text = (help_text or "") + " (--no-" + leaf.name.replace("_", "-") + " to turn off)"
+        listed = _is_list(leaf.type)  # a list option given twice keeps both (`--set A=1 --set B=2`)
         group.add_argument(*leaf.aliases, *_spellings(leaf.name), dest=f"{_DEST}{leaf.name}",
-                           default=argparse.SUPPRESS, nargs="+" if _is_list(leaf.type) else None,
-                           metavar=_metavar(leaf.type), help=help_text)
+                           default=argparse.SUPPRESS, nargs="+" if listed else None,
+                           action="extend" if listed else "store", metavar=_metavar(leaf.type), help=help_text)
 
 
 def normalize_argv(argv: list[str], cls: type) -> list[str]:
