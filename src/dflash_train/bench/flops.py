@@ -32,7 +32,7 @@ def expected_label_rows(candidates: int, anchors: int, block: int) -> float:
     n = min(int(anchors), C)
     if C <= 0 or n <= 0 or w <= 0:
         return 0.0
-    i = np.arange(w, dtype=np.float64)
+    i = np.arange(min(w, C), dtype=np.float64)  # a position is covered by at most min(w, C) candidates
     # none_drawn[m - 1] = P(none of m given candidates drawn) = prod_{i<m} (C - n - i) / (C - i)
     none_drawn = np.cumprod(np.clip((C - n - i) / (C - i), 0.0, None))
     covering = np.minimum(np.arange(C) + 1, w)
