@@ -59,7 +59,7 @@ class OptimConfig:
     """micro-batches per optimizer step"""
     compiled_step: bool = True
     """in compiled mode (run.compile): the AdamW step as one Inductor-generated pass per tensor
-    (train/optimizer.CompiledAdamW, ~1.5x faster than the fused kernel on an H200); false: torch's
+    (train/optimizer.CompiledAdamW, ~1.4x faster than the fused kernel on an H200); false: torch's
     fused AdamW. Same update, same checkpoint format"""
 
     def __post_init__(self) -> None:
