@@ -109,7 +109,7 @@ class PendingTargetLabels:
     def __init__(self, document_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  valid: torch.Tensor, block_size: int):
         R, S = document_ids.shape
-        self.anchors, self.block_size, self.seq_len = anchors, block_size, S
+        self.anchors, self.block_size = anchors, block_size
         self.label_valid, _ = block_label_validity(document_ids, loss_mask, anchors, valid, block_size)
         self.pred = predecessor_positions(anchors, block_size, S)  # [R, N, B-1]
         self.needed = needed_label_rows(self.pred, self.label_valid, S)  # [R * S]

@@ -142,7 +142,7 @@ def report(summary: IdleSummary | None, steps: int, *, min_gap_us: float = 10.0,
     for (where, waited), gs in ranked[:top]:
         note = f"  [after {waited}]" if waited else ""
         lines.append(f"  {sum(g.idle_us for g in gs) * per_step:8.3f} {len(gs):5d}  {where}{note}")
-    lines.append(f"largest gaps (us, kernel before -> kernel after):")
+    lines.append("largest gaps (us, kernel before -> kernel after):")
     for g in sorted(big, key=lambda g: -g.idle_us)[:top]:
         lines.append(f"  {g.idle_us:9.1f}  {g.before[:60]} -> {g.after[:60]}  | {g.launched_in}"
                      + (f"  [after {g.waited_in}]" if g.waited_in else ""))
