@@ -28,11 +28,17 @@ declare -A ARGS=(
   [autotune]="--set run.compile_autotune=true"
   [autotune_fusedopt]="--set run.compile_autotune=true --set optim.compiled_step=false"
 )
+# A row named twice (ROWS="autotune autotune") is run twice; each run gets its own files
+# (<row>, <row>_2, ...) so a repeat for the spread keeps every result.
+declare -A SEEN=(); NAMES=()
 for row in ${ROWS:-fused unfused}; do
-  stage $TAG$row ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$TAG$row.json
+  SEEN[$row]=$(( ${SEEN[$row]:-0} + 1 ))
+  name=$TAG$row; [ ${SEEN[$row]} -gt 1 ] && name=${name}_${SEEN[$row]}
+  NAMES+=($name)
+  stage $name ${ROW_LIMIT:-200} "${B[@]}" ${ARGS[$row]} --out $OUT/$name.json
 done
 grep -E "^===|^bench |tokens/s|time/step|achieved|peak memory|rror|Traceback" $LOG | cut -c1-220 | tail -30
-for row in ${ROWS:-fused unfused}; do
-  [ -f $OUT/$TAG$row.kernels.txt ] && { echo "--- $TAG$row kernels"; head -30 $OUT/$TAG$row.kernels.txt | cut -c1-200
-    sed -n '/^GPU timeline/,$p' $OUT/$TAG$row.kernels.txt | cut -c1-260; }
+for name in "${NAMES[@]}"; do
+  [ -f $OUT/$name.kernels.txt ] && { echo "--- $name kernels"; head -30 $OUT/$name.kernels.txt | cut -c1-200
+    sed -n '/^GPU timeline/,$p' $OUT/$name.kernels.txt | cut -c1-260; }
 done
