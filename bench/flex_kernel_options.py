@@ -8,6 +8,11 @@ kernel's by relative error, so an option that changes the numbers shows.
 
     python bench/flex_kernel_options.py --out flex_options.json              # GPU
     python bench/flex_kernel_options.py --tiny --device cpu --rows default   # a quick check
+    python bench/flex_kernel_options.py --rows default --mask-mods ranges rule noop   # the partial tiles' rule
+
+`--mask-mods` keeps the tiles and swaps the element-wise rule of the partial ones: `ranges`
+(what the drafter uses since session 13), `rule` (the spec's `make_mask_mod`, used before),
+`noop` (no masking inside the tiles: wrong numbers, the bound on what cheaper masking can save).
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import json
 import time
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
 
 from dflash_train.drafter.anchors import select_anchors
-from dflash_train.drafter.masks import flex_block_mask
+from dflash_train.drafter.masks import flex_block_mask, make_mask_mod
 from drafter_flex_vs_dense import log, rel_err  # the sibling bench's helpers (bench/ is on sys.path)
 
 # Named option sets. `rows-safe` (ROWS_GUARANTEED_SAFE) gave NaN against the default on an
@@ -44,12 +49,33 @@ OPTIONS: dict[str, dict] = {
                    "bwd_num_warps": 4, "bwd_num_stages": 3},
 }
 
+
+def with_mask_mod(tiles: BlockMask, name: str, doc, pos, anchors, valid, B: int, window: int) -> BlockMask:
+    """The same tiles with another element-wise rule on the partial ones: `ranges` (what
+    drafter/masks.py hands FlexAttention, `range_mask_mod`), `rule` (`make_mask_mod`, the
+    spec's rule with per-key document and position lookups; the default before session 13),
+    `noop` (everything visible inside the listed tiles: wrong numbers, the cost of no masking)."""
+    if name == "ranges":
+        return tiles
+    if name == "rule":
+        mask_mod = make_mask_mod(doc, pos, anchors, valid, B, sliding_window=window)
+    elif name == "noop":
+        mask_mod = noop_mask
+    else:
+        raise ValueError(f"unknown mask mod {name!r}")
+    return BlockMask.from_kv_blocks(tiles.kv_num_blocks, tiles.kv_indices, tiles.full_kv_num_blocks,
+                                    tiles.full_kv_indices, BLOCK_SIZE=tiles.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=tiles.seq_lengths)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU check (forward only)")
     ap.add_argument("--rows", nargs="*", default=list(OPTIONS), help=f"option sets, of {list(OPTIONS)}")
     ap.add_argument("--autotune", action="store_true", help="also a row compiled with mode=max-autotune-no-cudagraphs")
+    ap.add_argument("--mask-mods", nargs="*", default=["ranges"], choices=["ranges", "rule", "noop"],
+                    help="element-wise rules on the partial tiles (rows named MASK:OPTIONS when more than one)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="flex_kernel_options.json")
     args = ap.parse_args()
@@ -62,7 +88,8 @@ def main() -> None:
     doc = torch.zeros(1, S, dtype=torch.long, device=device)
     pos = torch.arange(S, device=device)[None]
     anchors, valid = select_anchors(torch.ones_like(doc, dtype=torch.bool), doc, N, B, generator=g, fixed_shape=True)
-    mask = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window)
+    tiles = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window)  # its mask_mod: range_mask_mod
+    masks = {m: with_mask_mod(tiles, m, doc, pos, anchors, valid, B, window) for m in args.mask_mods}
     Q = N * B
     dtype = torch.bfloat16
     q = torch.randn(1, heads, Q, hd, device=device, dtype=dtype, generator=g)
@@ -76,8 +103,10 @@ def main() -> None:
     rows = [(name, OPTIONS[name], "default") for name in args.rows]
     if args.autotune:
         rows.append(("max-autotune", {}, "max-autotune-no-cudagraphs"))
+    rows = [(f"{m}:{name}" if len(masks) > 1 else name, options, mode, masks[m])
+            for m in masks for name, options, mode in rows]
     reference = None
-    for name, options, mode in rows:
+    for name, options, mode, mask in rows:
         torch._dynamo.reset()
         fn = torch.compile(flex_attention, mode=mode if mode != "default" else None)
         leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
@@ -119,10 +148,10 @@ def main() -> None:
             log(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
-    print(f"\n{'options':<16}{'ms':>10}{'max rel err':>13}")
+    print(f"\n{'options':<24}{'ms':>10}{'max rel err':>13}")
     for name, r in results["rows"].items():
         ms = r.get("fwd_bwd_ms", r.get("fwd_ms"))
-        print(f"{name:<16}{ms if ms is not None else float('nan'):>10.3f}"
+        print(f"{name:<24}{ms if ms is not None else float('nan'):>10.3f}"
               f"{max(r['rel_err_vs_first']) if 'rel_err_vs_first' in r else float('nan'):>13.1e}")
 
 

@@ -110,8 +110,13 @@ def test_analytic_block_mask_is_exact(seed, window, causal, tile, B, N):
     R, S = doc.shape
     Q = N * B
     bm = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal, tile=tile)
+    want = mask_ref(doc, pos, anchors, valid, B, window, causal)
+    # what FlexAttention computes: the tiles with the BlockMask's own element-wise rule ...
+    assert torch.equal(_effective_mask(bm, bm.mask_mod, R, Q, S + Q), want)
+    # ... which is the rule itself on every element, not only inside the listed tiles
+    assert torch.equal(create_mask(bm.mask_mod, R, 1, Q, S + Q, device="cpu")[:, 0], want)
     mm = make_mask_mod(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal)
-    assert torch.equal(_effective_mask(bm, mm, R, Q, S + Q), mask_ref(doc, pos, anchors, valid, B, window, causal))
+    assert torch.equal(_effective_mask(bm, mm, R, Q, S + Q), want)
 
 
 def test_analytic_block_mask_is_sparse_and_uses_full_tiles():

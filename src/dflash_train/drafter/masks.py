@@ -1,4 +1,4 @@
-"""The DFlash attention mask: one `mask_mod`, two materialisations.
+"""The DFlash attention mask: one rule, two materialisations.
 
 Queries are block tokens (block j, slot k -> query index j*B + k); keys are the S
 context positions followed by the N*B block tokens. The rule (docs/dflash-spec.md):
@@ -9,9 +9,12 @@ context positions followed by the N*B block tokens. The rule (docs/dflash-spec.m
 * block key (j', k') is visible iff j' == j and, for a layer causal within the block,
   k' <= k. Blocks never see each other; an invalid anchor sees only its own block.
 
-On GPU the `mask_mod` feeds FlexAttention's `create_block_mask` (compiled); on CPU,
-where FlexAttention has no backward, the very same function is evaluated on broadcast
-index grids to give a dense boolean mask for SDPA. There is one definition of the rule.
+`make_mask_mod` states the rule. On CPU, where FlexAttention has no backward, it is
+evaluated on broadcast index grids to give a dense boolean mask for SDPA. On GPU,
+FlexAttention gets a BlockMask built from the rule's closed form for our batch layout
+(`context_ranges`: per query one range of context keys, one of block keys), which lists
+the key tiles and decides the partial ones element-wise (`range_mask_mod`); tests check
+both against a brute-force evaluation of the rule.
 """
 
 from __future__ import annotations
@@ -128,6 +131,23 @@ def context_ranges(
     return lo.reshape(R, N * block_size), hi.reshape(R, N * block_size)
 
 
+def range_mask_mod(lo: torch.Tensor, hi: torch.Tensor, S: int, block_size: int, *,
+                   causal_in_block: bool = False) -> MaskMod:
+    """The rule in the closed form of `context_ranges` (`lo`, `hi` [R, Q]): two key ranges per
+    query, its context keys [lo, hi) (hi <= S) and its own block's keys. The analytic
+    BlockMask hands it to FlexAttention for the partial tiles, where it runs on every element
+    (twice in the backward): two per-query bounds instead of each key's document and position."""
+    B = block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ctx_ok = (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
+        block_lo = S + q_idx - q_idx % B  # the keys of the query's block: [block_lo, block_lo + B)
+        block_hi = S + q_idx + 1 if causal_in_block else block_lo + B
+        return ctx_ok | ((kv_idx >= block_lo) & (kv_idx < block_hi))
+
+    return mask_mod
+
+
 def _ordered_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, Qb, Kb] bool -> (counts [R, 1, Qb], indices [R, 1, Qb, Kb]) with selected blocks first."""
     counts = selected.sum(-1, dtype=torch.int32)
@@ -153,19 +173,20 @@ def flex_block_mask(
     builder="analytic" (default) lists each query tile's key tiles from the closed-form
     ranges of `context_ranges` with a few tensor ops (no compilation, microseconds);
     tiles it cannot prove fully visible are marked partial, where FlexAttention applies
-    `mask_mod` element-wise, so the rule itself still comes from `mask_mod` alone.
-    builder="create_block_mask" evaluates `mask_mod` on the whole grid instead
+    `range_mask_mod`, the same closed form element-wise (tests check both against a
+    brute-force evaluation of the rule on random packed layouts).
+    builder="create_block_mask" evaluates `make_mask_mod` on the whole grid instead
     (`_compile=True` compiles it; at S=4096, 512 anchors its compilation did not finish
     in 4 minutes on torch 2.11, which is why it is not the default).
     """
     R, S = document_ids.shape
     N = anchors.shape[1]
     Q = N * block_size
-    mask_mod = make_mask_mod(
-        document_ids, position_ids, anchors, valid, block_size,
-        sliding_window=sliding_window, causal_in_block=causal_in_block,
-    )
     if builder == "create_block_mask":
+        mask_mod = make_mask_mod(
+            document_ids, position_ids, anchors, valid, block_size,
+            sliding_window=sliding_window, causal_in_block=causal_in_block,
+        )
         return create_block_mask(mask_mod, R, None, Q, S + Q, device=document_ids.device, _compile=compile)
     if builder != "analytic":
         raise ValueError(f"unknown block-mask builder {builder!r}")
@@ -194,6 +215,7 @@ def flex_block_mask(
     partial = (ctx_touch | blk_touch) & ~full
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(full)
+    mask_mod = range_mask_mod(lo.to(torch.int32), hi.to(torch.int32), S, block_size, causal_in_block=causal_in_block)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(Q, S + Q)
     )
