@@ -98,8 +98,9 @@ class RunConfig:
     """fixed shapes (padded batches, fixed-shape anchors) + torch.compile"""
     compile_autotune: bool = False
     """with compile: Inductor benchmarks its own kernel choices for the drafter's FlexAttention
-    (forward and backward) once per shape, at the first step (about a minute on an H200, where
-    it made the attention 10% faster: docs/performance.md); matmuls stay cuBLAS"""
+    (forward and backward) once per shape, at the first step (2-3 minutes on an H200, where it
+    made the attention backward ~15% faster, 2-3 ms a step at the qwen3-8b preset:
+    docs/performance.md); matmuls stay cuBLAS"""
     threads: int = 0
     """CPU threads for torch on CPU runs (0: the cores other processes leave idle)"""
     log_every: int = 10
