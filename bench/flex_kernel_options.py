@@ -40,6 +40,7 @@ OPTIONS: dict[str, dict] = {
     "no-write-dq": {"WRITE_DQ": False},
     "tma": {"USE_TMA": True},
     "fwd128x64w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 3},
+    "fwd64x64w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
     "fwd128x128w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2},
     "bwd64x128w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                     "bwd_num_warps": 8, "bwd_num_stages": 3},
@@ -76,6 +77,9 @@ def main() -> None:
     ap.add_argument("--autotune", action="store_true", help="also a row compiled with mode=max-autotune-no-cudagraphs")
     ap.add_argument("--mask-mods", nargs="*", default=["ranges"], choices=["ranges", "rule", "noop"],
                     help="element-wise rules on the partial tiles (rows named MASK:OPTIONS when more than one)")
+    ap.add_argument("--tiles", nargs="*", type=int, default=[128],
+                    help="BlockMask tile sizes (query and key; rows named MASK@TILE:OPTIONS when more than one). "
+                         "At the qwen3-8b shape 128 computes 1.18x the visible scores, 64 1.08x")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="flex_kernel_options.json")
     args = ap.parse_args()
@@ -88,8 +92,12 @@ def main() -> None:
     doc = torch.zeros(1, S, dtype=torch.long, device=device)
     pos = torch.arange(S, device=device)[None]
     anchors, valid = select_anchors(torch.ones_like(doc, dtype=torch.bool), doc, N, B, generator=g, fixed_shape=True)
-    tiles = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window)  # its mask_mod: range_mask_mod
-    masks = {m: with_mask_mod(tiles, m, doc, pos, anchors, valid, B, window) for m in args.mask_mods}
+    masks = {}
+    for tile in args.tiles:
+        tiles = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window, tile=tile)  # range_mask_mod
+        for m in args.mask_mods:
+            masks[m + (f"@{tile}" if len(args.tiles) > 1 else "")] = with_mask_mod(
+                tiles, m, doc, pos, anchors, valid, B, window)
     Q = N * B
     dtype = torch.bfloat16
     q = torch.randn(1, heads, Q, hd, device=device, dtype=dtype, generator=g)
