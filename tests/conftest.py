@@ -22,6 +22,30 @@ def gguf_cache_in_a_temp_dir(tmp_path_factory):
         os.environ["DFLASH_TRAIN_CACHE"] = previous
 
 
+@pytest.fixture(scope="session")
+def builtin_gguf_reference():
+    """(model, tokenizer, source) of the built-in target as transformers loads them from the
+    GGUF file itself (the cache off), and the suite's cache folder made from that same load:
+    de-quantising the file takes ~30 s on 2 cores, and this way the session does it once."""
+    from dflash_train.target import gguf_cache
+    from dflash_train.target.loading import BUILTIN_GGUF, load_causal_lm, load_tokenizer, resolve_model_source
+    from dflash_train.utils.errors import ModelError
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DFLASH_TRAIN_CACHE", "off")
+        try:
+            direct = resolve_model_source("builtin")
+        except ModelError as exc:
+            pytest.skip(str(exc))
+        model, tok = load_causal_lm(direct), load_tokenizer(direct)
+    real_load = gguf_cache.AutoModelForCausalLM.from_pretrained
+    with pytest.MonkeyPatch.context() as m:  # the conversion's own load of the file is the one just made
+        m.setattr(gguf_cache.AutoModelForCausalLM, "from_pretrained",
+                  lambda path, **kw: model if kw.get("gguf_file") == BUILTIN_GGUF else real_load(path, **kw))
+        resolve_model_source("builtin")
+    return model, tok, direct
+
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

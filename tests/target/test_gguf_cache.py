@@ -91,22 +91,13 @@ def test_default_location_follows_xdg(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_builtin_target_from_the_cache_equals_the_gguf(monkeypatch):
+def test_the_builtin_target_from_the_cache_equals_the_gguf(builtin_gguf_reference):
     """Same weights (bit for bit), config and tokenizer as transformers' own GGUF load.
-    (Uses the suite's shared cache: tests/conftest.py points DFLASH_TRAIN_CACHE at a temp dir,
-    so later tests read the folder this one may write.)"""
-    with monkeypatch.context() as m:
-        m.setenv("DFLASH_TRAIN_CACHE", "off")
-        direct = resolve_model_source("builtin")
-        assert direct.gguf_file == BUILTIN_GGUF
-        ref_model, ref_tok = load_causal_lm(direct), load_tokenizer(direct)
-    # A conversion made now saves transformers' own load of the GGUF, the one just made
-    # (de-quantising the file twice would double this test's time).
-    real_load = gguf_cache.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(gguf_cache.AutoModelForCausalLM, "from_pretrained",
-                        lambda path, **kw: ref_model if kw.get("gguf_file") == BUILTIN_GGUF else real_load(path, **kw))
+    (The fixture loads the GGUF directly and makes the suite's shared cache folder from that
+    load; tests/conftest.py points DFLASH_TRAIN_CACHE at a temp dir.)"""
+    ref_model, ref_tok, direct = builtin_gguf_reference
+    assert direct.gguf_file == BUILTIN_GGUF
     cached = resolve_model_source("builtin")
-    monkeypatch.undo()
     assert cached.gguf_file is None and cached.describe().endswith(BUILTIN_GGUF)
     model, tok = load_causal_lm(cached), load_tokenizer(cached)
     ref_state, state = ref_model.state_dict(), model.state_dict()
