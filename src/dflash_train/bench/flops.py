@@ -26,7 +26,7 @@ def expected_label_rows(candidates: int, anchors: int, block: int) -> float:
     """Expected count of distinct positions a + k - 1 (k = 1..B-1, kept inside the candidate
     range as valid labels are) when `anchors` anchors are drawn without replacement from
     `candidates` consecutive candidate positions: the rows at which `target` labels run the
-    LM head (drafter/labels.distinct_label_rows). Position p (an offset into the range) is
+    LM head (drafter/labels.needed_label_rows). Position p (an offset into the range) is
     needed unless none of the min(p + 1, B - 1) anchors whose block holds it was drawn."""
     C, w = int(candidates), block - 1
     n = min(int(anchors), C)

@@ -82,19 +82,13 @@ def gather_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, bloc
 
 def needed_label_rows(pred: torch.Tensor, label_valid: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[R * S] uint8: 1 at the flat positions (r * S + p) among `pred` [R, N, B-1]
-    (`predecessor_positions`) whose target logits some valid label needs."""
+    (`predecessor_positions`) whose target logits some valid label needs. Blocks of nearby
+    anchors overlap (512 random anchors of 16 slots in 8192 tokens need 4,500-5,300 distinct
+    positions, not 7,680), so each position's logits are computed once."""
     R = pred.shape[0]
     flat = (pred + seq_len * torch.arange(R, device=pred.device)[:, None, None]).reshape(-1)
     needed = torch.zeros(R * seq_len, dtype=torch.uint8, device=pred.device)
     return needed.scatter_reduce_(0, flat, label_valid[..., 1:].reshape(-1).to(torch.uint8), "amax")
-
-
-def distinct_label_rows(pred: torch.Tensor, label_valid: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Sorted flat indices (r * S + p) of the distinct positions of `needed_label_rows`. Blocks of
-    nearby anchors overlap (512 random anchors of 16 slots in 8192 tokens need 4,500-5,300
-    distinct positions, not 7,680), so each is computed once. `nonzero` is a host sync:
-    `PendingTargetLabels` reads the count ahead instead."""
-    return needed_label_rows(pred, label_valid, seq_len).nonzero().squeeze(1)
 
 
 class PendingTargetLabels:
@@ -147,7 +141,7 @@ def target_block_labels(
     """`target` labels: the target's greedy token for each slot, same validity as `data`.
 
     Logits are computed only at the distinct predecessor positions of valid labels
-    (`distinct_label_rows`), in chunks, so the [positions, V] matrix never exists at once.
+    (`needed_label_rows`), in chunks, so the [positions, V] matrix never exists at once.
     """
     pending = PendingTargetLabels(document_ids, loss_mask, anchors, valid, block_size)
     return pending.finish(final_hidden, lm_head_weight, chunk_rows=chunk_rows)
