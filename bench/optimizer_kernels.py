@@ -68,6 +68,12 @@ def main() -> None:
     row("fused (plain)", fused.step)
     norm = lambda: torch.nn.utils.get_total_norm([p.grad for p in params])  # noqa: E731 the step's other pass
     row("grad norm", norm)
+    grads = [p.grad for p in params]
+    sq_sum = torch.compile(lambda gs: torch.stack([g.float().pow(2).sum() for g in gs]).sum().sqrt(),
+                           dynamic=False, fullgraph=True)  # a candidate: Inductor's reductions, one per tensor
+    log("compiling the grad norm")
+    log(f"grad norm (compiled) rel err {float((sq_sum(grads) - norm()).abs() / norm()):.1e}")
+    row("grad norm (compiled)", lambda: sq_sum(grads))
     del fused
     cuda = device.type == "cuda"  # a tensor lr (no recompile per lr) needs capturable, which needs a GPU
     foreach = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device) if cuda else 1e-4, weight_decay=0.01,

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from dflash_train.drafter.row_stats import row_stats
 from dflash_train.utils.compile import compiled_once
 
 WEIGHTINGS = ("decay", "cap", "cap+decay", "uniform")
@@ -41,8 +42,9 @@ class LossConfig:
     chunk_rows: int = 4096
     """rows of the [rows, vocab] logits computed at once (memory vs speed)"""
     fused_head: bool = True
-    """in compiled mode (run.compile), torch.compile the softmax / cross-entropy between the
-    LM head's two matmuls so it fuses into a few passes over each [chunk_rows, vocab] block"""
+    """in compiled mode (run.compile), torch.compile the softmax / cross-entropy gradient between
+    the LM head's two matmuls so it is one pass over each [chunk_rows, vocab] block (the
+    statistics before it are drafter/row_stats.py's one pass in every mode)"""
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -67,22 +69,26 @@ def _log_sum_exp(lf: torch.Tensor) -> torch.Tensor:
     return (m + (lf - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(1)
 
 
-def _hard_label_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+def _softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """dCE/dlogits of one chunk: exp(logit - lse) with 1 taken off at the label, in the head's
+    dtype [c, V]. The one-hot is a pointwise op, which compiled fuses into the one kernel that
+    reads the logits and writes the gradient (a scatter made Inductor write the float32
+    probabilities out and read them back: two more passes over [c, V]); eager, it costs one
+    uint8 [c, V] temporary."""
+    probs = torch.exp(logits.float() - lse[:, None])
+    is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
+    return probs.sub_(is_label.to(torch.uint8)).to(logits.dtype)
+
+
+def _hard_label_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool,
+                      onehot_grad=_softmax_minus_onehot):
     """One chunk against hard labels: logits [c, V] in the head's dtype, labels [c] ->
-    (CE [c] float32, argmax [c], dCE/dlogits = softmax - onehot [c, V] in the head's dtype or None)."""
-    lf = logits.float()
-    lse = _log_sum_exp(lf)
-    ce = lse - lf.gather(1, labels[:, None]).squeeze(1)
-    pred = lf.argmax(dim=-1)
-    if not need_grad:
-        return ce, pred, None
-    probs = torch.exp(lf - lse[:, None])
-    # minus the one-hot label as a pointwise op, which compiled fuses into the one kernel that
-    # writes the gradient in the head's dtype (a scatter made Inductor write the float32
-    # probabilities out and read them back: two more passes over [c, V]); eager, it costs one
-    # uint8 [c, V] temporary
-    is_label = torch.arange(lf.shape[1], device=lf.device) == labels[:, None]
-    return ce, pred, probs.sub_(is_label.to(torch.uint8)).to(logits.dtype)
+    (CE [c] float32, argmax [c], dCE/dlogits = softmax - onehot [c, V] in the head's dtype or None).
+    The statistics are one read of the chunk (drafter/row_stats.py; a Triton kernel on the GPU),
+    the gradient one more read and a write (`onehot_grad`: compiled in compiled mode)."""
+    lse, label_logit, pred = row_stats(logits, labels)
+    ce = lse - label_logit
+    return ce, pred, onehot_grad(logits, lse, labels) if need_grad else None
 
 
 def _soft_target_chunk(logits: torch.Tensor, target_logits: torch.Tensor, need_grad: bool):
@@ -104,9 +110,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
     with respect to the hidden states is (softmax - target) @ W per row, times the
     incoming gradient of that row's loss: it is computed in the forward chunk loop while
     the logits are at hand and saved as a [rows, H] tensor, so the backward pass is a
-    single multiply and the logits are never recomputed. The per-chunk math between the
-    two matmuls reads and writes [c, V] tensors several times when run op by op; with
-    `compiled` it is torch.compile'd (fixed shapes: compiled mode) into a few fused passes.
+    single multiply and the logits are never recomputed. Between the two matmuls each chunk
+    is read twice and its gradient written once: against hard labels the statistics
+    (drafter/row_stats.py), then the gradient; with `compiled` (fixed shapes: compiled mode)
+    the gradient's pointwise math, and the soft target's whole chunk math, are torch.compile'd.
     """
 
     @staticmethod
@@ -116,14 +123,17 @@ class _HeadCrossEntropy(torch.autograd.Function):
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
-        chunk_fn = _hard_label_chunk if target_hidden is None else _soft_target_chunk
-        if compiled:
-            chunk_fn = compiled_once(chunk_fn)
+        if target_hidden is None:
+            onehot_grad = compiled_once(_softmax_minus_onehot) if compiled else _softmax_minus_onehot
+        else:
+            soft_chunk = compiled_once(_soft_target_chunk) if compiled else _soft_target_chunk
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = hidden[sl].to(w.dtype) @ w.T  # [c, V]
-            other = labels[sl] if target_hidden is None else target_hidden[sl].to(w.dtype) @ w.T
-            ce[sl], pred[sl], grad_logits = chunk_fn(logits, other, need_grad)
+            if target_hidden is None:
+                ce[sl], pred[sl], grad_logits = _hard_label_chunk(logits, labels[sl], need_grad, onehot_grad)
+            else:
+                ce[sl], pred[sl], grad_logits = soft_chunk(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
             if need_grad:
                 grad_hidden[sl] = (grad_logits @ w).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))

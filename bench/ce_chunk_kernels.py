@@ -1,0 +1,113 @@
+"""The LM head's per-chunk cross-entropy math alone (issue 18).
+
+`drafter/loss.py` runs, between the head's two matmuls, one function per [chunk_rows, vocab]
+chunk of logits: the statistics (log-sum-exp, the label's logit, the argmax) and the gradient
+softmax - onehot written in the head's dtype. It must read the chunk twice and write the
+gradient once. This times (CUDA events, median of `--iters`) and checks against the eager
+definitions, at the qwen3-8b shape (4096 x 151,936 bf16):
+
+  inductor[:OPTS]  the whole chunk function as Inductor compiles it (the code before
+                   drafter/row_stats.py), under Inductor options: `cdt` coordinate-descent
+                   tuning, `autotune` + pointwise autotuning, `two-pass` online softmax off;
+  current          what the loss runs now: row_stats (Triton on a GPU) + the compiled gradient;
+  triton:BxW       row_stats' kernel alone with B columns a step and W warps;
+  argmax           torch's argmax of the chunk (what the target-label head does per chunk).
+
+Each row has a `/stats` twin without the gradient (what the statistics alone cost).
+
+    python bench/ce_chunk_kernels.py --out ce_chunk_kernels.json          # GPU
+    python bench/ce_chunk_kernels.py --tiny --device cpu                  # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dflash_train.drafter import row_stats as row_stats_module
+from dflash_train.drafter.loss import _hard_label_chunk, _softmax_minus_onehot
+from drafter_flex_vs_dense import log, rel_err, timed  # the sibling bench's helpers (bench/ is on sys.path)
+
+INDUCTOR_OPTIONS: dict[str, dict] = {
+    "": {},
+    "cdt": {"coordinate_descent_tuning": True},
+    "autotune": {"max_autotune_pointwise": True, "coordinate_descent_tuning": True},
+    "two-pass": {"online_softmax": False},
+}
+KERNEL_CONFIGS = ["2048x4", "4096x8", "8192x8", "8192x16", "16384x16"]
+
+
+def inductor_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """The chunk function before drafter/row_stats.py: every statistic as a torch op, for
+    Inductor to fuse into one reduction (an online softmax with an argmax)."""
+    lf = logits.float()
+    m = lf.amax(dim=-1, keepdim=True)
+    lse = (m + (lf - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(1)
+    ce = lse - lf.gather(1, labels[:, None]).squeeze(1)
+    pred = lf.argmax(dim=-1)
+    if not need_grad:
+        return ce, pred, None
+    is_label = torch.arange(lf.shape[1], device=lf.device) == labels[:, None]
+    return ce, pred, torch.exp(lf - lse[:, None]).sub_(is_label.to(torch.uint8)).to(logits.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--tiny", action="store_true", help="64 x 1000, for a CPU check")
+    ap.add_argument("--inductor", nargs="*", default=["", "cdt", "two-pass"], help=f"of {list(INDUCTOR_OPTIONS)}")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="ce_chunk_kernels.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows, vocab = (64, 1000) if args.tiny else (args.rows, args.vocab)
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(rows, vocab, device=device, generator=g) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    passes = 3 * rows * vocab * logits.element_size()  # read twice, write the gradient once
+    log(f"chunk [{rows}, {vocab}] bf16: {passes / 1e9:.2f} GB in the 3 passes")
+    reference = inductor_chunk(logits, labels, True)  # eager: the definitions
+    results = {"rows": rows, "vocab": vocab, "bytes_3_passes": passes, "variants": {}}
+
+    def row(name: str, run, full: bool) -> None:
+        out = run()
+        errs = {"ce": rel_err(out[0], reference[0]), "pred_mismatches": int((out[1] != reference[1]).sum())}
+        if full:
+            errs["grad"] = rel_err(out[2], reference[2])
+        ms = timed(run, device, repeat=args.iters, warmup=2)
+        results["variants"][name] = {"ms": ms, **errs, **({"GB/s_3_passes": passes / ms / 1e6} if full else {})}
+        log(f"{name:<24} {ms:7.3f} ms  {errs}" + (f"  {passes / ms / 1e6:.0f} GB/s (3 passes)" if full else ""))
+
+    for opts in args.inductor:
+        for full in (True, False):
+            torch._dynamo.reset()
+            fn = torch.compile(inductor_chunk, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS[opts])
+            row(f"inductor{':' + opts if opts else ''}{'' if full else '/stats'}",
+                lambda fn=fn, full=full: fn(logits, labels, full), full)
+    torch._dynamo.reset()
+    grad = torch.compile(_softmax_minus_onehot, dynamic=False, fullgraph=True)
+    for full in (True, False):
+        row("current" + ("" if full else "/stats"), lambda full=full: _hard_label_chunk(logits, labels, full, grad), full)
+    if device.type == "cuda" and row_stats_module.triton is not None:
+        for config in KERNEL_CONFIGS:
+            block, warps = (int(x) for x in config.split("x"))
+
+            def stats(block=block, warps=warps):
+                lse, label_logit, arg = row_stats_module._row_stats_triton(logits, labels, block, warps)
+                return lse - label_logit, arg
+
+            row(f"triton:{config}/stats", stats, False)
+    argmax_ms = timed(lambda: logits.argmax(-1), device, repeat=args.iters, warmup=2)
+    results["variants"]["argmax"] = {"ms": argmax_ms}
+    log(f"{'argmax':<24} {argmax_ms:7.3f} ms")
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""drafter/row_stats.py: the blockwise log-sum-exp / label logit / argmax against their
+definitions, with blocks small enough that every rule between blocks is exercised."""
+
+import pytest
+import torch
+
+import dflash_train.drafter.row_stats as row_stats_module
+from dflash_train.drafter.row_stats import row_stats
+
+
+def definitions(logits: torch.Tensor, labels: torch.Tensor):
+    lf = logits.double()
+    return torch.logsumexp(lf, -1), lf.gather(1, labels[:, None]).squeeze(1), logits.float().argmax(-1)
+
+
+@pytest.fixture(params=[4, 8, row_stats_module.BLOCK])
+def block(request, monkeypatch):
+    monkeypatch.setattr(row_stats_module, "BLOCK", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_matches_the_definitions(block, vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=g) * 5).to(dtype)
+    labels = torch.randint(0, vocab, (6,), generator=g)
+    lse, label_logit, arg = row_stats(logits, labels)
+    want_lse, want_label, want_arg = definitions(logits, labels)
+    assert lse.dtype == label_logit.dtype == torch.float32 and arg.dtype == torch.int64
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(label_logit.double(), want_label.float().double())
+    assert torch.equal(arg, want_arg)
+
+
+def test_argmax_is_the_first_index_of_the_max_within_and_across_blocks(block):
+    """Ties within a block and between blocks: the earliest index wins, as in torch.argmax
+    (a later block takes over only with a strictly larger max)."""
+    V = 3 * 8 + 5
+    logits = torch.zeros(5, V)
+    logits[0, [2, 3]] = 4.0  # a tie inside the first block
+    logits[1, [3, 11, 20]] = 4.0  # the same max in three blocks
+    logits[2, [11, 20]] = 4.0
+    logits[2, 27] = 4.5  # a larger max in the last, partial block
+    logits[3, :] = -1.0  # every column ties
+    logits[4, [V - 1, 0]] = 2.0
+    labels = torch.zeros(5, dtype=torch.long)
+    _, _, arg = row_stats(logits, labels)
+    assert arg.tolist() == [2, 3, 27, 0, 0] == logits.argmax(-1).tolist()
+
+
+def test_rising_max_is_rescaled_without_overflow(block):
+    """The max rises block after block and the logits are huge: the running sum is rescaled
+    each time and stays finite."""
+    V = 40
+    logits = torch.stack([torch.linspace(-3e4, 3e4, V), torch.linspace(3e4, -3e4, V), torch.full((V,), 1e4)])
+    labels = torch.tensor([V - 1, 0, 17])
+    lse, label_logit, arg = row_stats(logits, labels)
+    want_lse, _, want_arg = definitions(logits, labels)
+    assert bool(torch.isfinite(lse).all())
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(arg, want_arg)
+    assert (lse - label_logit).tolist()[0] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_a_nan_logit_makes_the_log_sum_exp_nan(block):
+    logits = torch.randn(3, 21)
+    logits[1, 13] = float("nan")
+    lse, _, _ = row_stats(logits, torch.zeros(3, dtype=torch.long))
+    assert torch.isnan(lse).tolist() == [False, True, False]
+
+
+def test_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"logits \[rows, V\] and labels \[rows\]"):
+        row_stats(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or row_stats_module.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("vocab", [1, 4095, 4096, 4097, 151936])
+def test_triton_kernel_matches_the_blocks(vocab):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(37, vocab, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    logits[3, [0, vocab - 1]] = 30.0  # a tie between the first and the last block
+    labels = torch.randint(0, vocab, (37,), device="cuda", generator=g)
+    got = row_stats(logits, labels)
+    want = row_stats_module._row_stats_blocks(logits, labels)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
