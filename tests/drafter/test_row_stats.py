@@ -1,6 +1,11 @@
 """drafter/row_stats.py: the blockwise log-sum-exp / label logit / argmax against their
 definitions, with blocks small enough that every rule between blocks is exercised."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -86,3 +91,39 @@ def test_triton_kernel_matches_the_blocks(vocab):
     want = row_stats_module._row_stats_blocks(logits, labels)
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+INTERPRETED_CHECK = r"""
+import torch
+import dflash_train.drafter.row_stats as rs
+
+torch.manual_seed(0)
+for V, rows in [(1, 3), (37, 5), (1000, 7), (4097, 3)]:
+    logits = (torch.randn(rows, V) * 4).to(torch.bfloat16)
+    if V > 40:
+        logits[0, [2, V - 1]] = 40.0   # the max twice: in the first block and the last
+        logits[1, 33] = float("nan")
+    labels = torch.randint(0, V, (rows,))
+    want = rs._row_stats_blocks(logits, labels)
+    for block, warps in [(16, 1), (64, 2)]:
+        got = rs._row_stats_triton(logits, labels, block, warps)
+        assert torch.equal(torch.isnan(got[0]), torch.isnan(want[0])), (V, block)
+        finite = ~torch.isnan(want[0])
+        torch.testing.assert_close(got[0][finite], want[0][finite], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], want[1]), (V, block)
+        assert torch.equal(got[2][finite], want[2][finite]), (V, block, got[2], want[2])
+print("interpreted kernel ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (setup.sh --dev)")
+def test_triton_kernel_in_the_interpreter_matches_the_blocks(tmp_path):
+    """The GPU kernel itself on the CPU: Triton's interpreter (TRITON_INTERPRET=1, set before
+    the kernel is defined, hence a fresh interpreter) runs it on CPU tensors, with blocks small
+    enough that rows span many of them; it must give the torch blocks' numbers and argmax."""
+    script = tmp_path / "check.py"
+    script.write_text(INTERPRETED_CHECK)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpreted kernel ok" in done.stdout
