@@ -1,5 +1,6 @@
 """drafter/row_stats.py: the blockwise log-sum-exp / label logit / argmax against their
-definitions, with blocks small enough that every rule between blocks is exercised."""
+definitions, with blocks small enough that every rule between blocks is exercised; then the
+Triton kernel against those torch blocks (on a GPU, and in Triton's interpreter on the CPU)."""
 
 import importlib.util
 import os
