@@ -99,7 +99,7 @@ import torch
 import dflash_train.drafter.row_stats as rs
 
 torch.manual_seed(0)
-for V, rows in [(1, 3), (37, 5), (1000, 7), (4097, 3)]:
+for V, rows in [(1, 3), (37, 5), (300, 4)]:
     logits = (torch.randn(rows, V) * 4).to(torch.bfloat16)
     if V > 40:
         logits[0, [2, V - 1]] = 40.0   # the max twice: in the first block and the last
