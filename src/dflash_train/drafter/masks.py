@@ -29,6 +29,10 @@ try:  # FlexAttention exists on every torch this project supports; keep CPU impo
 except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment,misc]
 
+# FlexAttention's GPU kernels need heads at least this wide (narrower ones fail in Inductor's
+# lowering: "NYI: embedding dimension of the query, key, and value must be at least 16").
+FLEX_MIN_HEAD_DIM = 16
+
 # A dense bool tensor [R, Q, S+Q] (True = may attend) or a FlexAttention BlockMask.
 AttentionMask = Union[torch.Tensor, "BlockMask"]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

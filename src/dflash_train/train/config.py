@@ -30,7 +30,8 @@ class TrainStepConfig:
     noise_sigma: float = 0.0
     """uniform noise U(-s, s) added to the tapped hidden states during training"""
     attention: Literal["auto", "flex", "dense"] = "auto"
-    """auto = FlexAttention on GPU, a dense mask on CPU (FlexAttention has no CPU backward)"""
+    """auto = FlexAttention on GPU, a dense mask on CPU (FlexAttention has no CPU backward) and for
+    drafter heads under 16 dims (FlexAttention's GPU kernels need 16)"""
 
     def __post_init__(self) -> None:
         if self.num_anchors < 1 or self.noise_sigma < 0:

@@ -19,6 +19,7 @@ from dflash_train.data.batching import BatchPlanner
 from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import DrafterConfig, build_drafter_config, init_source_layers
+from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads
 from dflash_train.drafter.target_init import check_target_layers_copyable, copy_target_layers
@@ -185,6 +186,24 @@ def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool,
     if not compile:
         return model
     return torch.compile(model, options=AUTOTUNE_OPTIONS) if autotune else torch.compile(model)
+
+
+def resolve_attention(requested: str, device: torch.device, head_dim: int) -> str:
+    """step.attention -> the drafter's mask kind. auto: FlexAttention's block-sparse kernel on a
+    GPU; the dense mask of the same rule on the CPU (FlexAttention has no CPU backward) and for
+    heads narrower than its GPU kernels take (a tiny drafter), said once in the log."""
+    if requested == "auto":
+        if device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+            log.info("drafter heads of %d dims: the dense attention mask (FlexAttention's GPU kernels need >= %d)",
+                     head_dim, FLEX_MIN_HEAD_DIM)
+            return "dense"
+        return "flex" if device.type == "cuda" else "dense"
+    if requested == "flex" and device.type != "cuda":
+        raise TrainingError("step.attention=flex needs a GPU: FlexAttention has no backward on CPU; use dense")
+    if requested == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise TrainingError(f"step.attention=flex needs drafter heads of >= {FLEX_MIN_HEAD_DIM} dims (FlexAttention's "
+                            f"GPU kernels), this drafter's are {head_dim}: use step.attention auto or dense")
+    return requested
 
 
 def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:

@@ -81,10 +81,7 @@ class Trainer:
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
                               tokenizer_identity=identity)
-        attention = cfg.step.attention if cfg.step.attention != "auto" else (
-            "flex" if self.device.type == "cuda" else "dense")
-        if attention == "flex" and self.device.type == "cpu":
-            raise TrainingError("step.attention=flex needs a GPU: FlexAttention has no backward on CPU; use dense")
+        attention = setup.resolve_attention(cfg.step.attention, self.device, self.drafter_config.head_dim)
         self.step_cfg = StepConfig(num_anchors=cfg.step.num_anchors, label_source=cfg.step.label_source,
                                    noise_sigma=cfg.step.noise_sigma, attention=attention, fixed_shape=cfg.run.compile)
         self.padding = setup.compile_padding(cfg)
