@@ -130,13 +130,17 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     else:
         targets = drafters = list(range(world))
     device = resolve_device(device_name, local)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shared = gpus_shared_on_node([resolve_device(device_name, i) for i in range(local_world)], rank - local, drafters)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     # device_id binds this rank's GPU: NCCL communicators are created eagerly, here, not at
-    # the first operation (which is where the split layout's first transfer deadlocked)
+    # the first operation (which is where the split layout's first transfer deadlocked). Not
+    # where ranks share a GPU: NCCL refuses a communicator with two ranks on one device, so the
+    # world's would fail here; those ranks exchange over gloo (`_device_transport`).
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.startup_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" and not shared else None)
     working = timedelta(seconds=cfg.timeout_s)
     ctx = DistContext(layout=layout, rank=rank, world=world, local_rank=local, device=device,
                       target_ranks=targets, drafter_ranks=drafters)
@@ -149,6 +153,27 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
         ctx.link_device = device if on_device else torch.device("cpu")
         ctx.links = connect_links(ctx, backend="nccl" if on_device else "gloo", timeout=working)
     return ctx
+
+
+def gpus_shared_on_node(devices: list[torch.device], first_rank: int, drafter_ranks: list[int]) -> bool:
+    """Whether ranks of this node share a GPU. `devices`: each local rank's device, in local
+    rank order; `first_rank`: the global rank of local rank 0 (torchrun numbers a node's ranks
+    consecutively). A target and a drafter may share one (the split layout's ranks then exchange
+    over gloo); two drafters may not: NCCL, which all-reduces their gradients, refuses two ranks
+    on one device, so that is a ConfigError naming the ranks and the way out."""
+    ranks_on: dict[torch.device, list[int]] = {}
+    for local, device in enumerate(devices):
+        if device.type == "cuda":
+            ranks_on.setdefault(device, []).append(first_rank + local)
+    for device, ranks in ranks_on.items():
+        drafters = [r for r in ranks if r in drafter_ranks]
+        if len(drafters) > 1:
+            raise ConfigError(
+                f"drafter ranks {', '.join(map(str, drafters))} would share {device}: NCCL, which all-reduces the "
+                f"drafters' gradients, refuses two ranks on one GPU. Launch one process per GPU (torchrun "
+                f"--nproc-per-node {len(ranks_on)}), give the extra processes to targets (pipeline.layout split), "
+                f"or train on the CPU (run.device cpu)")
+    return any(len(ranks) > 1 for ranks in ranks_on.values())
 
 
 def link_pairs(ctx: DistContext) -> list[tuple[int, int]]:
