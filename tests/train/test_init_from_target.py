@@ -18,6 +18,7 @@ from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import ConfigError
 
+from ..conftest import ON_CPU
 from .test_trainer import make_config
 
 CPU = torch.device("cpu")
@@ -40,7 +41,8 @@ EXPECTED_SOURCE = {
 
 
 def preset_config(**overrides) -> TrainConfig:
-    base = {"target.path": "preset:tiny", "data.path": "unused", "drafter.num_layers": 2, "drafter.block_size": 4}
+    base = {"target.path": "preset:tiny", "data.path": "unused", "drafter.num_layers": 2, "drafter.block_size": 4,
+            **ON_CPU}
     base.update(overrides)
     return load_config(TrainConfig, None, {k: str(v) for k, v in base.items()})
 

@@ -23,7 +23,7 @@ from dflash_train.utils.config import load_config
 from dflash_train.utils.errors import ConfigError, DataError, InputError, TrainingError
 from dflash_train.utils.fs import remove_stale_temp_dirs
 
-from ..conftest import build_tokenizer, prepare_dataset, synthetic_conversations
+from ..conftest import ON_CPU, build_tokenizer, prepare_dataset, synthetic_conversations
 
 
 def make_config(target, data, out, **overrides) -> TrainConfig:
@@ -31,7 +31,7 @@ def make_config(target, data, out, **overrides) -> TrainConfig:
         "target.path": str(target), "data.path": str(data), "run.output_dir": str(out),
         "data.plan.token_budget": 512, "drafter.num_layers": 2, "drafter.block_size": 4, "step.num_anchors": 32,
         "optim.lr": 3e-3, "optim.warmup_steps": 2, "run.max_steps": 12, "run.log_every": 1, "run.save_every": 4,
-        "run.progress": False, "run.tensorboard": False,
+        "run.progress": False, "run.tensorboard": False, **ON_CPU,
     }
     base.update({k: str(v) for k, v in overrides.items()})
     return load_config(TrainConfig, None, base)
@@ -257,7 +257,7 @@ def test_resume_without_a_checkpoint_exits_2_and_resume_auto_starts_fresh(tiny_t
     args = ["train", "--target.path", str(tiny_targets["llama"]), "--data.path", str(tiny_datasets["llama"]),
             "--run.output_dir", str(out), "--data.plan.token_budget", "512", "--drafter.num_layers", "1",
             "--drafter.block_size", "4", "--step.num_anchors", "8", "--run.max_steps", "2", "--run.progress", "false",
-            "--run.tensorboard", "false"]
+            "--run.tensorboard", "false", "--run.device", "cpu"]
     assert main([*args, "--resume"]) == 2
     assert f"--resume: no checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
     assert not (out / "metrics.jsonl").exists()

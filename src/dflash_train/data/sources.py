@@ -105,7 +105,11 @@ def _iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
     elif suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
-        raise DataError(path, None, None, f"unsupported file type {suffix!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
+        raise unsupported_file(path)
+
+
+def unsupported_file(path: Path) -> DataError:
+    return DataError(path, None, None, f"unsupported file type {path.suffix.lower()!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -120,12 +124,15 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def expand_inputs(paths: list[str | Path]) -> list[Path]:
-    """Files and directories (searched for supported files) -> sorted list of files."""
+    """Files and directories (searched for supported files) -> sorted list of files; a named
+    file of an unsupported type is a DataError naming it."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
             out.extend(sorted(q for q in p.rglob("*") if q.suffix.lower() in SUPPORTED_SUFFIXES))
         elif p.is_file():
+            if p.suffix.lower() not in SUPPORTED_SUFFIXES:  # said before a tokenizer or model loads
+                raise unsupported_file(p)
             out.append(p)
         else:
             raise InputError(f"input not found: {p}")
