@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# H200: the whole test suite on a GPU machine (the image's torch 2.11 / Triton 3.6, not the
+# CPU wheel CI uses), so the tests that skip on CPU run and CPU-only assumptions show up.
+# Nothing carried; one call, ~6-9 min. DRY=1: one test file on CPU.
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/session15_suite.log; mkdir -p $OUT
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+source bench/device/lib.sh
+python3 -c "import torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',
+  triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)" | tee -a $LOG
+if [ "${DRY:-0}" = 1 ]; then TESTS=(tests/drafter/test_row_stats.py); else TESTS=(tests); fi
+stage suite ${SUITE_LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "${TESTS[@]}"
+grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $LOG | cut -c1-300 | tail -60
