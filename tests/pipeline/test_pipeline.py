@@ -45,15 +45,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: Path, out: Path, nproc: int, *extra: str) -> subprocess.Popen:
+def launch(config: Path, out: Path, nproc: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
            "-m", "dflash_train", "train", "--config", str(config), "--run.output_dir", str(out), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run(config, out, nproc, *extra, timeout=240) -> str:
-    proc = launch(config, out, nproc, *extra)
+def run(config, out, nproc, *extra, timeout=240, env: dict | None = None) -> str:
+    proc = launch(config, out, nproc, *extra, env=env)
     output, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, output[-3000:]
     return output
@@ -307,3 +307,34 @@ def test_fit_schedule_under_torchrun_ends_both_replicas_at_one_step(setup):
     assert 4 < fitted[0] < 100000 and last <= fitted[0], (fitted, last)
     assert last == fitted[0] or f"stopped at step {last} of {fitted[0]}: run.max_minutes=0.1" in out, out[-1500:]
     assert (root / "fit" / "final" / "model.safetensors").is_file()
+
+
+# The same jobs on a GPU (skipped without one): two processes on GPU 0 alone.
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_gpu
+def test_gpu_split_1_plus_1_sharing_one_gpu_trains(setup):
+    """A target rank and a drafter rank on one GPU: NCCL refuses two ranks of one communicator on
+    one device, so the job starts without binding it (no eager NCCL communicator) and the hidden
+    states go through host memory; the tiny drafter's 8-dim heads take the dense mask."""
+    root, cfg = setup
+    out = run(cfg, root / "gpu-split11", 2, *SPLIT_11, "--run.device", "cuda", env=ONE_GPU)
+    assert sorted(losses(root / "gpu-split11")) == list(range(1, 9)), out[-3000:]
+    assert all(loss == loss for loss in losses(root / "gpu-split11").values())  # finite, not NaN
+    assert "heads of 8 dims: the dense attention mask" in out
+
+
+@needs_gpu
+def test_gpu_two_drafters_on_one_gpu_are_refused_at_start(setup):
+    """Two colocated ranks on one GPU would all-reduce gradients over NCCL with two ranks on one
+    device: refused before the process group starts, naming the ranks and the way out."""
+    root, cfg = setup
+    started = time.monotonic()
+    proc = launch(cfg, root / "gpu-colocated2", 2, "--pipeline.layout", "colocated", "--run.device", "cuda",
+                  env=ONE_GPU)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - started < 120
+    assert "drafter ranks 0, 1 would share cuda:0" in output and "--nproc-per-node 1" in output, output[-3000:]
+    assert not (root / "gpu-colocated2" / "checkpoints").exists()
