@@ -135,7 +135,10 @@ def interpreter_unusable() -> str | None:
     return None
 
 
-@pytest.mark.skipif(interpreter_unusable() is not None, reason=str(interpreter_unusable()))
+INTERPRETER_UNUSABLE = interpreter_unusable()
+
+
+@pytest.mark.skipif(INTERPRETER_UNUSABLE is not None, reason=str(INTERPRETER_UNUSABLE))
 def test_triton_kernel_in_the_interpreter_matches_the_blocks(tmp_path):
     """The GPU kernel itself on the CPU: Triton's interpreter (TRITON_INTERPRET=1, set before
     the kernel is defined, hence a fresh interpreter) runs it on CPU tensors, with blocks small

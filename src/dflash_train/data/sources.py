@@ -98,18 +98,11 @@ def _iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
 
     An undecodable JSONL line is yielded as a DataError (not raised) so that callers
     skipping bad rows can carry on with the next line; a file that cannot be read at all
-    raises DataError naming it."""
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        yield from iter_json_rows(path)
-    elif suffix == ".parquet":
+    raises DataError naming it. `path` is one of `expand_inputs`' files: a supported type."""
+    if path.suffix.lower() == ".parquet":
         yield from _iter_parquet(path)
     else:
-        raise unsupported_file(path)
-
-
-def unsupported_file(path: Path) -> DataError:
-    return DataError(path, None, None, f"unsupported file type {path.suffix.lower()!r}; use {', '.join(SUPPORTED_SUFFIXES)}")
+        yield from iter_json_rows(path)
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -132,7 +125,8 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
             out.extend(sorted(q for q in p.rglob("*") if q.suffix.lower() in SUPPORTED_SUFFIXES))
         elif p.is_file():
             if p.suffix.lower() not in SUPPORTED_SUFFIXES:  # said before a tokenizer or model loads
-                raise unsupported_file(p)
+                raise DataError(p, None, None, f"unsupported file type {p.suffix.lower()!r}; "
+                                f"use {', '.join(SUPPORTED_SUFFIXES)}")
             out.append(p)
         else:
             raise InputError(f"input not found: {p}")
