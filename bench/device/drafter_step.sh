@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# H200 (issue 18): the drafter step of the recommended bf16 setting (qwen3-8b preset, packed
-# compiled target, compiled bf16 drafter; 8192 tokens, 512 anchors, block 16, target labels):
-# `loss.fused_head` on (the default in compiled mode) and off, each with a kernel table of 3
-# steps after the measured ones (`bench --profile`). Carries nothing; ~4 min (two compiles a row).
-# ROWS="fused unfused fp8 overlap autotune" picks (overlap: + pipeline.overlap_target; autotune:
-# + run.compile_autotune; autotune_fusedopt: that with torch's fused AdamW instead of the compiled
-# step; fp8: fused + FP8 target, which also checks the MFU against
-# the measured float8 peak). PRESET=dense-27b for the other shape. DRY=1: the tiny preset on CPU.
-# Results in $OUT: <row>.json, <row>.kernels.txt, session10_drafter.log.
+# Training throughput and the drafter step of the recommended bf16 setting: `dflash-train bench
+# --compile --drafter-dtype bfloat16 --target-forward packed --target-compile --profile` (packed
+# compiled target, compiled bf16 drafter; one packed row of 8192 tokens, 512 anchors, block 16,
+# window 2048, target labels; random weights of the PRESET's shape, default qwen3-8b), one row
+# per ROWS entry, each with a kernel table of 3 profiled steps after the measured ones. One H200,
+# ~2 min a row (a compile; ~3 min with autotune).
+#   fused       loss.fused_head on (the default in compiled mode)
+#   unfused     loss.fused_head off (the LM head's chunk math op by op)
+#   fp8         fused + FP8 target (also checks the MFU against the measured float8 peak)
+#   overlap     + pipeline.overlap_target
+#   autotune    + run.compile_autotune (the recommended configuration; registry throughput.qwen3_8b.*)
+#   autotune_fusedopt  autotune with torch's fused AdamW instead of the compiled step
+# A row named twice (ROWS="autotune autotune autotune") runs twice: <row>, <row>_2, ...
+#     ROWS=autotune bash bench/device/drafter_step.sh                 # default ROWS="fused unfused"
+#     PRESET=dense-27b ROWS=overlap bash bench/device/drafter_step.sh  # registry throughput.dense_27b.tok_per_s
+# Results in $OUT: <TAG><row>.json, <TAG><row>.kernels.txt, drafter_step.log. SRC=another/src runs
+# another tree of the package (an A/B on one machine: step_ab.sh). DRY=1: the tiny preset on CPU.
 set -u
-TAG=${TAG:-}  # prefix of the result files (two presets in one call)
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session10_drafter.log; mkdir -p $OUT
-export PYTHONPATH=${SRC:-$PWD/src} PYTHONUNBUFFERED=1  # SRC=: another tree of the package (an A/B in one call)
+TAG=${TAG:-}  # prefix of the result files (two presets or trees in one run)
+OUT=${OUT:-/tmp/out}; LOG=$OUT/drafter_step.log; mkdir -p $OUT
+export PYTHONPATH=${SRC:-$PWD/src} PYTHONUNBUFFERED=1  # SRC=: another tree of the package
 source bench/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# H200: the whole test suite on a GPU machine (the image's torch 2.11 / Triton 3.6, not the
-# CPU wheel CI uses), so the tests that skip on CPU run and CPU-only assumptions show up.
-# Nothing carried; one call, ~6-9 min. DRY=1: one test file on CPU.
+# The whole test suite on a GPU machine (its own torch and Triton, not the CPU wheel CI uses), so
+# the tests that skip on a CPU run and CPU-only assumptions show up. One H200, ~6-9 min:
+#     bash bench/device/gpu_suite.sh          # results in $OUT/gpu_suite.log
+# DRY=1: one test file on CPU.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session15_suite.log; mkdir -p $OUT
+OUT=${OUT:-/tmp/out}; LOG=$OUT/gpu_suite.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 source bench/device/lib.sh
 python3 -c "import torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',

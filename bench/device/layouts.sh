@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# H200 x2 session 4 (issue 16): split 1+1 over NCCL vs colocated x2 (qwen3-8b preset), split's
-# losses vs one process (the real SmolLM2 target when /tmp/smol/hf exists), SIGTERM to torchrun
-# (colocated and split), SIGKILL of one rank. SKIP_BENCH=1 / SKIP_LOSSES=1 / SKIP_FAULTS=1 leave
-# parts out; LAYOUTS="split" (default "split colocated") picks the throughput rows.
-# Run from the repo root on nvidia-h200-x2; one call, ~6-8 min. DRY=1: the plumbing on CPU (gloo,
-# tiny preset), a few minutes on 2 cores. Results: $OUT/*.json, $OUT/session4.log, a summary at the end.
+# The two layouts on two GPUs: split 1 target + 1 drafter rank (hidden states over NCCL) against
+# colocated x2 on the PRESET's shape (default qwen3-8b, compiled bf16 drafter); split's losses
+# against one process on the same batches (the real SmolLM2 target when /tmp/smol/hf exists, else
+# its shape); SIGTERM to torchrun (colocated and split: time to exit, checkpoint, resume) and a
+# SIGKILL of one rank (faults.py). Two H200s (nvidia-h200-x2), ~6-8 min:
+#     bash bench/device/layouts.sh             # results in $OUT: split_<preset>.json,
+#                                              # colocated_<preset>.json, faults.json, layouts.json, layouts.log
+# SKIP_BENCH=1 / SKIP_LOSSES=1 / SKIP_FAULTS=1 leave parts out; LAYOUTS="split" (default "split
+# colocated") picks the throughput rows. DRY=1: the plumbing on CPU (gloo, tiny preset), a few minutes.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session4.log; W=${W:-/tmp/s4}; mkdir -p $OUT; rm -rf $W; mkdir -p $W
+OUT=${OUT:-/tmp/out}; LOG=$OUT/layouts.log; W=${W:-/tmp/layouts}; mkdir -p $OUT; rm -rf $W; mkdir -p $W
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site4 .whl/*.whl >> $LOG 2>&1
 export PYTHONPATH=/tmp/site4:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
@@ -14,7 +17,7 @@ if [ "${DRY:-0}" = 1 ]; then
   BIG=tiny; SMALL=tiny; DEV=cpu; COMPILE=""; export OMP_NUM_THREADS=1
   BENCH_DEV="--device cpu --tokens 512 --doc-len 40-120 --anchors 16 --block 4 --layers 1"  # the bench shape: 79 s a CPU step
 else
-  BIG=qwen3-8b; SMALL=smollm2-135m; DEV=cuda; COMPILE="--compile"; BENCH_DEV=""
+  BIG=${PRESET:-qwen3-8b}; SMALL=smollm2-135m; DEV=cuda; COMPILE="--compile"; BENCH_DEV=""
 fi
 source bench/device/lib.sh
 TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
@@ -44,7 +47,7 @@ fi
 FAULT=(-m dflash_train train --target.path preset:$SMALL --data.path synthetic:4096:512 --data.plan.token_budget 2048
   --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 100000 --run.log_every 1 --run.save_every 100000
   --run.device $DEV --run.progress false --run.tensorboard false --eval.spec_prompts null)
-[ "${SKIP_FAULTS:-0}" = 1 ] || stage faults 200 $PY bench/device/session4_faults.py $W $OUT "${FAULT[@]}"
+[ "${SKIP_FAULTS:-0}" = 1 ] || stage faults 200 $PY bench/device/faults.py $W $OUT "${FAULT[@]}"
 
 $PY - "$OUT" "$W" <<'PY' >> $LOG 2>&1
 import glob, json, os, sys
@@ -62,7 +65,7 @@ for f in sorted(glob.glob(os.path.join(out, "*_*.json"))):
         res[name] = {k: r.get(k) for k in ("tokens_per_s", "step_ms", "time_split_ms_per_step", "bottleneck")}
         res[name]["ranks"] = [{k: x.get(k) for k in ("rank", "role", "tok_per_s", "queue_wait_s",
                                "median_busy_ms_per_batch", "mean_queue_fill")} for x in r.get("pipeline") or []]
-json.dump(res, open(os.path.join(out, "session4.json"), "w"), indent=1)
+json.dump(res, open(os.path.join(out, "layouts.json"), "w"), indent=1)
 print("losses split vs single: max rel diff", res["max_rel_diff"], "over", len(b), "steps")
 for k, v in res.items():
     if isinstance(v, dict) and "tokens_per_s" in v:

@@ -1,6 +1,6 @@
 # Shared by the device scripts (source it after setting LOG): `stage NAME LIMIT cmd...` runs a
 # command under a time limit, its output appended to $LOG, with start/end/exit-code lines on
-# stdout too (a silent stage that hits the call's limit would otherwise return nothing).
+# stdout too (a silent stage that hits the run's time limit would otherwise return nothing).
 stage() {
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
@@ -9,8 +9,8 @@ stage() {
 }
 
 # `smol_hf`: the built-in SmolLM2 target as a bf16 Hugging Face folder in /tmp/smol/hf, once per
-# machine: the GGUF's two halves (part one left in /tmp/smol by an earlier call, part two carried
-# in .smol2) joined, checked and converted (~30 s). Needs gguf on PYTHONPATH.
+# machine: the GGUF's two halves (part one left in /tmp/smol by recipe_prompts.sh or restore.sh,
+# part two carried in .smol2) joined, checked and converted (~30 s). Needs gguf on PYTHONPATH.
 smol_hf() {
   [ -f /tmp/smol/hf/model.safetensors ] && return 0
   cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf

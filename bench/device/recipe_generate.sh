@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# H200 session 5, call B (right after A; carry .smol2 and .whl): join + convert
-# the GGUF, then generation on both GPUs (one process per GPU, disjoint prompt shards plus
-# self-instructed chats), GEN_LIMIT s (default 420); SLOTS (default 768) sequences per GPU,
-# GEN_ATTENTION (auto|dense|flex); PROBES measures engine settings first (below).
-# Resumable: call B2 (the same script) adds more if the budget allows; so does a later session
-# that unpacked an earlier export (RECIPE_FROM in call A): finished rows are skipped. ~8.5 min.
+# The SmolLM2 recipe, step 2: generation (`dflash-train generate` through scripts/smollm2_recipe_x2.sh,
+# one process per GPU on disjoint prompt shards plus self-instructed chats) for GEN_LIMIT s (default
+# 420), SLOTS (default 768) sequences per GPU, GEN_ATTENTION (auto|dense|flex); the new tokens/s per
+# GPU from each run's summary (registry generate.smollm2.*). After recipe_prompts.sh on the same
+# machine; one or two H200s, ~8.5 min:
+#     bash bench/device/recipe_generate.sh
+#     PROBES="dense:256 flex:256 flex:768" PROBE_SECONDS=110 GEN_LIMIT=100 bash bench/device/recipe_generate.sh
+# PROBES: each ATTENTION:SLOTS a PROBE_SECONDS generation into the same files (the data is kept),
+# then the main run (GEN_LIMIT s; 0 = probes only) with the fastest. Resumable: a second run adds
+# more (finished rows are skipped). The conversations come back as xz parts under $OUT/recipe/
+# (EXPORT=0 skips), to be carried to a later machine (recipe_prompts.sh RECIPE_FROM, restore.sh).
+# Results in $OUT: recipe_generate.log, gen-<k>.log (each ends with its summary).
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5b.log; W=/tmp/recipe; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
+OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_generate.log; W=/tmp/recipe; mkdir -p $OUT
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-if [ ! -f /tmp/smol/part_aa ] || [ ! -f $W/prompts/manifest.json ]; then echo "FRESH MACHINE: run call A first" | tee -a $LOG; exit 3; fi
+TARGET=${TARGET:-/tmp/smol/hf}  # a Hugging Face folder; default: the built-in SmolLM2 converted by lib.sh smol_hf
+if [ ! -f $W/prompts/manifest.json ]; then echo "FRESH MACHINE: run recipe_prompts.sh first" | tee -a $LOG; exit 3; fi
 source bench/device/lib.sh
-smol_hf
+[ "$TARGET" = /tmp/smol/hf ] && smol_hf
 gen() {  # SECONDS ATTENTION SLOTS: generation (resumes the same files), then its summary's rates
   echo "=== generate ${1}s, $2 attention, $3 slots $(date +%T)" | tee -a $LOG
-  TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=$1 GEN_ATTENTION=$2 SLOTS=$3 MAX_NEW=${MAX_NEW:-512} \
+  TARGET=$TARGET WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=$1 GEN_ATTENTION=$2 SLOTS=$3 MAX_NEW=${MAX_NEW:-512} \
     N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
   echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
   python3 - $W/gen/gen-0.log "$2:$3" <<'PY' | tee -a $LOG
@@ -43,9 +50,9 @@ done
 wc -l $W/gen/gen-*.jsonl | tee -a $LOG
 for f in $W/gen/gen-*.log; do tail -c 20000 $f > $OUT/$(basename $f); done  # the summary: written, new tok/s
 grep -E "^===|written|new_tokens|stopped|rror|Traceback" $LOG $W/gen/gen-*.log | tail -20
-# The generated conversations come back (xz, 15 MB parts under $OUT/recipe/): a later session
-# carries them (git-ignored .recipe/, RECIPE_FROM=.recipe in call A), and its generation adds to
-# them (the prompt files are rebuilt identically on the same machine image: finished rows skip).
+# The generated conversations come back (xz, 15 MB parts under $OUT/recipe/): a later machine
+# takes them (git-ignored .recipe/, RECIPE_FROM=.recipe in recipe_prompts.sh), and its generation
+# adds to them (the prompt files are rebuilt identically on the same machine image: finished rows skip).
 if [ "${EXPORT:-1}" = 1 ]; then
   mkdir -p $OUT/recipe
   (cd $W && tar -cf - gen/gen-*.jsonl) | xz -T0 -6 | split -b 15000000 - $OUT/recipe/recipe.tar.xz.part_

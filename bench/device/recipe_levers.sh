@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# H200 session 5, call F (after C: needs /tmp/recipe/data and data-heldout): the levers
-# sweep of docs/recipe-smollm2.md. Each lever is a short training on the same prepared data,
-# then the fast eval (HumanEval 48 x 128 and the held-out chat set 48 x 128). One JSON line per lever
-# in $OUT/levers.jsonl. LEVER_STEPS (default 400) fixes the optimizer steps, so levers that share a
-# GPU (PER_GPU at once, default 2; SmolLM2's training leaves most of an H200 idle) are compared
-# on equal terms; LEVER_STEPS=0 uses LEVER_SECONDS (100) of training instead. LEVERS="..." picks.
-# With PREPARE=1 it first runs prepare (call C's first half) when /tmp/recipe/data is missing.
+# The SmolLM2 recipe's levers (docs/recipe-smollm2.md, "Levers"): each lever a short training from
+# configs/smollm2-135m-diverse.yaml with one change, on the same prepared data (/tmp/recipe/data and
+# data-heldout, from recipe_train.sh's prepare or PREPARE=1 here), then the fast eval (HumanEval
+# 48 x 128 and the held-out chat set 48 x 128, `dflash-train eval --no-greedy`). LEVER_STEPS (default
+# 400) fixes the optimizer steps, so levers that share a GPU (PER_GPU at once, default 2; SmolLM2's
+# training leaves most of an H200 idle) compare on equal terms; LEVER_STEPS=0 trains LEVER_SECONDS
+# (100) instead. One or two H200s, ~10 min for 8 levers at PER_GPU=4:
+#     PREPARE=1 PER_GPU=4 LEVERS="base anchors1024 layers8 block8" bash bench/device/recipe_levers.sh
+# Results in $OUT: levers.jsonl (one JSON line per lever as it ends), recipe_levers.log.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5f.log; W=/tmp/recipe; mkdir -p $OUT
+OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_levers.log; W=/tmp/recipe; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+TARGET=${TARGET:-/tmp/smol/hf}  # a Hugging Face folder; default: the built-in SmolLM2 converted by lib.sh smol_hf
 if [ "${PREPARE:-0}" = 1 ] && [ ! -f $W/data/manifest.json ] && [ -f $W/gen/gen-0.jsonl ]; then
   echo "=== prepare $(date +%T)" | tee -a $LOG
-  TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=prepare timeout 200 bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
+  TARGET=$TARGET WORK=$W NGPU=$NGPU STEPS=prepare timeout 200 bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
   grep -E "^wrote|^read|no near-duplicate" $LOG | tail -4
 fi
-if [ ! -f $W/data/manifest.json ] || [ ! -f /tmp/smol/hf/model.safetensors ]; then echo "FRESH MACHINE: run A-C first" | tee -a $LOG; exit 3; fi
+if [ ! -f $W/data/manifest.json ] || [ ! -e $TARGET ]; then echo "FRESH MACHINE: run recipe_prompts.sh, recipe_generate.sh, recipe_train.sh first" | tee -a $LOG; exit 3; fi
 SEC=${LEVER_SECONDS:-100}; STEPS_N=${LEVER_STEPS:-400}; PER_GPU=${PER_GPU:-2}
 # a short run warms up over its first eighth (the config's 200 steps are for full-length runs)
 if [ "$STEPS_N" -gt 0 ]; then BOX=(--run.max_steps $STEPS_N --run.max_minutes 0 --optim.warmup_steps $((STEPS_N / 8))); LIMIT=900
 else BOX=(--run.max_minutes $(python3 -c "print($SEC/60)")); LIMIT=$((SEC + 90)); fi
 declare -A ARGS=(
   [base]=""                                         # configs/smollm2-135m-diverse.yaml as is (5 layers, block 16, cap+decay, packed target)
-  [decay]="--loss.weighting decay"                  # the 2026-12-01 table's base (with hf-target)
+  [decay]="--loss.weighting decay"                  # the loss before cap+decay (with hf-target: the config before)
   [hf-target]="--target.forward hf --target.compile false"
   [layers1]="--drafter.num_layers 1"
   [layers3]="--drafter.num_layers 3"
@@ -33,17 +36,17 @@ declare -A ARGS=(
   [lr3e-3]="--optim.lr 3e-3"
   [init-spread]="--drafter.init_from_target spread"  # target layers 3 9 15 21 27
   [init-first]="--drafter.init_from_target layers --drafter.init_target_layers 0,1,2,3,4"
-  [compiled]="--run.compile true"                   # speed (session7_train_speed.sh): tau should not move
+  [compiled]="--run.compile true"                   # speed (recipe_speed.sh): tau should not move
   [compiled-bf16]="--run.compile true --run.drafter_dtype bfloat16"
   [anchors1024]="--step.num_anchors 1024"           # twice the supervised blocks per target forward
-  [layers8]="--drafter.num_layers 8"                # capacity: 3 layers lost 6% against 5 (2026-12-01 table)
+  [layers8]="--drafter.num_layers 8"                # capacity: 3 layers lost 6% against 5
   [mlp3x]="--drafter.intermediate_size 4608"        # capacity at nearly no time: SmolLM2's MLP is 1,536 wide
   [taps10]="--drafter.num_taps 10"                  # twice the target layers in the context features
   [distill]="--step.label_source distill --loss.weighting decay"  # the target's whole distribution as the label (compare: decay)
-  [fp8]="--target.fp8 true"                         # issue 18: a drafter trained on FP8-target states, evaluated on the bf16 target
+  [fp8]="--target.fp8 true"                         # a drafter trained on FP8-target states, evaluated on the bf16 target
 )
 # data-mix levers: the training rows re-weighted by source (scripts/split_generated.py --weights),
-# prepared into $W/data-<lever> first; session 7's data: package-code 51% of the rows, math 25%,
+# prepared into $W/data-<lever> first; the recipe's generated data: package-code 51% of the rows, math 25%,
 # self-instructed chats 12%, stdlib-code 8%, docs 4%
 declare -A MIXES=(
   [mix-chat3]="self-instruct=3"    # chats to 29% of the rows
@@ -51,7 +54,7 @@ declare -A MIXES=(
   [mix-pkg-half]="package-code=0.5"
 )
 for name in "${!MIXES[@]}"; do ARGS[$name]="--data.path $W/data-$name"; done
-# cap+decay and the packed target were levers of the 2026-12-01 table and are now the config's
+# cap+decay and the packed target were levers and are now the config's
 LEVERS=${LEVERS:-base compiled gamma4 block8 decay layers1 lr3e-4 compiled-bf16}
 one() {  # GPU, lever
   local gpu=$1 name=$2 dir=$W/lever-$2
@@ -59,14 +62,14 @@ one() {  # GPU, lever
   if [ -n "${MIXES[$name]:-}" ] && [ ! -f $W/data-$name/manifest.json ]; then
     python3 scripts/split_generated.py $W/gen/train-$name.jsonl $dir/heldout.jsonl $W/gen/gen-*.jsonl \
       --weights "${MIXES[$name]}" >> $dir/lever.log 2>&1 &&
-    python3 -m dflash_train prepare $W/gen/train-$name.jsonl --target /tmp/smol/hf --output $W/data-$name --overwrite \
+    python3 -m dflash_train prepare $W/gen/train-$name.jsonl --target $TARGET --output $W/data-$name --overwrite \
       --no-progress --skip-bad-rows >> $dir/lever.log 2>&1 || echo "prepare $name rc=$?" >> $LOG
   fi
   CUDA_VISIBLE_DEVICES=$gpu timeout $LIMIT python3 -m dflash_train train --config configs/smollm2-135m-diverse.yaml \
-    --target.path /tmp/smol/hf --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir $dir \
+    --target.path $TARGET --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir $dir \
     "${BOX[@]}" --run.eval_every 0 --run.save_every_minutes 0 --run.progress false ${ARGS[$name]} >> $dir/lever.log 2>&1 || echo "train $name rc=$?" >> $LOG
   for p in humaneval chat; do
-    CUDA_VISIBLE_DEVICES=$gpu timeout 120 python3 -m dflash_train eval --target /tmp/smol/hf --drafter $dir/final \
+    CUDA_VISIBLE_DEVICES=$gpu timeout 120 python3 -m dflash_train eval --target $TARGET --drafter $dir/final \
       --prompts $p --num-prompts 48 --max-new-tokens 128 --no-greedy --output $dir/eval-$p --no-progress >> $dir/lever.log 2>&1
   done
   python3 - $name $dir "${ARGS[$name]}" > $dir/result.json <<'PY'

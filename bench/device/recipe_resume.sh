@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# H200 session 5, call D (right after C): resume the training to the config's 15 minutes in all
-# (TRAIN_MINUTES counts from the resume: default 8), then the eval of call E can start. ~9 min.
+# The SmolLM2 recipe, step 4 (optional): resume recipe_train.sh's run for TRAIN_MINUTES more
+# (default 8). On the same machine after recipe_train.sh; ~9 min:
+#     TRAIN_MINUTES=8 bash bench/device/recipe_resume.sh     # results in $OUT: recipe_resume.log, metrics.jsonl
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session5d.log; W=/tmp/recipe; mkdir -p $OUT
+OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_resume.log; W=/tmp/recipe; mkdir -p $OUT
+source bench/device/lib.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -d $W/train/checkpoints ]; then echo "FRESH MACHINE: no checkpoints in $W/train" | tee -a $LOG; exit 3; fi
-TARGET=/tmp/smol/hf WORK=$W NGPU=$NGPU STEPS=train TRAIN_MINUTES=${TRAIN_MINUTES:-8} \
+TARGET=${TARGET:-/tmp/smol/hf} WORK=$W NGPU=$NGPU STEPS=train TRAIN_MINUTES=${TRAIN_MINUTES:-8} \
   timeout 560 bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
 echo "recipe rc=$?" | tee -a $LOG
-cp $W/train/metrics.jsonl $OUT/metrics5.jsonl 2>/dev/null
+cp $W/train/metrics.jsonl $OUT/metrics.jsonl 2>/dev/null
 grep -E "^==|held-out @|eval @|resum|rc=|rror|Traceback" $LOG | grep -v "it/s\]" | tail -30

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# H200 (issue 17): how fast the SmolLM2 recipe can train, per drafter mode, before spending a
-# session's minutes on it. `dflash-train bench --preset smollm2-135m` (random weights of
-# SmolLM2-135M's shape) at the recipe's drafter and step (5 layers, block 16, 32,768 tokens of
-# 200-800-token documents and 2,048 anchors per step, target labels), alone on the GPU, one row
-# per mode. The step's size matters at this model size: a step is launch-bound, and one 8,192-token
-# row per step measured 79K tok/s where the recipe's 4 rows per step trained at 212K (session 8):
-#   recipe-before  HF target forward, eager fp32-master drafter (the config until 2026-12-01)
+# How fast the SmolLM2 recipe trains, per drafter mode: `dflash-train bench --preset smollm2-135m`
+# (random weights of SmolLM2-135M's shape) at the recipe's drafter and step (5 layers, block 16,
+# 32,768 tokens of 200-800-token documents and 2,048 anchors per step, target labels), alone on
+# the GPU, one row per mode. The step's size matters at this model size: a step is launch-bound
+# (one 8,192-token row per step measured 79K tok/s where the recipe's 4 rows trained at 212K):
+#   recipe-before  HF target forward, eager fp32-master drafter (the config before the packed target)
 #   recipe         packed compiled target forward, eager drafter (configs/smollm2-135m-diverse.yaml)
 #   compiled       + run.compile (fixed shapes, compiled drafter)
 #   compiled-bf16  + run.drafter_dtype bfloat16
-# Carries nothing; ~5 min (each compiled row compiles ~1 min). DRY=1: the plumbing on CPU.
-# Results: $OUT/train_speed.log, $OUT/train_speed.json (one object per row).
+# One H200, ~5 min (each compiled row compiles ~1 min):
+#     bash bench/device/recipe_speed.sh        # results in $OUT: train_speed.json (one object per row), train_speed.log
+# ROWS_ORDER="compiled recipe" picks rows (recipe_full.sh reads them from /tmp/recipe_speed). DRY=1: the plumbing on CPU.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/train_speed.log; W=/tmp/s7; mkdir -p $OUT $W
+OUT=${OUT:-/tmp/out}; LOG=$OUT/train_speed.log; W=/tmp/recipe_speed; mkdir -p $OUT $W
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 source bench/device/lib.sh

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A fresh machine, made ready for the issue-17 calls that follow generation (prepare, levers,
-# train, eval) from what the tree carries in two calls (64 MiB each): call 1 carries .smol1 and
-# .recipe1 (`RESTORE=1 bash bench/device/restore.sh` copies them to /tmp/smol), call 2 carries
-# .smol2, .recipe2 and .whl (`bash bench/device/restore.sh` joins the GGUF, converts it, installs the
-# wheels, unpacks the conversations into /tmp/recipe/gen). The recipe parts: one xz stream
-# (session5b's export) re-split so each half fits beside a GGUF half.
+# A fresh machine made ready for the SmolLM2 recipe's steps after generation (prepare, levers,
+# train, eval: recipe_full.sh, recipe_levers.sh), from what the tree carries in two runs of at most
+# 64 MiB each: the first carries .smol1 and .recipe1 (`RESTORE=1 bash bench/device/restore.sh`
+# copies them to /tmp/smol), the second .smol2, .recipe2 and .whl (`bash bench/device/restore.sh`
+# joins the GGUF, converts it, installs the wheels, unpacks the conversations into /tmp/recipe/gen).
+# The recipe parts: one xz stream (recipe_generate.sh's export) re-split so each half fits beside a
+# GGUF half. ~1 min.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/restore.log; mkdir -p $OUT /tmp/smol /tmp/recipe
 if [ "${RESTORE:-2}" = 1 ]; then

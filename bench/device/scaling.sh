@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# H200 x4 / x8 (issue 19): the scaling runs, ready for the first session that is lent a machine
-# with 4 or 8 GPUs. It counts the GPUs; each PART fits one call (600 s), carries nothing:
-#   PART=colocated  qwen3-8b colocated on 1, 2, 4 (, 8) GPUs: tok/s and scaling efficiency
-#                   against 1 GPU (tok/s at k GPUs / (k x tok/s at 1)); goal >= 90% at 8. ~6-8 min
-#   PART=split      dense-27b: split 5 target + 3 drafter ranks (8 GPUs; 3+1 on 4) beside colocated
-#                   on all GPUs; the bottleneck report's T:D advice; the seeds' 14.5K tok/s on 8. ~7 min
-#   PART=faults     SIGTERM to torchrun (colocated and split), resume, and a SIGKILL of a target
-#                   rank of colocated, on all GPUs (session4_faults.py). ~4 min
-#   PART=summary    the JSON of the parts on this machine -> $OUT/scaling.json, RESULT lines
+# Scaling over 4 or 8 GPUs of one host (nvidia-h200-x4 / -x8). It counts the GPUs; each PART fits
+# a 10-minute run:
+#   PART=colocated  PRESET (default qwen3-8b) colocated on 1, 2, 4 (, 8) GPUs: tok/s and scaling
+#                   efficiency against 1 GPU (tok/s at k GPUs / (k x tok/s at 1)). ~6-8 min
+#   PART=split      DENSE_PRESET (default dense-27b): split 5 target + 3 drafter ranks (8 GPUs; 3+1
+#                   on 4) beside colocated on all GPUs; the bottleneck report's T:D advice. ~7 min
+#   PART=faults     SIGTERM to torchrun (colocated and split), resume, and a SIGKILL of the last
+#                   rank of colocated, on all GPUs (faults.py). ~4 min
+#   PART=summary    the JSON of the parts run on this machine -> $OUT/scaling.json, RESULT lines
+#     PART=colocated bash bench/device/scaling.sh     # results in $OUT: scaling.json, scaling.log
 # Every PART ends with the summary. DRY=1: the plumbing on CPU (gloo, tiny preset, 2 ranks).
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/scaling.log; W=/tmp/s9; mkdir -p $OUT $W
+OUT=${OUT:-/tmp/out}; LOG=$OUT/scaling.log; W=/tmp/scaling; mkdir -p $OUT $W
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
 source bench/device/lib.sh
@@ -19,7 +20,7 @@ if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--device cpu --tokens 512 --doc-len 40-120 --anchors 16 --block 4 --layers 1 --warmup 1 --measure 2)
 else
   NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
-  BIG=qwen3-8b; HUGE=dense-27b; DEV=cuda; COMPILE="--compile"; SHAPE=(--warmup 3 --measure 6)
+  BIG=${PRESET:-qwen3-8b}; HUGE=${DENSE_PRESET:-dense-27b}; DEV=cuda; COMPILE="--compile"; SHAPE=(--warmup 3 --measure 6)
 fi
 TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node)  # + the process count
 BENCH=(-m dflash_train bench --drafter-dtype bfloat16 $COMPILE "${SHAPE[@]}")
@@ -44,7 +45,7 @@ faults)
     --run.max_steps 100000 --run.log_every 1 --run.save_every 100000 --run.device $DEV --run.progress false
     --run.tensorboard false --eval.spec_prompts null)
   rm -rf $W/faults; mkdir -p $W/faults
-  stage faults 420 env NPROC=$NGPU SPLIT="$SPLIT" KILL_RANK=$((NGPU - 1)) $PY bench/device/session4_faults.py \
+  stage faults 420 env NPROC=$NGPU SPLIT="$SPLIT" KILL_RANK=$((NGPU - 1)) $PY bench/device/faults.py \
     $W/faults $W "${FAULT[@]}" ;;
 summary) ;;
 *) echo "unknown PART=${PART}" | tee -a $LOG; exit 2 ;;

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# H200 session 6 (issue 18): the levers of the target forward, qwen3-8b preset (random weights,
-# one packed row of 8192 tokens, 512 anchors, block 16, drafter window 2048, target labels,
-# compiled bf16 drafter), one table: `dflash-train bench --levers`, in two processes appending
-# to one JSON (eager target rows; then the compiled-target rows), then dense-27b with the settings
-# of the fastest bf16 row (`--like`). Carries nothing. ~8 min on one H200 (compiles ~1 min per
-# shape; stage limits add up to 580 s). PART=levers or PART=dense runs one half: a second call
-# with PART=dense on the still-warm machine reads the table the first left in /tmp/s6 (or the
-# file LIKE names). PART=profile: kernel tables of the target forward alone (SDPA=cudnn). DRY=1: the plumbing on CPU with the tiny preset. Results:
-# $OUT/session6_target.log, $OUT/levers_qwen3_8b.json (the table), $OUT/dense_27b.json.
+# The levers of the target forward, one table: `dflash-train bench --levers` on the PRESET's shape
+# (default qwen3-8b, random weights; one packed row of 8192 tokens, 512 anchors, block 16, drafter
+# window 2048, target labels, compiled bf16 drafter), in two processes appending to one JSON (the
+# eager target rows, then the compiled-target rows); then DENSE_PRESET (default dense-27b) with the
+# settings of the table's fastest bf16 row (`--like`). One H200, ~8 min (compiles ~1 min per shape;
+# stage limits add up to 580 s).
+#     bash bench/device/target_levers.sh      # results in $OUT: levers_qwen3_8b.json, dense_27b.json,
+#                                             # target_levers.log
+# PART=levers or PART=dense runs one half (PART=dense on a warm machine reads the table the first
+# left in /tmp/target_levers, or the file LIKE names). PART=profile: the target forward alone
+# (bench/profile_target.py: Hugging Face, and packed + compiled + SDPA, default cudnn), median ms
+# and the top kernels, ~3 min. DRY=1: the plumbing on CPU with the tiny preset.
 set -u
-OUT=${OUT:-/tmp/out}; LOG=$OUT/session6_target.log; W=/tmp/s6; mkdir -p $OUT $W
+OUT=${OUT:-/tmp/out}; LOG=$OUT/target_levers.log; W=/tmp/target_levers; mkdir -p $OUT $W
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 PART=${PART:-all}
@@ -17,7 +20,7 @@ if [ "${DRY:-0}" = 1 ]; then
   BIG=tiny; HUGE=tiny; SHAPE="--tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu"
   export OMP_NUM_THREADS=1
 else
-  BIG=qwen3-8b; HUGE=dense-27b; SHAPE="--warmup 5 --measure 10"  # bench defaults: 8192 tokens, 512 anchors, block 16, window 2048, target labels
+  BIG=${PRESET:-qwen3-8b}; HUGE=${DENSE_PRESET:-dense-27b}; SHAPE="--warmup 5 --measure 10"  # bench defaults: 8192 tokens, 512 anchors, block 16, window 2048, target labels
 fi
 source bench/device/lib.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >> $LOG 2>&1

@@ -1,0 +1,68 @@
+"""bench/results/update_summary.py: the registry's commands name only paths that exist."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "bench" / "results" / "update_summary.py"
+_spec = importlib.util.spec_from_file_location("update_summary", SCRIPT)
+update_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(update_summary)
+
+
+def test_every_registry_command_names_existing_paths():
+    data = json.loads(update_summary.PATH.read_text())
+    assert data and update_summary.check(data) == []
+    # the check looks at real paths: each command names at least one script or raw result
+    assert all(update_summary.named_paths(e["command"]) for e in data.values())
+
+
+def test_named_paths_reads_paths_out_of_prose():
+    cmd = ("ROWS=autotune bash bench/device/drafter_step.sh  # raw: bench/results/x/ (a.json), "
+           "configs/a.yaml; not drafter/row_stats.py nor /tmp/bench/out.json nor mybench/x")
+    assert update_summary.named_paths(cmd) == ["bench/device/drafter_step.sh", "bench/results/x/", "configs/a.yaml"]
+
+
+def test_missing_paths_and_globs(tmp_path):
+    (tmp_path / "bench" / "device").mkdir(parents=True)
+    (tmp_path / "bench" / "device" / "a.sh").write_text("")
+    (tmp_path / "bench" / "r1-x.json").write_text("")
+    cmd = "bash bench/device/a.sh; bash bench/device/b.sh  # raw: bench/r*-x.json, bench/q*.json"
+    assert update_summary.missing_paths(cmd, tmp_path) == ["bench/device/b.sh", "bench/q*.json"]
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    (tmp_path / "bench" / "device").mkdir(parents=True)
+    (tmp_path / "bench" / "device" / "a.sh").write_text("")
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"k.old": {"value": 1.0, "device": "d", "date": "2026-01-01",
+                                          "command": "bash bench/device/a.sh"}}))
+    monkeypatch.setattr(update_summary, "PATH", path)
+    monkeypatch.setattr(update_summary, "ROOT", tmp_path)
+    return path
+
+
+def test_a_command_naming_a_missing_script_is_refused_and_nothing_written(registry, capsys):
+    before = registry.read_text()
+    rc = update_summary.main(["k.new", "2.5", "H200", "bash bench/device/gone.sh"])
+    assert rc == 2 and registry.read_text() == before
+    assert "key k.new: command names bench/device/gone.sh, which does not exist" in capsys.readouterr().err
+
+
+def test_a_good_command_is_written_beside_the_old_keys(registry):
+    assert update_summary.main(["k.new", "2.5", "H200", "bash bench/device/a.sh  # raw: bench/device/a.sh"]) == 0
+    data = json.loads(registry.read_text())
+    assert list(data) == ["k.new", "k.old"] and data["k.new"]["value"] == 2.5
+    assert data["k.new"]["command"].startswith("bash bench/device/a.sh")
+
+
+def test_check_names_each_bad_key(registry, capsys):
+    assert update_summary.main(["--check"]) == 0
+    data = json.loads(registry.read_text())
+    data["k.bad"] = {"value": 1.0, "device": "d", "date": "x", "command": "bash scripts/none.sh"}
+    registry.write_text(json.dumps(data))
+    assert update_summary.main(["--check"]) == 2
+    assert "key k.bad: command names scripts/none.sh" in capsys.readouterr().err
