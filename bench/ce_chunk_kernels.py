@@ -1,4 +1,4 @@
-"""The LM head's per-chunk cross-entropy math alone (issue 18).
+"""The LM head's per-chunk cross-entropy math alone (docs/performance.md, "The drafter step").
 
 `drafter/loss.py` runs, between the head's two matmuls, one function per [chunk_rows, vocab]
 chunk of logits: the statistics (log-sum-exp, the label's logit, the argmax) and the gradient

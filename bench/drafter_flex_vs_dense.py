@@ -1,6 +1,6 @@
 """FlexAttention vs dense-mask drafter: same outputs and gradients, and their cost.
 
-Realistic shape (issue 2): one packed row of S = 4096 tokens, 512 anchors, B = 16,
+Realistic shape: one packed row of S = 4096 tokens, 512 anchors, B = 16,
 hidden 4096 (Qwen3-8B attention shapes). Both paths run the same drafter weights in
 bf16; an fp32 dense run is the reference both are compared with, by relative error
 ||x - ref|| / ||ref||. Prints a table and writes JSON.

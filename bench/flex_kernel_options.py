@@ -1,4 +1,4 @@
-"""The drafter's FlexAttention under different Triton kernel options (issue 18).
+"""The drafter's FlexAttention under different Triton kernel options (docs/performance.md, "The drafter step").
 
 The bench's drafter attention shape (qwen3-8b preset: one row of S = 8192 tokens, 512
 sorted anchors, B = 16, window 2048, 32 query heads, 8 KV heads, head dim 128; the mask of
@@ -11,7 +11,7 @@ kernel's by relative error, so an option that changes the numbers shows.
     python bench/flex_kernel_options.py --rows default --mask-mods ranges rule noop   # the partial tiles' rule
 
 `--mask-mods` keeps the tiles and swaps the element-wise rule of the partial ones: `ranges`
-(what the drafter uses since session 13), `rule` (the spec's `make_mask_mod`, used before),
+(what the drafter uses), `rule` (the spec's `make_mask_mod`, used before),
 `noop` (no masking inside the tiles: wrong numbers, the bound on what cheaper masking can save).
 """
 
@@ -54,7 +54,7 @@ OPTIONS: dict[str, dict] = {
 def with_mask_mod(tiles: BlockMask, name: str, doc, pos, anchors, valid, B: int, window: int) -> BlockMask:
     """The same tiles with another element-wise rule on the partial ones: `ranges` (what
     drafter/masks.py hands FlexAttention, `range_mask_mod`), `rule` (`make_mask_mod`, the
-    spec's rule with per-key document and position lookups; the default before session 13),
+    spec's rule with per-key document and position lookups; the drafter's rule before `ranges`),
     `noop` (everything visible inside the listed tiles: wrong numbers, the cost of no masking)."""
     if name == "ranges":
         return tiles

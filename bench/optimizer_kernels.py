@@ -1,4 +1,4 @@
-"""The drafter's optimizer step alone, under candidate implementations (issue 18).
+"""The drafter's optimizer step alone, under candidate implementations (docs/performance.md, "The drafter step").
 
 The fused AdamW of train/optimizer.py reads and writes ~14 bytes per bf16 parameter (param,
 grad, two moments); at the qwen3-8b preset's ~1.05B drafter parameters that is ~14.7 GB, a
@@ -6,7 +6,7 @@ memory-bound pass. This times it (CUDA events, median of `--iters`) against torc
 AdamW compiled by Inductor (the library's other fast path; it cannot take the step's grad
 scale and skip flag, so it is a bound, not a candidate) and reports the achieved bandwidth.
 It also times the step's other pass, the gradients' global norm: torch's `get_total_norm`
-against an Inductor-compiled sum of squares (session 14: 1.12 against 1.50 ms, torch's kept).
+against an Inductor-compiled sum of squares (on an H200: 1.12 against 1.50 ms, torch's kept).
 
     python bench/optimizer_kernels.py --out optimizer_kernels.json     # GPU
     python bench/optimizer_kernels.py --tiny --device cpu              # plumbing

@@ -6,7 +6,7 @@ The mixed sets (eval-sources-heldout, eval-sources-train) hold the first prompts
 source; a prompt's id starts with its source (`math:units:...`), so the per-source tau is read
 back from the report's per-prompt rows: committed tokens over target forwards, summed over the
 source's prompts (the same ratio as the report's overall tau). Held-out vs training tau of one
-source is the memorisation check of issue 17. Writes <work>/eval-summary.json.
+source is the memorisation check (docs/recipe-smollm2.md). Writes <work>/eval-summary.json.
 """
 
 from __future__ import annotations

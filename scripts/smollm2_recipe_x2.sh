@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct recipe on diverse prompts, one or two GPUs (issue 17;
-# docs/recipe-smollm2.md): prompt files from offline sources, answers written by the target
+# The SmolLM2-135M-Instruct recipe on diverse prompts, one or two GPUs
+# (docs/recipe-smollm2.md): prompt files from offline sources, answers written by the target
 # (one `generate` per GPU on disjoint shards), prepare, train (torchrun, colocated), eval.
 #
 #   bash scripts/smollm2_recipe_x2.sh                         # everything, all visible GPUs (1 or 2)

@@ -13,7 +13,7 @@ split (data, queue wait, target, drafter forward, backward, optimizer).
         --target-ranks 1 --drafter-ranks 1
 
 `--levers all` (or a comma-separated list of names from LEVERS) measures the levers of
-the target forward (issue 18) one row each, in one process, and prints one table (target
+the target forward (docs/performance.md, "The target forward") one row each, in one process, and prints one table (target
 ms, drafter ms, tok/s, peak memory); the JSON, rewritten after every row, holds them all.
 `--append` adds the rows to the table already in `--out` (a table measured by several
 processes); `--like TABLE.json` takes the settings of the fastest bf16 row of such a table.
@@ -123,7 +123,7 @@ class BenchConfig:
             raise ValueError(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
 
 
-# The levers of the target forward (issue 18, docs/performance.md): name -> (what, BenchConfig fields).
+# The levers of the target forward (docs/performance.md, "The target forward"): name -> (what, BenchConfig fields).
 # Each is measured alone against `baseline`, then together.
 LEVERS: dict[str, tuple[str, dict]] = {
     "baseline": ("Hugging Face forward, PyTorch's SDPA choice", {}),

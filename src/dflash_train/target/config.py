@@ -1,5 +1,5 @@
 """`target:` section of the training config: which frozen model, in which precision, and how
-its forward runs (the levers of docs/performance.md, issue 18)."""
+its forward runs (docs/performance.md, "The target forward")."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class CompiledAdamW(torch.optim.AdamW):
     between the two) whose step() is `adamw_update` compiled: one generated pass per tensor
     that reads and writes the parameter and its moments once. On an H200 at the qwen3-8b
     preset's 1.05B bf16 drafter parameters, in the training step's kernel table: 4.57 ms against
-    the fused kernel's 6.48 with its grad_scale and found_inf (docs/performance.md, session 12;
+    the fused kernel's 6.48 with its grad_scale and found_inf (docs/performance.md, "The drafter step";
     bench/optimizer_kernels.py times the step alone)."""
 
     def __init__(self, params, **hyper):
