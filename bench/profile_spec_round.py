@@ -1,4 +1,5 @@
-"""Where a speculative round's time goes: kernels per step and their GPU time (docs/eval.md, "Per-round cost on the GPU").
+"""Where a speculative round's time goes: kernels per step and their GPU time
+(docs/eval.md, "Per-round cost on the GPU").
 
     python bench/profile_spec_round.py preset:smollm2-135m --attention dense flex --out runs/profile.json
 

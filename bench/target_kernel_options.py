@@ -1,4 +1,5 @@
-"""The packed target's kernels under candidate changes, one decoder layer at a time (docs/performance.md, "The target forward").
+"""The packed target's kernels under candidate changes, one decoder layer at a time
+(docs/performance.md, "The target forward").
 
 At a preset's shapes (default qwen3-8b: one row of 8192 tokens) and with random bf16
 weights, times with CUDA events (median of `--iters`, after warm-up):

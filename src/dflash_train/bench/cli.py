@@ -13,8 +13,9 @@ split (data, queue wait, target, drafter forward, backward, optimizer).
         --target-ranks 1 --drafter-ranks 1
 
 `--levers all` (or a comma-separated list of names from LEVERS) measures the levers of
-the target forward (docs/performance.md, "The target forward") one row each, in one process, and prints one table (target
-ms, drafter ms, tok/s, peak memory); the JSON, rewritten after every row, holds them all.
+the target forward (docs/performance.md, "The target forward") one row each, in one process,
+and prints one table (target ms, drafter ms, tok/s, peak memory); the JSON, rewritten after
+every row, holds them all.
 `--append` adds the rows to the table already in `--out` (a table measured by several
 processes); `--like TABLE.json` takes the settings of the fastest bf16 row of such a table.
 """

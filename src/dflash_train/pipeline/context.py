@@ -14,7 +14,8 @@ rank does both. Process groups:
 Why one group per pair, created and connected at start-up: NCCL creates the
 communicator of a group at its first operation, a handshake both peers must enter. Left
 to the first transfer, a drafter blocked in that handshake and a target blocked waiting
-for the drafter's credit on the control group wait for each other forever (docs/pipeline.md, "What moves between ranks").
+for the drafter's credit on the control group wait for each other forever
+(docs/pipeline.md, "What moves between ranks").
 So every rank creates the pair groups in one global order and connects each with one
 batched exchange, in the same order, before any credit is sent: a rank only waits for a
 pair whose two members have finished every earlier pair, so the start-up cannot
