@@ -1,4 +1,4 @@
-"""Speculative decoding on the static engine (generate/spec_engine.py): speed and losslessness.
+"""Speculative decoding on the static engine (speculative/engine.py): speed and losslessness.
 
     # on a GPU (bf16, CUDA graphs, torch.compile'd layers), a target and an exported drafter:
     python bench/bench_spec_decode.py TARGET_DIR --drafter DRAFTER_DIR --out runs/bench_spec_decode.json
@@ -17,7 +17,7 @@ the timed runs):
   proposal), verify (target forward + acceptance) and host (everything else: the one sync,
   bookkeeping, launches); tok/s counts new tokens over prefill + decode.
 * lossless: each speculative output against the greedy one; the first divergence and the
-  target's top-1 minus top-2 margin there, classified near-tie / mismatch (generate/spec_decoder.py).
+  target's top-1 minus top-2 margin there, classified near-tie / mismatch (speculative/decoders.py).
 * batched: `--batch-prompts` prompts through `--batch-slots` slots, refilled as sequences
   finish; committed tok/s over the wall clock of the whole run, greedy and speculative.
 """
@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.data.prompts import encode_prompt, load_prompts
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.data.prompts import encode_prompt, load_prompts
 from dflash_train.generate.builtin import stop_token_ids
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
-from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.spec_decoder import first_divergence, make_spec_decoder
-from dflash_train.generate.speculative import DecodeResult
+from dflash_train.speculative.decoders import first_divergence, make_spec_decoder
+from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.loop import DecodeResult
 from dflash_train.target.loading import choose_mask_token_id, load_target_model, load_tokenizer
 from dflash_train.target.presets import is_preset
 

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.spec_engine import SpecEngine
+from dflash_train.speculative.engine import SpecEngine
 from dflash_train.target.loading import load_target_model
 
 

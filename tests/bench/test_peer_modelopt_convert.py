@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
-from dflash_train.generate.speculative import DFlashProposer, SpeculativeDecoder
+from dflash_train.speculative.loop import DFlashProposer, SpeculativeDecoder
 from dflash_train.target.runner import TargetRunner
 from dflash_train.utils.errors import ModelError
 

@@ -9,7 +9,7 @@ import torch
 
 from dflash_train.drafter.config import SLIDING, drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.speculative import SpeculativeDecoder
+from dflash_train.speculative.loop import SpeculativeDecoder
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 

@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from dflash_train.generate.attention import (
-    FLEX_BLOCK, CacheAttention, blocks_needed, cache_index, causal_rule, decode_attention_for, flat, write_cache,
+    FLEX_BLOCK,
+    CacheAttention,
+    blocks_needed,
+    cache_index,
+    causal_rule,
+    decode_attention_for,
+    flat,
+    write_cache,
 )
-from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.static_drafter import block_rule
+from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.static_drafter import block_rule
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 from ..eval.conftest import random_drafter

@@ -10,7 +10,7 @@ import torch
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
 from dflash_train.generate.engine import Completion, Request
-from dflash_train.generate.spec_eval import HeldOutProbe
+from dflash_train.speculative.evaluate import HeldOutProbe
 from dflash_train.target.fp8 import convert_decoder_linears
 
 from .tiny import make_model

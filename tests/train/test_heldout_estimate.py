@@ -12,8 +12,8 @@ from dflash_train.data.prompts import Prompt, encode_prompt
 from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
-from dflash_train.generate.spec_eval import HeldOutProbe
-from dflash_train.generate.spec_metrics import repetition_rate, round_offsets, tau_by_position, walk_rounds
+from dflash_train.speculative.evaluate import HeldOutProbe
+from dflash_train.speculative.metrics import repetition_rate, round_offsets, tau_by_position, walk_rounds
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.evaluate import answer_spans, estimate_on_split

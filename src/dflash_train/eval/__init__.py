@@ -1,6 +1,6 @@
 """Evaluation by real speculative decoding (`dflash-train eval`) and the demo (`dflash-train demo`).
 
-(the decoding loop itself, target + drafter KV caches, is generate/speculative.py)
+(the decoding loop itself, target + drafter KV caches, is speculative/loop.py)
 metrics.py      tau, acceptance histogram, per-position acceptance, speeds
 prompts.py      built-in prompt sets (held-out chat, HumanEval) and prompt files
 run.py          evaluate a drafter on prompts; the trainer's end-of-run check

@@ -21,8 +21,8 @@ from dflash_train.data.prompts import load_prompts, prompt_set_name
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.eval.report import plot_report, summary_lines, write_json
-from dflash_train.generate.spec_decoder import NEAR_TIE_ULPS
-from dflash_train.generate.spec_eval import build_report, evaluate_prompts, measure_batched
+from dflash_train.speculative.decoders import NEAR_TIE_ULPS
+from dflash_train.speculative.evaluate import build_report, evaluate_prompts, measure_batched
 from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
 from dflash_train.train.export_cli import find_drafter_dir
 from dflash_train.utils.config import cli

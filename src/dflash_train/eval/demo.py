@@ -26,7 +26,7 @@ from dflash_train.data.prompts import CHAT_ASSET, asset_path, load_prompts
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
 from dflash_train.eval.report import plot_report, summary_lines, write_json
-from dflash_train.generate.spec_eval import build_report, evaluate_prompts
+from dflash_train.speculative.evaluate import build_report, evaluate_prompts
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.export_cli import export
 from dflash_train.train.run import print_summary

@@ -1,4 +1,5 @@
-"""Target-written training data (`dflash-train generate`) and speculative decoding; see docs/generate.md.
+"""Decoding with the target: its static-KV decoder (decoder.py, attention.py, graphs.py, which
+speculative/ builds on) and target-written training data (`dflash-train generate`); see docs/generate.md.
 
 The public API of training-data generation:
 """

@@ -1,7 +1,7 @@
 """One captured step of the static-KV engines, per attention-length bucket.
 
 Both the generation engine (generate/builtin.py: one decode step) and the speculative engine
-(generate/spec_engine.py: draft and verify steps) run fixed-shape steps over static device
+(speculative/engine.py: draft and verify steps) run fixed-shape steps over static device
 buffers. On CUDA each bucket's step is captured in a CUDA graph the first time it is needed
 and replayed afterwards: one launch instead of ~1,000 small kernels per step. Eager on CPU.
 """

@@ -7,7 +7,7 @@
   (the first `max_new_tokens`), also by position bucket, with the texts' repetition rate.
   The mean over all anchors (the old estimate) is reported too: it overrates tau, since
   decoding jumps over the easy stretches and so visits the hard positions more often.
-* `HeldOutProbe` (generate/spec_eval.py): tau measured by real speculative decoding of
+* `HeldOutProbe` (speculative/evaluate.py): tau measured by real speculative decoding of
   held-out prompts, batched on the fast engine, next to the estimate.
 """
 
@@ -24,8 +24,8 @@ from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.loss import LossConfig, StepStats, block_acceptance, drafter_loss, summarize
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import BlockForward, FrozenHeads, StepConfig, drafter_forward
-from dflash_train.generate.spec_eval import HeldOutProbe
-from dflash_train.generate.spec_metrics import repetition_rate, tau_by_position, tau_of, walk_rounds
+from dflash_train.speculative.evaluate import HeldOutProbe
+from dflash_train.speculative.metrics import repetition_rate, tau_by_position, tau_of, walk_rounds
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import TrainConfig

@@ -42,7 +42,7 @@ from dflash_train.target.ops import apply_rope, rms_norm
 
 
 class DraftSource(Protocol):
-    """What proposes drafts inside the engine (generate/spec_engine.py): `StaticDrafter` or a
+    """What proposes drafts inside the engine (speculative/engine.py): `StaticDrafter` or a
     test double."""
 
     block_size: int

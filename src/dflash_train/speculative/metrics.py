@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from dflash_train.generate.spec_decoder import Divergence
-from dflash_train.generate.speculative import DecodeResult, Round
+from dflash_train.speculative.decoders import Divergence
+from dflash_train.speculative.loop import DecodeResult, Round
 
 BUCKET = 128  # answer tokens per position bucket
 REPEAT_NGRAM = 6

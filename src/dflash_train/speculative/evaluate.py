@@ -26,9 +26,10 @@ from dflash_train.data.prompts import Prompt, encode_prompt
 from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
-from dflash_train.generate.spec_decoder import NEAR_TIE_ULPS, HFSpecDecoder, first_divergence, make_spec_decoder
-from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.spec_metrics import (
+from dflash_train.speculative.decoders import NEAR_TIE_ULPS, HFSpecDecoder, first_divergence, make_spec_decoder
+from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.loop import DecodeResult, DFlashProposer
+from dflash_train.speculative.metrics import (
     PromptResult,
     acceptance_stats,
     overall_report,
@@ -38,7 +39,6 @@ from dflash_train.generate.spec_metrics import (
     tau_by_position,
     tau_of,
 )
-from dflash_train.generate.speculative import DecodeResult, DFlashProposer
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.utils.errors import EvalError, ModelError
 

@@ -1,9 +1,9 @@
 """What evaluation calls around the speculative engine: the decoder for a target, and
 whether a speculative output is lossless.
 
-`make_spec_decoder` returns the static engine (generate/spec_engine.py) when it supports the
+`make_spec_decoder` returns the static engine (speculative/engine.py) when it supports the
 target (decoder.check_supported), else `HFSpecDecoder`: the generic Hugging Face path
-(generate/speculative.py, batch 1) behind the same interface.
+(speculative/loop.py, batch 1) behind the same interface.
 
 Lossless check. Speculative decoding is exact in exact arithmetic. In bf16 the verify
 forward (B tokens, batched) and the greedy forward (1 token) run differently shaped
@@ -32,8 +32,8 @@ import torch
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import FLEX_BLOCK
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
-from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.speculative import DecodeResult, DFlashProposer, SpeculativeDecoder
+from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.loop import DecodeResult, DFlashProposer, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 

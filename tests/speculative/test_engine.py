@@ -1,5 +1,5 @@
-"""The static speculative engine (generate/spec_engine.py) against Hugging Face and the slow
-reference decoder (generate/speculative.py), token for token and round for round (CPU, fp32)."""
+"""The static speculative engine (speculative/engine.py) against Hugging Face and the slow
+reference decoder (speculative/loop.py), token for token and round for round (CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 
 from dflash_train.generate import graphs
 from dflash_train.generate.decoder import StaticDecoder, _q_writing_kv
-from dflash_train.generate.spec_decoder import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
-from dflash_train.generate.spec_engine import SpecEngine
-from dflash_train.generate.spec_eval import make_proposer
-from dflash_train.generate.speculative import DecodeResult, Round, SpeculativeDecoder
-from dflash_train.generate.static_drafter import StaticDrafter, _block_q
+from dflash_train.speculative.decoders import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
+from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.evaluate import make_proposer
+from dflash_train.speculative.loop import DecodeResult, Round, SpeculativeDecoder
+from dflash_train.speculative.static_drafter import StaticDrafter, _block_q
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 

@@ -16,7 +16,7 @@ Every slot holds one sequence; all per-slot state lives in static device buffers
 
 Plain greedy decoding is the same verify step with T = 1 and no drafter; it also returns
 each token's top-1 logit and top-1 minus top-2 margin, for the lossless check in
-generate/spec_decoder.py.
+speculative/decoders.py.
 
 Batched mode schedules like the built-in generate engine: a slot whose sequence finished
 (on device it just stops committing) is refilled with the next prompt while the others
@@ -48,8 +48,8 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
-from dflash_train.generate.speculative import DecodeResult, Round
-from dflash_train.generate.static_drafter import DraftSource, StaticDrafter, drafter_like
+from dflash_train.speculative.loop import DecodeResult, Round
+from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, drafter_like
 
 log = logging.getLogger(__name__)
 

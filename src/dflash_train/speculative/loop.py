@@ -45,8 +45,8 @@ class DecodeResult:
     prefill_seconds: float
     draft_seconds: float = 0.0  # time spent in the drafter (proposals and context K/V)
     verify_seconds: float = 0.0  # time spent in target verify forwards
-    # Plain greedy runs of the static engine (generate/spec_engine.py): per token, the
-    # target's top-1 logit and its margin over the top-2 (see generate/spec_decoder.py).
+    # Plain greedy runs of the static engine (speculative/engine.py): per token, the
+    # target's top-1 logit and its margin over the top-2 (see speculative/decoders.py).
     margins: list[float] | None = None
     top_logits: list[float] | None = None
 
