@@ -37,9 +37,8 @@ from typing import Literal
 
 import torch
 
-from dflash_train.bench.flops import step_flops
+from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisation, step_flops
 from dflash_train.pipeline.report import targets_tokens_per_s
-from dflash_train.target.fp8 import fp8_matmul, quantize_rows
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.utils.config import load_config
@@ -154,48 +153,6 @@ def lever_names(levers: str) -> list[str]:
 
 
 CONFIG = BenchConfig
-
-
-def _median_seconds(fn, repeats: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def matmul_peaks_tflops(device, fp8: bool = False) -> dict[str, float] | None:
-    """Measured dense matmul rates of this device (8192^3, median of 10), TFLOP/s: bf16, and
-    with `fp8` also float8 through the target's own row-scaled kernel (`fp8_matmul`)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.set_device(device)  # the events time the current device's stream
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    flop = 2 * 8192**3
-    peaks = {"bf16": flop / _median_seconds(lambda: a @ b) / 1e12}
-    if fp8:
-        (a8, sa), (b8, sb) = quantize_rows(a), quantize_rows(b)
-        sb = sb.t().contiguous()
-        peaks["fp8"] = flop / _median_seconds(lambda: fp8_matmul(a8, sa, b8, sb, None, torch.bfloat16)) / 1e12
-    return peaks
-
-
-def model_flops_utilisation(flops: dict, tokens_per_s_per_gpu: float, peaks: dict[str, float] | None) -> float | None:
-    """The time the step's counted FLOPs would take at the measured peaks, over the time it
-    took: float8 target matmuls (when measured with FP8) at the float8 peak, the rest at the
-    bf16 peak. Without FP8 this is achieved TFLOP/s over the bf16 peak."""
-    if not peaks:
-        return None
-    fp8 = flops["target_linear"] if "fp8" in peaks else 0.0
-    ideal_s_per_token = (fp8 / (peaks["fp8"] * 1e12) if fp8 else 0.0) + (flops["per_token"] - fp8) / (peaks["bf16"] * 1e12)
-    return ideal_s_per_token * tokens_per_s_per_gpu
 
 
 PROFILED_STEPS = 3

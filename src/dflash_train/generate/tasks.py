@@ -356,6 +356,58 @@ def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError
                 yield record
 
 
+def _rows_done(cfg: GenerateConfig) -> tuple[set[str], set[str], int, int]:
+    """What an earlier run wrote to `cfg.output` (a resume): the ids done, the normalised
+    synthetic prompts seen, the synthetic rows of this seed, and the number of rows."""
+    done_ids: set[str] = set()
+    seen: set[str] = set()
+    synth_done, existing = 0, 0
+    synth_prefix = f"syn-{cfg.seed}-"
+    for row in read_rows(cfg.output):
+        existing += 1
+        done_ids.add(row["id"])
+        if row.get("synthetic"):
+            users = [m.get("content", "") for m in row.get("messages", []) if m.get("role") == "user"]
+            if users:
+                seen.add(normalize_prompt(users[0]))
+            synth_done += row["id"].startswith(synth_prefix)
+    if existing:
+        log.info("%s: %d rows already done, resuming", cfg.output, existing)
+    return done_ids, seen, synth_done, existing
+
+
+def _summary(cfg: GenerateConfig, driver: Driver, engine, bad: list[DataError], *, existing: int,
+             seconds: float) -> dict[str, Any]:
+    """The job's summary (and its warnings: malformed rows skipped, synthetic rows short)."""
+    counts = driver.counts
+    counts.bad_rows = len(bad)
+    for err in bad[:5]:
+        log.warning("skipped a malformed prompt row: %s", err)
+    summary = {
+        "output": cfg.output,
+        "written": counts.written,
+        "already_done": existing,
+        "skipped_errors": counts.skipped_errors,
+        "skipped_plain_text_rows": counts.skipped_text_rows,
+        "skipped_bad_rows": counts.bad_rows,
+        "synthetic_attempts": counts.synth_attempts,
+        "rejected_prompts": counts.rejected_prompts,
+        "new_tokens": counts.new_tokens,
+        "seconds": round(seconds, 2),
+        "new_tokens_per_second": round(counts.new_tokens / max(seconds, 1e-9), 1),
+        "stopped_by": driver.stopped_by,
+    }
+    stats = getattr(engine, "stats", None)
+    if stats is not None:  # the built-in engine: where the time went
+        summary["engine_stats"] = engine_summary(stats.as_dict(), getattr(engine, "slots", 0))
+    if cfg.synthesize and driver.synth_have < cfg.synthesize:
+        log.warning(
+            "only %d of %d synthetic conversations after %d attempts (rejected: %s)",
+            driver.synth_have, cfg.synthesize, counts.synth_attempts, counts.rejected_prompts,
+        )  # fmt: skip
+    return summary
+
+
 def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: StopSignals | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests).
@@ -379,20 +431,7 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
         expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
         recover(cfg.output)  # under the lock: no other run is appending
-        done_ids: set[str] = set()
-        seen: set[str] = set()
-        synth_done, existing = 0, 0
-        synth_prefix = f"syn-{cfg.seed}-"
-        for row in read_rows(cfg.output):
-            existing += 1
-            done_ids.add(row["id"])
-            if row.get("synthetic"):
-                users = [m.get("content", "") for m in row.get("messages", []) if m.get("role") == "user"]
-                if users:
-                    seen.add(normalize_prompt(users[0]))
-                synth_done += row["id"].startswith(synth_prefix)
-        if existing:
-            log.info("%s: %d rows already done, resuming", cfg.output, existing)
+        done_ids, seen, synth_done, existing = _rows_done(cfg)
 
         prompt_todo = _count_prompt_rows(cfg, done_ids) if cfg.prompts else 0
         todo = prompt_todo + max(0, cfg.synthesize - synth_done)
@@ -433,30 +472,4 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
         finally:
             bar.close()
         seconds = time.perf_counter() - t0
-    counts = driver.counts
-    counts.bad_rows = len(bad)
-    for err in bad[:5]:
-        log.warning("skipped a malformed prompt row: %s", err)
-    summary = {
-        "output": cfg.output,
-        "written": counts.written,
-        "already_done": existing,
-        "skipped_errors": counts.skipped_errors,
-        "skipped_plain_text_rows": counts.skipped_text_rows,
-        "skipped_bad_rows": counts.bad_rows,
-        "synthetic_attempts": counts.synth_attempts,
-        "rejected_prompts": counts.rejected_prompts,
-        "new_tokens": counts.new_tokens,
-        "seconds": round(seconds, 2),
-        "new_tokens_per_second": round(counts.new_tokens / max(seconds, 1e-9), 1),
-        "stopped_by": driver.stopped_by,
-    }
-    stats = getattr(engine, "stats", None)
-    if stats is not None:  # the built-in engine: where the time went
-        summary["engine_stats"] = engine_summary(stats.as_dict(), getattr(engine, "slots", 0))
-    if cfg.synthesize and driver.synth_have < cfg.synthesize:
-        log.warning(
-            "only %d of %d synthetic conversations after %d attempts (rejected: %s)",
-            driver.synth_have, cfg.synthesize, counts.synth_attempts, counts.rejected_prompts,
-        )  # fmt: skip
-    return summary
+    return _summary(cfg, driver, engine, bad, existing=existing, seconds=seconds)

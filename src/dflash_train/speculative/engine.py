@@ -175,25 +175,7 @@ class SpecEngine:
         self.prefill_tokens = prefill_tokens
         B, long = self.block_size, dict(dtype=torch.long, device=dev)
 
-        # Per-slot state, static device buffers (see module doc).
-        self.tokens = torch.zeros(slots, **long)  # last committed token
-        self.positions = torch.zeros(slots, **long)  # its position
-        self.n_out = torch.zeros(slots, **long)  # tokens generated so far
-        self.limit = torch.ones(slots, **long)  # max_new_tokens
-        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
-        self.drafts = torch.zeros(slots, max(B - 1, 1), **long)
-        self.block_start = torch.zeros(slots, **long)  # where the block verified last starts
-        taps_width = len(self.tap_layers) * self.decoder.embed_w.shape[1]
-        self.taps = torch.zeros(slots, B, taps_width, dtype=self.decoder.dtype, device=dev)
-        self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
-        self.rows = torch.arange(slots, **long)
-        self.columns = torch.arange(B, **long)
-        # What a round reports to the host: greedy tokens [B], committed, accepted, drafted.
-        self.report = torch.zeros(slots, B + 3, **long)
-        self.top2 = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # greedy: top-1 logit, margin
-        pinned = dev.type == "cuda"
-        self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
-        self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
+        self._allocate_slot_state(slots, dev)
 
         # Dense attention reads cache positions [0, bucket); flex reads by blocks whatever the bucket.
         self.buckets = kv_buckets(max_len) if attention == "dense" else [max_len]
@@ -220,6 +202,28 @@ class SpecEngine:
             self._compile_layer_functions()
         log.info("speculative engine: %d slots x %d positions, block %d, %s attention, %s", slots, max_len, B,
                  attention, "CUDA graphs" if graphs else "eager")
+
+    def _allocate_slot_state(self, slots: int, dev: torch.device) -> None:
+        """Per-slot state, static device buffers (see module doc), and the host copies of a round's report."""
+        B, long = self.block_size, dict(dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(slots, **long)  # last committed token
+        self.positions = torch.zeros(slots, **long)  # its position
+        self.n_out = torch.zeros(slots, **long)  # tokens generated so far
+        self.limit = torch.ones(slots, **long)  # max_new_tokens
+        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.drafts = torch.zeros(slots, max(B - 1, 1), **long)
+        self.block_start = torch.zeros(slots, **long)  # where the block verified last starts
+        taps_width = len(self.tap_layers) * self.decoder.embed_w.shape[1]
+        self.taps = torch.zeros(slots, B, taps_width, dtype=self.decoder.dtype, device=dev)
+        self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
+        self.rows = torch.arange(slots, **long)
+        self.columns = torch.arange(B, **long)
+        # What a round reports to the host: greedy tokens [B], committed, accepted, drafted.
+        self.report = torch.zeros(slots, B + 3, **long)
+        self.top2 = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # greedy: top-1 logit, margin
+        pinned = dev.type == "cuda"
+        self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
+        self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
 
     def refresh_drafter(self, source: DFlashDrafter) -> None:
         """Decode with the current weights of `source` (see StaticDrafter.refresh)."""

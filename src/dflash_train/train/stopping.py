@@ -1,6 +1,7 @@
 """When a run stops or saves, decided the same way on every drafter replica, once per step.
 
-Each step the replicas exchange one small vector (one all-reduce on the drafter group):
+Each step the replicas exchange one small vector, `StopControl.all_reduce_weight_and_stop`
+(one all-reduce on the drafter group):
 
     [loss weight sum, loss sum, interrupt, redo, out of time, save due]
 
@@ -32,7 +33,9 @@ STOP_ANNOUNCE = "finishing this step, saving a checkpoint, then exiting (Ctrl-C 
 
 
 @dataclass
-class Agreement:
+class WeightAndStop:
+    """What the step's one all-reduce carries: the global loss weight and loss, and the stop flags."""
+
     weight: torch.Tensor  # global loss weight sum of the step
     loss: torch.Tensor  # global loss sum of the step
     interrupt: bool
@@ -78,7 +81,9 @@ class StopControl:
     def saved(self) -> None:
         self.last_save = time.perf_counter()
 
-    def agree(self, weight: torch.Tensor, loss: torch.Tensor, *, stop_requested: bool, redo: bool) -> Agreement:
+    def all_reduce_weight_and_stop(self, weight: torch.Tensor, loss: torch.Tensor, *, stop_requested: bool,
+                                   redo: bool) -> WeightAndStop:
+        """This replica's loss weight and loss sums and stop flags in; the drafter group's out."""
         now = time.perf_counter()
         out_of_time = bool(self.run.max_minutes) and (now - self.session_start) / 60 >= self.run.max_minutes
         save_due = (bool(self.run.save_every_minutes) and self.ctx.is_main_drafter
@@ -91,7 +96,7 @@ class StopControl:
             dist.all_reduce(vec, group=self.ctx.drafters)
             weight, loss = vec[0], vec[1]
             flags = (vec[2:] > 0).tolist()
-        agreed = Agreement(weight, loss, *flags)
+        agreed = WeightAndStop(weight, loss, *flags)
         if agreed.interrupt or agreed.redo:
             self.reason = self.reason or self.signals.received or (
                 "stop request" if stop_requested or redo else "a stop on another rank")

@@ -1,11 +1,14 @@
 """The drafter side of training: single process, or one drafter rank of a pipeline.
 
-A step, for each of `grad_accum` micro-batches:
+A step (`Trainer.train_step`) is accumulate -> agree -> apply:
 
-    batch (CPU, read ahead) + target taps (computed here, or received from a target rank)
-        --> micro_step: anchors, labels, masks, forward, loss sums --> backward
-then one agreement between the drafter replicas (loss weight, stop, save), gradients
-divided by the global weight (the spec's global normalisation), clipped and applied.
+    accumulate  for each of `grad_accum` micro-batches: batch (CPU, read ahead) + target taps
+                (computed here, or received from a target rank) --> micro_step: anchors,
+                labels, masks, forward, loss sums --> backward
+    agree       one all-reduce between the drafter replicas carries the global loss weight and
+                loss and the stop flags (train/stopping.py: all_reduce_weight_and_stop)
+    apply       gradients divided by the global weight (the spec's global normalisation),
+                clipped and applied, or the step skipped when not finite
 Everything a resumed run needs is checkpointed (train/checkpoint.py).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +45,8 @@ from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.profiling import StepProfiler
-from dflash_train.train.step import apply_gradients, batch_seed, micro_step
-from dflash_train.train.stopping import StopControl, fitted_total, schedule_fit
+from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
+from dflash_train.train.stopping import StopControl, WeightAndStop, fitted_total, schedule_fit
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
@@ -52,6 +56,17 @@ from dflash_train.utils.log import set_main_process
 from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutcome:
+    """What one `train_step` did."""
+
+    micro: list[StepStats]  # the micro-batches' stats
+    tokens: int
+    exhausted: bool  # the data ran out during the step
+    shared: WeightAndStop | None  # the step's all-reduce (None: no micro-batch was left)
+    grad: GradientStep | None  # None: nothing applied (no micro-batch left, or a redo)
 
 
 class Trainer:
@@ -147,34 +162,22 @@ class Trainer:
             try:
                 while state.step < self.total_steps and not exhausted:
                     profiler.step_begins(state.step + 1)
-                    cursor = (state.epoch, state.index, state.batches)
-                    micro, tokens, redo, exhausted = self._accumulate(source, timer)
-                    if not micro:
+                    done = self.train_step(source, timer, control)
+                    exhausted = done.exhausted
+                    if done.grad is None:  # no batch left, or a redo
                         break
-                    t = timer.start()
-                    agreed = control.agree(torch.stack([s.weight_sum for s in micro]).sum(),
-                                           torch.stack([s.loss_sum for s in micro]).sum(),
-                                           stop_requested=source.stop_requested, redo=redo)
-                    if agreed.redo:  # placeholders from a stopping target: redo these batches after resume
-                        self.optimizer.zero_grad(set_to_none=True)
-                        state.epoch, state.index, state.batches = cursor
-                        break
-                    with record_function("optimizer"):
-                        step = apply_gradients(self.params, self.optimizer, self.scheduler, global_weight=agreed.weight,
-                                               global_loss=agreed.loss, num_replicas=D, grad_clip=cfg.optim.grad_clip)
-                    timer.stop("optimizer", t)
-                    if not step.applied:
+                    if not done.grad.applied:
                         self._skip_nonfinite(metrics)
                         continue
                     self.bad_in_a_row = 0
                     state.step += 1
-                    state.tokens += tokens
-                    window.add(micro, tokens)
+                    state.tokens += done.tokens
+                    window.add(done.micro, done.tokens)
                     profiler.step_ended(state.step)
                     metrics.progress(state.step, {"tok/s": window.tok_per_s(D), **{k: last[k] for k in ("loss", "tau")
                                                                                     if k in last}})
                     if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
-                        last = self._log_window(metrics, window, timer, float(step.grad_norm))
+                        last = self._log_window(metrics, window, timer, float(done.grad.grad_norm))
                         windows += 1
                         if windows == 2:  # the first window holds the compiles: the second one's rate is the run's
                             self._check_schedule(metrics, control, window.steps / max(last["window_s"], 1e-9))
@@ -182,9 +185,9 @@ class Trainer:
                     if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
                         self.evaluate(metrics)
                     state.elapsed_s = control.elapsed_s()
-                    if agreed.stop:
+                    if done.shared.stop:
                         break
-                    if state.step % cfg.run.save_every == 0 or agreed.save_due:
+                    if state.step % cfg.run.save_every == 0 or done.shared.save_due:
                         self.save(control, metrics)
             finally:
                 profiler.close(state.step)
@@ -192,6 +195,29 @@ class Trainer:
             state.elapsed_s = control.elapsed_s()
             path = self.save(control, metrics)
         return self._finish(metrics, control.reason, path, last, source.stats())
+
+    def train_step(self, source, timer: StageTimer, control: StopControl) -> StepOutcome:
+        """One optimizer step: accumulate the micro-batches' gradients, agree with the other
+        replicas on the global loss weight and on stopping, apply the normalised gradients."""
+        state = self.state
+        cursor = (state.epoch, state.index, state.batches)
+        micro, tokens, redo, exhausted = self._accumulate(source, timer)
+        if not micro:
+            return StepOutcome(micro, tokens, exhausted, None, None)
+        t = timer.start()
+        shared = control.all_reduce_weight_and_stop(torch.stack([s.weight_sum for s in micro]).sum(),
+                                                    torch.stack([s.loss_sum for s in micro]).sum(),
+                                                    stop_requested=source.stop_requested, redo=redo)
+        if shared.redo:  # placeholders from a stopping target: redo these batches after resume
+            self.optimizer.zero_grad(set_to_none=True)
+            state.epoch, state.index, state.batches = cursor
+            return StepOutcome(micro, tokens, exhausted, shared, None)
+        with record_function("optimizer"):
+            grad = apply_gradients(self.params, self.optimizer, self.scheduler, global_weight=shared.weight,
+                                   global_loss=shared.loss, num_replicas=self.ctx.num_drafters,
+                                   grad_clip=self.cfg.optim.grad_clip)
+        timer.stop("optimizer", t)
+        return StepOutcome(micro, tokens, exhausted, shared, grad)
 
     def _accumulate(self, source, timer: StageTimer) -> tuple[list[StepStats], int, bool, bool]:
         """Forward and backward of this step's micro-batches: (stats, tokens, redo, data exhausted)."""
