@@ -83,6 +83,25 @@ def test_abbreviated_and_unknown_options_are_refused(capsys):
     assert exc.value.code == 2 and "unrecognized arguments: --optim.warm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--data.path", "d", "--optim.lrr", "1"], "(did you mean --optim.lr?)"),
+    (["train", "--data.path", "d", "--run.max_step", "2"], "(did you mean --run.max_steps?)"),
+    (["prepare", "in.jsonl", "--ouptut", "o"], "(did you mean --output?)"),
+    (["eval", "--drafter", "d", "--num-promtps=3"], "(did you mean --num-prompts?)"),
+])
+def test_a_mistyped_option_names_the_closest_one(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and hint in err and len(err.strip().splitlines()) == 2  # usage + the error
+
+
+def test_an_unknown_option_far_from_every_option_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--data.path", "d", "--zzzzzz", "1"])
+    assert "unrecognized arguments: --zzzzzz 1" in (err := capsys.readouterr().err) and "did you mean" not in err
+
+
 def test_unknown_key_in_a_config_file_names_the_file(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("optim:\n  lrr: 1e-3\n")

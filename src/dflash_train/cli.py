@@ -13,6 +13,7 @@ Errors: a `DFlashError` (bad input, config, data, model) prints one line and exi
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -50,11 +51,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class JobParser(argparse.ArgumentParser):
+    """argparse, plus the closest known option for each unrecognized one (a mistyped flag)."""
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message += "".join(_suggestion(self, arg) for arg in message[len(prefix):].split())
+        super().error(message)
+
+
+def _suggestion(parser: argparse.ArgumentParser, arg: str) -> str:
+    if not arg.startswith("--"):
+        return ""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_job_parser(name: str, module) -> argparse.ArgumentParser:
     doc = (module.__doc__ or "").strip()
     positional = " ".join(leaf.name.upper() + (" ..." if "list" in str(leaf.type) else "")
                           for leaf in leaf_fields(module.CONFIG) if leaf.positional)
-    parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
+    parser = JobParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
                                      usage=f"%(prog)s [--config FILE] [options] {positional}".rstrip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show the traceback of errors and DEBUG log lines")
