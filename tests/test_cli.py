@@ -110,6 +110,18 @@ def test_unknown_key_in_a_config_file_names_the_file(tmp_path, capsys):
     assert str(path) in err and "optim.lrr" in err and "valid keys under optim" in err
 
 
+def test_a_section_given_twice_in_a_config_file_is_an_error(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 1.0e-3\nrun:\n  max_steps: 3\noptim:\n  warmup_steps: 5\n")
+    assert main(["train", "--config", str(path), "--data.path", "d", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: line 5: 'optim' is given twice in one mapping (first on line 1)" in err
+    path.write_text(  # a merge key's values may still be overridden
+        "optim:\n  <<: {lr: 1.0e-3, warmup_steps: 2}\n  warmup_steps: 7\n")
+    assert main(["train", "--config", str(path), "--data.path", "d", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["optim"]["warmup_steps"] == 7
+
+
 @dataclass
 class _Flags:
     inputs: list[str] = field(default_factory=list, metadata=cli(positional=True))
