@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import sys
@@ -182,6 +183,27 @@ def test_a_bug_keeps_its_traceback_and_debug_shows_user_errors_too(monkeypatch, 
         finally:
             logging.getLogger("dflash_train").propagate = False
     assert any(r.exc_info and "is empty" in str(r.exc_info[1]) for r in caplog.records)
+
+
+@pytest.mark.parametrize("job, argv", [
+    ("prepare", ["in.jsonl", "-o", "out/data"]), ("generate", ["--synthesize", "2", "--output", "out/gen.jsonl"]),
+    ("export", ["run", "-o", "out/drafter"]), ("prompts", ["--output", "out/prompts"]), ("demo", ["-o", "out/demo"]),
+])
+def test_a_full_disk_or_read_only_output_is_one_line_naming_the_path(job, argv, monkeypatch, capsys):
+    module = importlib.import_module(JOBS[job][0])
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    assert main([job, *argv]) == 2  # a write() that fails carries no file name: the job's output is named
+    out = argv[argv.index("-o" if "-o" in argv else "--output") + 1]
+    assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: {out}: No space left on device: "
+                                               f"free some space there or choose another output")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(
+        OSError(errno.EROFS, "Read-only file system", "/mnt/ro/shard-00000.arrow")))
+    assert main([job, *argv]) == 2
+    assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: /mnt/ro/shard-00000.arrow: Read-only "
+                                               f"file system: choose an output on a writable filesystem")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(FileNotFoundError(errno.ENOENT, "gone")))
+    with pytest.raises(FileNotFoundError):  # any other OSError is a bug: it keeps its traceback
+        main([job, *argv])
 
 
 def test_broken_pipe_is_quiet(monkeypatch, capsys):

@@ -21,7 +21,7 @@ import sys
 
 from dflash_train import __version__
 from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, leaf_fields, normalize_argv
-from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError
+from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError, storage_error
 from dflash_train.utils.log import setup_logging
 
 log = logging.getLogger("dflash_train.cli")
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(JOBS[name][0])
     args = build_job_parser(name, module).parse_intermixed_args(normalize_argv(rest, module.CONFIG))
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
+    cfg = None
     try:
         cfg = config_from_args(module.CONFIG, args)
         if args.print_config:
@@ -101,13 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return int(module.run(cfg, args) or 0)
     except DFlashError as exc:
-        if args.debug:
-            log.exception("the error's traceback:")
-        print(f"dflash-train {name}: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return _user_error(name, exc, args.debug)
     except BrokenPipeError:  # `dflash-train prepare ... | head`: the reader left; nothing is lost
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a full disk or a read-only output is the user's to fix; any other OSError is a bug
+        user = storage_error(exc, getattr(cfg, "output", None))
+        if user is None:
+            raise
+        return _user_error(name, user, args.debug)
+    except KeyboardInterrupt:
+        print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _user_error(name: str, exc: DFlashError, debug: bool) -> int:
+    if debug:
+        log.exception("the error's traceback:")
+    print(f"dflash-train {name}: error: {exc}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
