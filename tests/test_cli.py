@@ -46,6 +46,16 @@ def test_resolved_config_from_options(capsys):
     assert cfg["drafter"]["target_layer_ids"] == [1, 3, 5]
 
 
+def test_train_print_config_needs_no_dataset_but_a_run_does(capsys):
+    assert main(["train", "--print-config"]) == 0  # a newcomer sees the defaults first
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["data"]["path"] == "" and cfg["optim"]["lr"] > 0
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "dflash-train train: error: data.path is required: a dataset directory written by `dflash-train prepare` "
+        "(--data.path DIR)")
+
+
 def test_init_from_target_options(capsys):
     assert main(_train("--drafter.init_from_target", "layers", "--drafter.init_target_layers", "25", "26", "27", "28",
                        "29")) == 0

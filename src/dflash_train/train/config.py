@@ -171,8 +171,6 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if not self.data.path:
-            raise ValueError("data.path is required: a dataset directory written by `dflash-train prepare`")
         if self.step.label_source == "distill" and "cap" in self.loss.weighting:
             raise ValueError("loss.weighting 'cap' needs hard labels; use decay with label_source=distill")
         if self.pipeline.queue_depth < self.optim.grad_accum:
