@@ -160,3 +160,15 @@ def test_changed_drafter_config_on_resume_fails_before_the_target_loads(tiny_tar
     monkeypatch.setattr(setup_mod, "load_target_model", refuse)
     with pytest.raises(TrainingError, match="the checkpoint's drafter config differs from this run's"):
         Trainer(changed, resume=True)
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--train-minutes", "-1"], "--train-minutes must be >= 0 (0: no time box), got -1"),
+    (["--eval-prompts", "0"], "--eval-prompts must be >= 1, got 0 (the demo ends with its eval)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_demo_options_are_checked_at_parse_time_naming_the_option(option, message, tmp_path, capsys):
+    assert main(["demo", "-o", str(tmp_path / "demo"), *option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "demo").exists()  # nothing was prepared

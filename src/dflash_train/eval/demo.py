@@ -58,7 +58,7 @@ class DemoConfig:
     device: str = "auto"
     """auto (cuda if available), cpu, cuda"""
     train_minutes: float | None = None
-    """time box of the training stage (default: the demo config's run.max_minutes)"""
+    """time box of the training stage (default: the demo config's run.max_minutes; 0: none, the config's epochs)"""
     eval_prompts: int | None = None
     """held-out prompts to decode"""
     max_new_tokens: int | None = None
@@ -67,6 +67,16 @@ class DemoConfig:
     """CPU threads for torch (0: the cores other processes leave idle)"""
     progress: bool = True
     """show progress bars (--no-progress: log lines only)"""
+
+    def __post_init__(self) -> None:  # checked at parse time, before anything is prepared
+        if self.train_minutes is not None and self.train_minutes < 0:
+            raise ValueError(f"--train-minutes must be >= 0 (0: no time box), got {self.train_minutes:g}")
+        for name in ("eval_prompts", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value} (the demo ends with its eval)")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
 
 
 CONFIG = DemoConfig
@@ -109,8 +119,8 @@ def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
     config_name, n_prompts, new_tokens = PROFILES["gpu" if device.type == "cuda" else "cpu"]
     if args.quick:
         n_prompts, new_tokens = QUICK_EVAL
-    n_prompts = args.eval_prompts or n_prompts
-    new_tokens = args.max_new_tokens or new_tokens
+    n_prompts = n_prompts if args.eval_prompts is None else args.eval_prompts
+    new_tokens = new_tokens if args.max_new_tokens is None else args.max_new_tokens
     progress = args.progress
     out = Path(args.output)
     _prepare_output(out)
