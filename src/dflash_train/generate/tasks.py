@@ -377,6 +377,11 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
 
     if cfg.prompts:
         expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
+        if not cfg.synthesize and not any(r.messages is not None
+                                          for r in iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=[])):
+            raise DataError(", ".join(map(str, cfg.prompts)), None, None,
+                            "no prompt to answer (no conversation row; plain 'text' rows are skipped): nothing to "
+                            "generate")
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
         recover(cfg.output)  # under the lock: no other run is appending
         done_ids: set[str] = set()
