@@ -207,3 +207,15 @@ def test_generate_with_no_prompt_to_answer_is_an_error_and_writes_nothing(lines,
         f"dflash-train generate: error: {prompts}: no prompt to answer (no conversation row; plain 'text' rows are "
         f"skipped): nothing to generate")
     assert not out.exists()
+
+
+def test_a_dataset_prepared_inside_its_input_folder_is_not_read_as_data_next_time(tiny_targets, tmp_path, capsys):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _jsonl(raw / "chats.jsonl", [json.dumps(ROW).encode()] * 3)
+    target = ["--target", str(tiny_targets["llama"]), "--no-progress"]
+    assert main(["prepare", str(raw), "-o", str(raw / "out"), *target]) == 0
+    assert (raw / "out" / "manifest.json").is_file()
+    assert main(["prepare", str(raw), "-o", str(tmp_path / "again"), *target]) == 0  # read manifest.json as rows before
+    manifest = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert manifest["counts"]["rows_read"] == 3 and manifest["counts"]["bad_rows"] == 0
