@@ -219,3 +219,18 @@ def test_a_dataset_prepared_inside_its_input_folder_is_not_read_as_data_next_tim
     assert main(["prepare", str(raw), "-o", str(tmp_path / "again"), *target]) == 0  # read manifest.json as rows before
     manifest = json.loads((tmp_path / "again" / "manifest.json").read_text())
     assert manifest["counts"]["rows_read"] == 3 and manifest["counts"]["bad_rows"] == 0
+
+
+def test_a_drafter_given_as_the_target_is_named_a_drafter(loaded_targets, tmp_path, capsys):  # noqa: F811
+    model, tok = loaded_targets["llama"]
+    drafter = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    rows = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode()])
+    assert main(["prepare", str(rows), "-o", str(tmp_path / "out"), "--target", str(drafter)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dflash-train prepare: error: {drafter} is a DFlash drafter, not a target model: give the target model the "
+        f"drafter drafts for (a model directory, a .gguf file or 'builtin')")
+    (tmp_path / "run" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    save_drafter(random_drafter(model, tok, 4), tmp_path / "run" / "checkpoints" / "step-00000002" / "drafter")
+    assert main(["eval", "--target", str(tmp_path / "run" / "checkpoints" / "step-00000002"),
+                 "--drafter", str(drafter)]) == 2
+    assert "is a training checkpoint of a DFlash drafter, not a target model" in capsys.readouterr().err
