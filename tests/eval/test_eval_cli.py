@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import dflash_train.eval.cli as eval_cli
 from dflash_train.cli import main as cli_main
 from dflash_train.data import prompts as prompts_mod
 from dflash_train.data.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
@@ -39,12 +40,33 @@ def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_pat
     report = json.loads((out / "report.json").read_text())
     o = report["overall"]
     assert o["prompts"] == 3 and o["matches_greedy"] == 3 and o["tau"] >= 1.0
+    lo, hi = o["speedup_spread"]  # three timings by default: their median and spread
+    assert o["timing_repeats"] == 3 and lo <= o["speedup"] <= hi
     assert len(o["accept_hist"]) == 4 and len(o["accept_rate"]) == 3 and sum(o["accept_hist"]) == o["rounds"]
     assert [p["id"] for p in report["per_prompt"]] == ["m", "p-2", "p-3"]
     assert all(p["matches_greedy"] and p["speedup"] > 0 for p in report["per_prompt"])
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "tau (tokens per target forward)" in printed and "speedup" in printed
+
+
+def test_an_existing_report_folder_is_replaced_only_with_overwrite(tiny_targets, loaded_targets, tmp_path, capsys,
+                                                                   monkeypatch):
+    model, tok = loaded_targets["llama"]
+    drafter_dir = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    out = tmp_path / "report"
+    argv = ["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--num-prompts", "1",
+            "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "4", "--output", str(out),
+            "--no-progress", "--timing-repeats", "1"]
+    assert cli_main(argv) == 0
+    first = (out / "report.json").read_text()
+    monkeypatch.setattr(eval_cli, "load_causal_lm", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    assert cli_main(argv) == 2
+    assert f"{out} already exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert (out / "report.json").read_text() == first
+    assert cli_main([*argv, "--drafter", str(drafter_dir), "-o", str(drafter_dir)]) == 2  # never the drafter itself
+    monkeypatch.undo()
+    assert cli_main([*argv, "--overwrite"]) == 0 and json.loads((out / "report.json").read_text())["overall"]
 
 
 def test_eval_cli_errors(tiny_targets, tmp_path, capsys):
