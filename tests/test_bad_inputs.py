@@ -18,7 +18,7 @@ from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
-from dflash_train.utils.errors import DataError, OutputError, TrainingError
+from dflash_train.utils.errors import DataError, DFlashError, OutputError, TrainingError
 
 from .conftest import ON_CPU, prepare_dataset, synthetic_conversations
 from .eval.conftest import loaded_targets, random_drafter  # noqa: F401 - fixture
@@ -234,3 +234,46 @@ def test_a_drafter_given_as_the_target_is_named_a_drafter(loaded_targets, tmp_pa
     assert main(["eval", "--target", str(tmp_path / "run" / "checkpoints" / "step-00000002"),
                  "--drafter", str(drafter)]) == 2
     assert "is a training checkpoint of a DFlash drafter, not a target model" in capsys.readouterr().err
+
+
+def test_resume_with_another_token_budget_or_dataset_is_refused_naming_what_changed(tiny_targets, tiny_datasets,
+                                                                                    tmp_path, monkeypatch):
+    out, target = tmp_path / "run", tiny_targets["llama"]
+    Trainer(_cfg(target, tiny_datasets["llama"], out)).fit()
+    other = prepare_dataset(target, synthetic_conversations(30, seed=5), tmp_path / "other")
+    real_load = setup_mod.load_target_model
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the data were compared")
+
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    budget = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "4"})
+    with pytest.raises(TrainingError, match=r"--resume: the data differ from .*step-00000002's \(data\.plan\.token_budget: "
+                                            r"512 there vs 1024 now"):
+        Trainer(budget, resume=True)
+    with pytest.raises(TrainingError, match=r"data\.path: .* there vs .*other' now; data_resolved\.train_samples: "
+                                            r"\d+ there vs 30 now"):
+        Trainer(_cfg(target, other, out, **{"run.max_steps": "4"}), resume=True)
+    monkeypatch.setattr(setup_mod, "load_target_model", real_load)
+    forced = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "3",
+                                                        "run.resume_with_other_data": "true"})
+    assert Trainer(forced, resume=True).fit()["steps"] == 3
+    same = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "4"})
+    assert Trainer(same, resume=True).fit()["steps"] == 4  # the checkpoint now records the new budget
+
+
+def test_init_from_a_drafter_that_does_not_fit_names_the_field_before_the_target_loads(
+        tiny_targets, tiny_datasets, loaded_targets, tmp_path, refuse_models):  # noqa: F811
+    model, tok = loaded_targets["llama"]
+    other = save_drafter(random_drafter(model, tok, 8), tmp_path / "block8")  # this run's block size is 4
+    cfg = _cfg(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run", **{"drafter.init_from": str(other)})
+    with pytest.raises(TrainingError, match=r"drafter.init_from .*block8: that drafter does not fit this run's config "
+                                            r"\(.*block_size: 8 there vs 4 in this run"):
+        Trainer(cfg)
+
+
+def test_a_missing_spec_prompts_file_fails_at_start(tiny_targets, tiny_datasets, tmp_path, refuse_models):
+    cfg = _cfg(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run",
+               **{"eval.spec_prompts": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(DFlashError, match="missing.jsonl"):
+        Trainer(cfg)

@@ -91,6 +91,9 @@ class RunConfig:
     effect without a box (a short run with run.max_minutes 0 keeps its max_steps)"""
     seed: int = 0
     """seed of initialisation, anchors, noise and the eval split"""
+    resume_with_other_data: bool = False
+    """with --resume: continue from the checkpoint's data position although the data options, the seed or
+    the dataset differ from the checkpoint's (that position then points at other batches); else refused"""
     device: str = "auto"
     """auto (this rank's GPU, else CPU), cpu, cuda, cuda:N"""
     drafter_dtype: Literal["float32", "bfloat16"] = "float32"

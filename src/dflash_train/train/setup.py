@@ -5,11 +5,14 @@ compiled wrappers, and where each step's (batch, target output) pairs come from.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,6 +38,7 @@ from dflash_train.target.packed import UnsupportedTarget
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
+from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_dtype
 from dflash_train.utils.errors import ConfigError, TrainingError
 
@@ -119,6 +123,47 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     head = model.get_output_embeddings()
     log.info("loaded the target in %.1fs", time.perf_counter() - t0)
     return FrozenTarget(FrozenHeads(embed, head.weight if head is not None else embed), model, runner)
+
+
+# what a checkpoint's data position (epoch, batch index) means: the batch plan, the split, the shuffle
+_DATA_POSITION_IGNORED = {"data.prefetch", "data.eval_batches"}
+
+
+def data_position_identity(cfg: TrainConfig, data) -> dict:
+    """The options and dataset facts that give a data cursor its meaning, flattened: the checkpoint
+    records them in its config.yaml (`data_resolved`), `--resume` compares them."""
+    flat = {f"data.{k}": v for k, v in _flatten(to_dict(cfg.data)).items() if f"data.{k}" not in _DATA_POSITION_IGNORED}
+    flat["run.seed"] = cfg.run.seed
+    flat["data_resolved.train_samples"] = int(len(data.planner.lengths))
+    flat["data_resolved.train_tokens"] = int(data.planner.lengths.sum())
+    return flat
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def data_position_changes(saved_config: dict, now: dict) -> list[str]:
+    """`key: saved vs now` for every data-position fact that differs from a checkpoint's resolved config
+    (facts an older checkpoint did not record are not compared)."""
+    saved = _flatten(saved_config)
+    out = []
+    for key, value in now.items():
+        before = saved.get(key, value)
+        if key == "data.path" and before != value and Path(str(before)).resolve() == Path(str(value)).resolve():
+            continue
+        if before != value:
+            out.append(f"{key}: {before!r} there vs {value!r} now")
+    return out
+
+
+def config_diff(theirs: DrafterConfig, ours: DrafterConfig) -> str:
+    """The fields in which a saved drafter's config differs from this run's, as `name: saved vs this run`."""
+    return "; ".join(f"{f.name}: {getattr(theirs, f.name)!r} there vs {getattr(ours, f.name)!r} in this run"
+                     for f in dataclasses.fields(ours) if getattr(theirs, f.name) != getattr(ours, f.name))
 
 
 def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: FrozenHeads, device: torch.device, *,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import yaml
 from torch.profiler import record_function
 
+from dflash_train.data.prompts import load_prompts
 from dflash_train.data.splits import open_data
 from dflash_train.drafter.checkpoint import load_drafter_config, save_drafter
 from dflash_train.drafter.loss import StepStats
@@ -71,9 +72,16 @@ class Trainer:
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
         target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
         self.drafter_config = setup.resolve_drafter_config(cfg, target_config, self.tokenizer)
-        if resume_from is not None and load_drafter_config(resume_from / "drafter") != self.drafter_config:
-            raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's; resume "
-                                f"with the config the run was started with, or start a new run.output_dir")
+        if resume_from is not None and (diff := setup.config_diff(load_drafter_config(resume_from / "drafter"),
+                                                                  self.drafter_config)):
+            raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's ({diff}); "
+                                f"resume with the config the run was started with, or start a new run.output_dir")
+        if cfg.drafter.init_from and (diff := setup.config_diff(load_drafter_config(cfg.drafter.init_from),
+                                                                self.drafter_config)):
+            raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: that drafter does not fit this run's "
+                                f"config ({diff}); set the drafter.* options to match it")
+        if cfg.eval.spec_prompts not in (None, "", "heldout"):  # a bad prompt file is found now, not after training
+            load_prompts(cfg.eval.spec_prompts, cfg.eval.spec_num_prompts or None)
         # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
         self.init_layers = setup.resolve_init_layers(cfg, target_config)
         if self.main:  # the resolved config and the metrics go there even without checkpoints
@@ -81,6 +89,9 @@ class Trainer:
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
                               tokenizer_identity=identity)
+        self.data_identity = setup.data_position_identity(cfg, self.data)
+        if resume_from is not None:
+            self._check_data_position(resume_from)
         attention = setup.resolve_attention(cfg.step.attention, self.device, self.drafter_config.head_dim)
         self.step_cfg = StepConfig(num_anchors=cfg.step.num_anchors, label_source=cfg.step.label_source,
                                    noise_sigma=cfg.step.noise_sigma, attention=attention, fixed_shape=cfg.run.compile)
@@ -120,7 +131,9 @@ class Trainer:
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
         self.resolved = {**to_dict(cfg), "drafter_resolved": {"target_layer_ids": d.target_layer_ids,
                                                               "mask_token_id": d.mask_token_id,
-                                                              "init_from_target_layers": self.init_layers}}
+                                                              "init_from_target_layers": self.init_layers},
+                         "data_resolved": {k.split(".", 1)[1]: v for k, v in self.data_identity.items()
+                                           if k.startswith("data_resolved.")}}
         if self.main:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
@@ -128,6 +141,24 @@ class Trainer:
         self.last_eval: tuple[int, dict] = (-1, {})
         self.evaluator = Evaluator(cfg, self.data, self.target, self.tokenizer, self.step_cfg, self.device,
                                    padding=self.padding, num_drafters=ctx.num_drafters)
+
+    def _check_data_position(self, resume_from: Path) -> None:
+        """--resume continues at the checkpoint's (epoch, batch): with other data options, seed or dataset
+        that position names other batches, so it is refused (or, with run.resume_with_other_data, said)."""
+        try:
+            saved = yaml.safe_load((resume_from / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            saved = {}
+        changes = setup.data_position_changes(saved, self.data_identity)
+        if not changes:
+            return
+        what = "; ".join(changes)
+        if not self.cfg.run.resume_with_other_data:
+            raise TrainingError(f"--resume: the data differ from {resume_from}'s ({what}): its data position would "
+                                f"point at other batches; resume with the checkpoint's values, start a new "
+                                f"run.output_dir, or pass --run.resume_with_other_data to continue anyway")
+        log.warning("--resume with other data (%s): continuing from the checkpoint's data position "
+                    "(run.resume_with_other_data)", what)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
