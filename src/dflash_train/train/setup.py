@@ -251,6 +251,41 @@ def resolve_attention(requested: str, device: torch.device, head_dim: int) -> st
     return requested
 
 
+LOW_FILL = 0.25  # batches less full than this compute mostly padding: said before the run starts
+CPU_COMPILE_TOKENS = 4096  # a compiled CPU batch above this many tokens takes minutes to compile and to step
+CPU_CONFIG = "src/dflash_train/assets/demo_cpu.yaml"  # the CPU-sized config the README names
+
+
+def start_warnings(cfg: TrainConfig, planner: BatchPlanner, device: torch.device) -> list[str]:
+    """What a newcomer's first run gets wrong, said before the long wait: batches that are mostly
+    padding (a small dataset under a large token budget), and a large compiled shape on a CPU."""
+    plan = cfg.data.plan
+    out = []
+    batches = max(len(planner.plan(0)), 1)
+    fill = float(planner.lengths.sum()) / (batches * plan.token_budget)
+    if fill < LOW_FILL:
+        out.append(f"batches are only {fill:.1%} full ({int(planner.lengths.sum()):,} tokens in {batches:,} batches of "
+                   f"data.plan.token_budget {plan.token_budget:,}): most of every step is padding; a smaller "
+                   f"data.plan.token_budget (the longest sample has {int(planner.lengths.max()):,} tokens) or more data "
+                   f"fits better")
+    shape = compile_padding(cfg)
+    if shape is not None and device.type == "cpu" and shape[0] * shape[1] > CPU_COMPILE_TOKENS:
+        out.append(f"compiling for {shape[0]} x {shape[1]:,}-token batches on a CPU (run.compile / target.compile): "
+                   f"the first steps wait minutes for torch.compile and every step is slow at this shape; for a CPU, "
+                   f"start from {CPU_CONFIG} (no compile, 512-token batches)")
+    return out
+
+
+def announce_start(cfg: TrainConfig, planner: BatchPlanner, device: torch.device) -> None:
+    """The start warnings, and a "compiling" line before the first step's wait for the compiler."""
+    for line in start_warnings(cfg, planner, device):
+        log.warning("%s", line)
+    shape = compile_padding(cfg)
+    if shape is not None:
+        what = " and ".join(w for w, on in (("the drafter", cfg.run.compile), ("the target", cfg.target.compile)) if on)
+        log.info("compiling ... %s for %d x %d-token batches: the first step waits for torch.compile", what, *shape)
+
+
 def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:
     """The fixed [rows, row length] every batch is padded to in compiled mode (a compiled
     drafter or target), else None."""

@@ -91,6 +91,8 @@ class Trainer:
         self.most_steps = self.total_steps  # the most the run does: run.fit_schedule fits (and refits) up to it
         self.total_batches = None if cfg.run.max_steps else self.total_steps * cfg.optim.grad_accum
         log.info("%s", self.data.planner.describe(0, world=ctx.num_drafters))
+        if self.main:
+            setup.announce_start(cfg, self.data.planner, self.device)
         d = self.drafter_config
         log.info("target %s | drafter %d layers, block %d, taps %s, mask token %d | %d steps on %s", cfg.target.path,
                  d.num_hidden_layers, d.block_size, d.target_layer_ids, d.mask_token_id, self.total_steps, self.device)
