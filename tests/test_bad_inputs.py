@@ -248,8 +248,8 @@ def test_resume_with_another_token_budget_or_dataset_is_refused_naming_what_chan
 
     monkeypatch.setattr(setup_mod, "load_target_model", refuse)
     budget = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "4"})
-    with pytest.raises(TrainingError, match=r"--resume: the data differ from .*step-00000002's \(data\.plan\.token_budget: "
-                                            r"512 there vs 1024 now"):
+    with pytest.raises(TrainingError, match=r"--resume: the data differ from .*step-00000002's "
+                                            r"\(data\.plan\.token_budget: 512 there vs 1024 now"):
         Trainer(budget, resume=True)
     with pytest.raises(TrainingError, match=r"data\.path: .* there vs .*other' now; data_resolved\.train_samples: "
                                             r"\d+ there vs 30 now"):

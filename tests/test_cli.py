@@ -201,7 +201,8 @@ def test_a_bug_keeps_its_traceback_and_debug_shows_user_errors_too(monkeypatch, 
 ])
 def test_a_full_disk_or_read_only_output_is_one_line_naming_the_path(job, argv, monkeypatch, capsys):
     module = importlib.import_module(JOBS[job][0])
-    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(full))
     assert main([job, *argv]) == 2  # a write() that fails carries no file name: the job's output is named
     out = argv[argv.index("-o" if "-o" in argv else "--output") + 1]
     assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: {out}: No space left on device: "

@@ -96,7 +96,7 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     prompts = load_prompts(cfg.prompts, cfg.num_prompts or None)
     drafter_dir = find_drafter_dir(cfg.drafter)
     out = Path(cfg.output) if cfg.output else Path("runs/eval") / f"{drafter_dir.name}-{prompt_set_name(cfg.prompts)}"
-    out = check_output_dir(out, overwrite=cfg.overwrite, inputs=(cfg.drafter, drafter_dir), job="eval")  # before decoding
+    out = check_output_dir(out, overwrite=cfg.overwrite, inputs=(cfg.drafter, drafter_dir), job="eval")  # checked now
     drafter = load_drafter(drafter_dir)
     source = resolve_model_source(cfg.target)
     problems = mismatches_with_target(drafter.config, load_config(source, trust_remote_code=cfg.trust_remote_code))

@@ -198,8 +198,8 @@ def _timed_speedup(results: list[PromptResult]) -> dict:
     greedy_speeds = [_rate(greedy_tokens, sum(r[i][1] for r in runs)) for i in range(n)]
     speedups = [s / g for s, g in zip(spec_speeds, greedy_speeds)]
     accepted = sum(r.accepted for p in results for r in p.spec.rounds)
-    return {"greedy_seconds": sum(p.greedy.seconds for p in results), "greedy_tok_per_s": statistics.median(greedy_speeds),
-            "spec_tok_per_s": statistics.median(spec_speeds), "speedup": statistics.median(speedups),
+    return {"greedy_seconds": sum(p.greedy.seconds for p in results),
+            "greedy_tok_per_s": statistics.median(greedy_speeds), "spec_tok_per_s": statistics.median(spec_speeds), "speedup": statistics.median(speedups),
             "speedup_spread": [min(speedups), max(speedups)], "timing_repeats": n, "speedup_is_noise": accepted == 0}
 
 

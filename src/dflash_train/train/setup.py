@@ -266,8 +266,8 @@ def start_warnings(cfg: TrainConfig, planner: BatchPlanner, device: torch.device
     if fill < LOW_FILL:
         out.append(f"batches are only {fill:.1%} full ({int(planner.lengths.sum()):,} tokens in {batches:,} batches of "
                    f"data.plan.token_budget {plan.token_budget:,}): most of every step is padding; a smaller "
-                   f"data.plan.token_budget (the longest sample has {int(planner.lengths.max()):,} tokens) or more data "
-                   f"fits better")
+                   f"data.plan.token_budget (the longest sample has {int(planner.lengths.max()):,} tokens) "
+                   f"or more data fits better")
     shape = compile_padding(cfg)
     if shape is not None and device.type == "cpu" and shape[0] * shape[1] > CPU_COMPILE_TOKENS:
         out.append(f"compiling for {shape[0]} x {shape[1]:,}-token batches on a CPU (run.compile / target.compile): "
