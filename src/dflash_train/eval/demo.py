@@ -9,7 +9,7 @@
     5. eval     speculative vs plain greedy decoding on held-out prompts -> <output>/eval
 
 The target is loaded once (by the trainer) and reused for the evaluation. On 2 CPU cores
-the default run takes under 10 minutes; `--quick` (what CI runs) about 2.
+the default run takes about 10 minutes; `--quick` (what CI runs) about 2.
 """
 
 from __future__ import annotations
