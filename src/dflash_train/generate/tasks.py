@@ -356,6 +356,15 @@ def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError
                 yield record
 
 
+def _check_prompts(cfg: GenerateConfig) -> None:
+    """The prompt inputs exist, and (without --synthesize) hold a conversation to answer."""
+    expand_inputs(cfg.prompts)
+    if not cfg.synthesize and not any(r.messages is not None
+                                      for r in iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=[])):
+        raise DataError(", ".join(map(str, cfg.prompts)), None, None,
+                        "no prompt to answer (no conversation row; plain 'text' rows are skipped): nothing to generate")
+
+
 def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: StopSignals | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Run the job; returns a summary. `engine`/`tokenizer` override building them (tests).
@@ -376,7 +385,7 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
         return None
 
     if cfg.prompts:
-        expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
+        _check_prompts(cfg)  # before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
         recover(cfg.output)  # under the lock: no other run is appending
         done_ids: set[str] = set()

@@ -95,10 +95,14 @@ class RunConfig:
     fit_schedule: bool = False
     """with max_minutes: once the rate is measured (the second log window), shorten the schedule
     (max_steps, or the epochs' steps: the most the run does) to what 95% of the time box holds, so
-    the learning rate has decayed when the box ends; the fitted length is kept across resumes. No
+    the learning rate has decayed when the box ends, and refit it at later log windows when the
+    measured rate moves the fit (docs/training.md); the fitted length is kept across resumes. No
     effect without a box (a short run with run.max_minutes 0 keeps its max_steps)"""
     seed: int = 0
     """seed of initialisation, anchors, noise and the eval split"""
+    resume_with_other_data: bool = False
+    """with --resume: continue from the checkpoint's data position although the data options, the seed or
+    the dataset differ from the checkpoint's (that position then points at other batches); else refused"""
     device: str = "auto"
     """auto (this rank's GPU, else CPU), cpu, cuda, cuda:N"""
     drafter_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -179,8 +183,6 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if not self.data.path:
-            raise ValueError("data.path is required: a dataset directory written by `dflash-train prepare`")
         if self.step.label_source == "distill" and self.loss.weighting in CONFIDENCE_WEIGHTINGS:
             raise ValueError(f"loss.weighting '{self.loss.weighting}' needs hard labels; use decay with "
                              "label_source=distill")
