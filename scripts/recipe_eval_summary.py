@@ -39,12 +39,14 @@ def main(work: Path) -> dict:
         report = json.loads(path.read_text())
         o = report["overall"]
         name = path.parent.name.removeprefix("eval-")
-        entry = {"tau": o["tau"], "tau_by_position": o.get("tau_by_position"),
+        entry = {"tau": o["tau"], "tau_mean_of_prompts": o.get("tau_mean_of_prompts"),
+                 "tau_by_position": o.get("tau_by_position"),
                  "repetition_rate": o.get("repetition_rate"), "speedup": o.get("speedup"),
                  "prompts": len(report["per_prompt"])}
         by_pos = ", ".join(f"{k}: {v:.2f}" for k, v in list((o.get("tau_by_position") or {}).items())[:2])
         rep = o.get("repetition_rate")
-        print(f"{name:<24} tau {o['tau']:.3f}  ({by_pos})  repetition {rep if rep is None else round(rep, 3)}"
+        mean = o.get("tau_mean_of_prompts")
+        print(f"{name:<24} tau {o['tau']:.3f}  mean of prompts {mean if mean is None else round(mean, 3)}  ({by_pos})  repetition {rep if rep is None else round(rep, 3)}"
               f"  prompts {entry['prompts']}")
         if name.startswith("sources-"):
             entry["by_source"] = by_source(report["per_prompt"])

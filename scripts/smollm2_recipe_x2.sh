@@ -39,7 +39,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 gpu_env() { if [ "$NGPU" -gt 1 ]; then echo "CUDA_VISIBLE_DEVICES=$1"; fi; }
 
 if has prompts; then
-  echo "== prompts: code, docs, math from offline sources ($NGPU shard(s))"
+  echo "== prompts: code, docs, long documents, math from offline sources ($NGPU shard(s))"
   $DFT prompts --output "$WORK/prompts" --shards "$NGPU" --seed 0 --math-count "$N_MATH" --limit "$PER_SOURCE"
 fi
 

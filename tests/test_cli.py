@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import sys
@@ -45,6 +46,16 @@ def test_resolved_config_from_options(capsys):
     assert cfg["drafter"]["target_layer_ids"] == [1, 3, 5]
 
 
+def test_train_print_config_needs_no_dataset_but_a_run_does(capsys):
+    assert main(["train", "--print-config"]) == 0  # a newcomer sees the defaults first
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["data"]["path"] == "" and cfg["optim"]["lr"] > 0
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "dflash-train train: error: data.path is required: a dataset directory written by `dflash-train prepare` "
+        "(--data.path DIR)")
+
+
 def test_init_from_target_options(capsys):
     assert main(_train("--drafter.init_from_target", "layers", "--drafter.init_target_layers", "25", "26", "27", "28",
                        "29")) == 0
@@ -83,12 +94,43 @@ def test_abbreviated_and_unknown_options_are_refused(capsys):
     assert exc.value.code == 2 and "unrecognized arguments: --optim.warm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--data.path", "d", "--optim.lrr", "1"], "(did you mean --optim.lr?)"),
+    (["train", "--data.path", "d", "--run.max_step", "2"], "(did you mean --run.max_steps?)"),
+    (["prepare", "in.jsonl", "--ouptut", "o"], "(did you mean --output?)"),
+    (["eval", "--drafter", "d", "--num-promtps=3"], "(did you mean --num-prompts?)"),
+])
+def test_a_mistyped_option_names_the_closest_one(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and hint in err and len(err.strip().splitlines()) == 2  # usage + the error
+
+
+def test_an_unknown_option_far_from_every_option_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--data.path", "d", "--zzzzzz", "1"])
+    assert "unrecognized arguments: --zzzzzz 1" in (err := capsys.readouterr().err) and "did you mean" not in err
+
+
 def test_unknown_key_in_a_config_file_names_the_file(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("optim:\n  lrr: 1e-3\n")
     assert main(["train", "--config", str(path), "--data.path", "d"]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and "optim.lrr" in err and "valid keys under optim" in err
+
+
+def test_a_section_given_twice_in_a_config_file_is_an_error(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 1.0e-3\nrun:\n  max_steps: 3\noptim:\n  warmup_steps: 5\n")
+    assert main(["train", "--config", str(path), "--data.path", "d", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: line 5: 'optim' is given twice in one mapping (first on line 1)" in err
+    path.write_text(  # a merge key's values may still be overridden
+        "optim:\n  <<: {lr: 1.0e-3, warmup_steps: 2}\n  warmup_steps: 7\n")
+    assert main(["train", "--config", str(path), "--data.path", "d", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["optim"]["warmup_steps"] == 7
 
 
 @dataclass
@@ -151,6 +193,28 @@ def test_a_bug_keeps_its_traceback_and_debug_shows_user_errors_too(monkeypatch, 
         finally:
             logging.getLogger("dflash_train").propagate = False
     assert any(r.exc_info and "is empty" in str(r.exc_info[1]) for r in caplog.records)
+
+
+@pytest.mark.parametrize("job, argv", [
+    ("prepare", ["in.jsonl", "-o", "out/data"]), ("generate", ["--synthesize", "2", "--output", "out/gen.jsonl"]),
+    ("export", ["run", "-o", "out/drafter"]), ("prompts", ["--output", "out/prompts"]), ("demo", ["-o", "out/demo"]),
+])
+def test_a_full_disk_or_read_only_output_is_one_line_naming_the_path(job, argv, monkeypatch, capsys):
+    module = importlib.import_module(JOBS[job][0])
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(full))
+    assert main([job, *argv]) == 2  # a write() that fails carries no file name: the job's output is named
+    out = argv[argv.index("-o" if "-o" in argv else "--output") + 1]
+    assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: {out}: No space left on device: "
+                                               f"free some space there or choose another output")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(
+        OSError(errno.EROFS, "Read-only file system", "/mnt/ro/shard-00000.arrow")))
+    assert main([job, *argv]) == 2
+    assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: /mnt/ro/shard-00000.arrow: Read-only "
+                                               f"file system: choose an output on a writable filesystem")
+    monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(FileNotFoundError(errno.ENOENT, "gone")))
+    with pytest.raises(FileNotFoundError):  # any other OSError is a bug: it keeps its traceback
+        main([job, *argv])
 
 
 def test_broken_pipe_is_quiet(monkeypatch, capsys):

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                "gpu_seconds": round(train_s * gpus, 1), "wall_seconds": round(time.perf_counter() - t_start, 1),
                "tok_per_s": round(budget.tokens / max(train_s, 1e-9), 1), "loss_last": losses[-1] if losses else None,
                "loss_mean": result.training_loss, "planned_steps": budget.planned, "export": str(export_dir),
-               "device": torch.cuda.get_device_name(0) if gpus else "cpu"}
+               "device": torch.cuda.get_device_name(0) if gpus else "cpu",
+               "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpus else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("SUMMARY " + json.dumps(summary), flush=True)
     return 0

@@ -13,6 +13,7 @@ Errors: a `DFlashError` (bad input, config, data, model) prints one line and exi
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -20,7 +21,7 @@ import sys
 
 from dflash_train import __version__
 from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, leaf_fields, normalize_argv
-from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError
+from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError, storage_error
 from dflash_train.utils.log import setup_logging
 
 log = logging.getLogger("dflash_train.cli")
@@ -50,11 +51,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class JobParser(argparse.ArgumentParser):
+    """argparse, plus the closest known option for each unrecognized one (a mistyped flag)."""
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message += "".join(_suggestion(self, arg) for arg in message[len(prefix):].split())
+        super().error(message)
+
+
+def _suggestion(parser: argparse.ArgumentParser, arg: str) -> str:
+    if not arg.startswith("--"):
+        return ""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_job_parser(name: str, module) -> argparse.ArgumentParser:
     doc = (module.__doc__ or "").strip()
     positional = " ".join(leaf.name.upper() + (" ..." if "list" in str(leaf.type) else "")
                           for leaf in leaf_fields(module.CONFIG) if leaf.positional)
-    parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
+    parser = JobParser(prog=f"dflash-train {name}", description=doc or JOBS[name][1],
                                      usage=f"%(prog)s [--config FILE] [options] {positional}".rstrip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show the traceback of errors and DEBUG log lines")
@@ -75,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(JOBS[name][0])
     args = build_job_parser(name, module).parse_intermixed_args(normalize_argv(rest, module.CONFIG))
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
+    cfg = None
     try:
         cfg = config_from_args(module.CONFIG, args)
         if args.print_config:
@@ -82,13 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return int(module.run(cfg, args) or 0)
     except DFlashError as exc:
-        if args.debug:
-            log.exception("the error's traceback:")
-        print(f"dflash-train {name}: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return _user_error(name, exc, args.debug)
     except BrokenPipeError:  # `dflash-train prepare ... | head`: the reader left; nothing is lost
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a full disk or a read-only output is the user's to fix; any other OSError is a bug
+        user = storage_error(exc, getattr(cfg, "output", None))
+        if user is None:
+            raise
+        return _user_error(name, user, args.debug)
+    except KeyboardInterrupt:
+        print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _user_error(name: str, exc: DFlashError, debug: bool) -> int:
+    if debug:
+        log.exception("the error's traceback:")
+    print(f"dflash-train {name}: error: {exc}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR

@@ -99,6 +99,25 @@ def cap_ref(c, alpha, eps):
     return [max(sum(prods[k:]), eps) for k in range(len(cs))]
 
 
+def dpace_ref(c, alpha):
+    """c: list of probabilities (None = invalid slot). D-PACE: a valid slot's confidence is
+    alpha + (1 - alpha) p; w_k = sum over valid m >= k of the product of the valid confidences
+    up to m (an invalid slot adds no term and no factor)."""
+    weights = []
+    for k in range(len(c)):
+        total = 0.0
+        for m in range(k, len(c)):
+            if c[m] is None:
+                continue
+            prod = 1.0
+            for i in range(m + 1):
+                if c[i] is not None:
+                    prod *= alpha + (1 - alpha) * c[i]
+            total += prod
+        weights.append(total)
+    return weights
+
+
 def tau_ref(pred, labels, lv):
     """Blocks with any valid label: 1 + leading slots (k = 1, 2, ...) predicted right."""
     R, N, B = labels.shape

@@ -1,5 +1,6 @@
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from dflash_train.drafter.loss import (
 )
 from dflash_train.drafter.row_stats import row_stats
 
-from .reference import cap_ref, decay_ref, random_packed_layout, tau_ref
+from .reference import cap_ref, decay_ref, dpace_ref, random_packed_layout, tau_ref
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
@@ -124,7 +125,39 @@ def test_cap_weights_match_loop_and_autograd_derivative():
     torch.testing.assert_close(both.double(), (w * decay).double(), rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("weighting", ["decay", "cap", "cap+decay"])
+@pytest.mark.parametrize("alpha", [0.5, 0.3, 1.0])
+def test_dpace_weights_match_loop(alpha):
+    g = torch.Generator().manual_seed(4)
+    B = 8
+    p = torch.rand(3, 4, B - 1, generator=g, dtype=torch.float64)
+    lv = torch.rand(3, 4, B - 1, generator=g) > 0.25
+    lv[0, 0] = True  # one block with every slot valid, one with none
+    lv[0, 1] = False
+    w = slot_weights(LossConfig(weighting="dpace", dpace_alpha=alpha), B, lv, p)
+    for r in range(3):
+        for j in range(4):
+            c = [float(p[r, j, k]) if lv[r, j, k] else None for k in range(B - 1)]
+            want = [wk if lv[r, j, k] else 0.0 for k, wk in enumerate(dpace_ref(c, alpha))]
+            assert w[r, j].tolist() == pytest.approx(want, rel=1e-6)
+    assert w[0, 1].abs().sum() == 0
+    # alpha = 1: every confidence is 1, so w_k counts the valid slots from k on (uniform in spirit)
+    if alpha == 1.0:
+        assert w[0, 0].tolist() == pytest.approx([float(B - 1 - k) for k in range(B - 1)])
+    # an invalid slot in the middle is skipped, not a stop (cap stops there: it cannot be accepted)
+    mid = torch.ones(1, 1, B - 1, dtype=torch.bool)
+    mid[0, 0, 2] = False
+    w_mid = slot_weights(LossConfig(weighting="dpace", dpace_alpha=alpha), B, mid, p[0:1, 0:1])[0, 0]
+    assert w_mid[2] == 0 and w_mid[3] > 0
+
+
+def test_dpace_needs_hard_labels_and_a_valid_alpha():
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        LossConfig(weighting="dpace", dpace_alpha=0.0)
+    with pytest.raises(ValueError, match="needs the drafter's probabilities"):
+        slot_weights(LossConfig(weighting="dpace"), 4, torch.ones(1, 1, 3, dtype=torch.bool), None)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "cap", "cap+decay", "dpace"])
 def test_drafter_loss_metrics_against_brute_force(weighting):
     rng = random.Random(5)
     ids, _, doc, loss = random_packed_layout(rng, 2, 40)
@@ -183,3 +216,15 @@ def test_loss_config_validation():
         LossConfig(weighting="nope")
     with pytest.raises(ValueError, match="cap_alpha"):
         LossConfig(cap_alpha=0)
+
+
+@pytest.mark.parametrize("weighting", ["cap", "cap+decay", "dpace"])
+def test_confidence_weightings_refuse_soft_labels(weighting):
+    from dflash_train.train.config import TrainConfig
+    from dflash_train.utils.config import load_config
+    from dflash_train.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'{re.escape(weighting)}' needs hard labels"):
+        load_config(TrainConfig, None, {"data.path": "d", "step.label_source": "distill", "loss.weighting": weighting})
+    assert load_config(TrainConfig, None, {"data.path": "d", "step.label_source": "distill",
+                                           "loss.weighting": "decay"}).loss.weighting == "decay"

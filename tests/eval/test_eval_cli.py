@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import dflash_train.eval.cli as eval_cli
 from dflash_train.cli import main as cli_main
 from dflash_train.data import prompts as prompts_mod
 from dflash_train.data.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
@@ -39,12 +40,33 @@ def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_pat
     report = json.loads((out / "report.json").read_text())
     o = report["overall"]
     assert o["prompts"] == 3 and o["matches_greedy"] == 3 and o["tau"] >= 1.0
+    lo, hi = o["speedup_spread"]  # three timings by default: their median and spread
+    assert o["timing_repeats"] == 3 and lo <= o["speedup"] <= hi
     assert len(o["accept_hist"]) == 4 and len(o["accept_rate"]) == 3 and sum(o["accept_hist"]) == o["rounds"]
     assert [p["id"] for p in report["per_prompt"]] == ["m", "p-2", "p-3"]
     assert all(p["matches_greedy"] and p["speedup"] > 0 for p in report["per_prompt"])
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "tau (tokens per target forward)" in printed and "speedup" in printed
+
+
+def test_an_existing_report_folder_is_replaced_only_with_overwrite(tiny_targets, loaded_targets, tmp_path, capsys,
+                                                                   monkeypatch):
+    model, tok = loaded_targets["llama"]
+    drafter_dir = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    out = tmp_path / "report"
+    argv = ["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--num-prompts", "1",
+            "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "4", "--output", str(out),
+            "--no-progress", "--timing-repeats", "1"]
+    assert cli_main(argv) == 0
+    first = (out / "report.json").read_text()
+    monkeypatch.setattr(eval_cli, "load_causal_lm", lambda *a, **k: pytest.fail("the target loaded before the check"))
+    assert cli_main(argv) == 2
+    assert f"{out} already exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert (out / "report.json").read_text() == first
+    assert cli_main([*argv, "--drafter", str(drafter_dir), "-o", str(drafter_dir)]) == 2  # never the drafter itself
+    monkeypatch.undo()
+    assert cli_main([*argv, "--overwrite"]) == 0 and json.loads((out / "report.json").read_text())["overall"]
 
 
 def test_eval_cli_errors(tiny_targets, tmp_path, capsys):
@@ -130,9 +152,41 @@ def test_demo_quick_end_to_end(builtin_gguf_reference, tmp_path, capsys):
     assert cli_main(["demo", "--quick", "--output", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "demo result" in printed and "speedup" in printed and "relative gap" in printed
+    assert "what this CPU run shows: the whole pipeline and the measurement" in printed  # the suite runs it on a CPU
+    assert "on a GPU, a drafter for the same target trained by the recipe" in printed
+    assert report_timings(out) == 2  # the speedup is a median of two timings
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["overall"]["prompts"] == 2 and report["overall"]["matches_greedy"] == 2
     assert (out / "drafter" / "model.safetensors").is_file() and (out / "eval" / "report.png").is_file()
+
+
+def report_timings(out) -> int:
+    return json.loads((out / "eval" / "report.json").read_text())["overall"]["timing_repeats"]
+
+
+def test_demo_summary_explains_a_cpu_run_and_quotes_the_registry(tmp_path):
+    from dflash_train.eval.demo import REGISTRY, cpu_lines, gpu_reference_lines
+
+    registry = tmp_path / "summary.json"
+    entry = {"device": "GPU X", "date": "2026-01-02", "command": "c"}
+    registry.write_text(json.dumps({"quality.smollm2.tau_chat_heldout": {**entry, "value": 1.7},
+                                    "quality.smollm2.tau_humaneval": {**entry, "value": 2.216},
+                                    "quality.smollm2.speedup_batch1": {**entry, "value": 1.801}}))
+    assert gpu_reference_lines(registry) == [
+        "on a GPU, a drafter for the same target trained by the recipe (docs/recipe-smollm2.md) measured tau 1.70 on "
+        "held-out chat prompts, tau 2.22 on HumanEval, 1.80x the speed of plain greedy decoding at batch 1 (HumanEval) "
+        "(GPU X, 2026-01-02; bench/results/summary.json)"]
+    assert gpu_reference_lines(tmp_path / "none.json")[0].startswith("on a GPU: see bench/results/summary.json")
+    assert "measured tau" in gpu_reference_lines(REGISTRY)[0]  # the checkout's registry has the keys
+    # 10 rounds: 2 s verifying and 0.5 s drafting; plain greedy 10 tok/s (0.1 s a token)
+    report = {"block_size": 8, "overall": {"greedy_tok_per_s": 10.0, "rounds": 10, "verify_seconds": 2.0,
+                                           "draft_seconds": 0.5, "tau": 1.08}}
+    assert cpu_lines(report, 284, 1) == [
+        "what this CPU run shows: the whole pipeline and the measurement, not a useful drafter (284 steps of a "
+        "1-layer drafter trained from scratch)",
+        "on this CPU a verify forward of 8 tokens cost 2.0x a plain greedy token and the drafter 0.5x, so "
+        "speculation pays only once tau passes ~2.5 (measured: 1.08); on a GPU a forward of 8 tokens costs about "
+        "as much as one"]
 
 
 def test_demo_replaces_only_its_own_directory(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 
 import dflash_train.train.trainer as trainer_mod
 from dflash_train.train.checkpoint import latest_checkpoint, step_dir_name
-from dflash_train.train.stopping import fitted_total, schedule_fit
+import dflash_train.train.stopping as stopping_mod
+from dflash_train.train.stopping import RateSince, fitted_total, refit_due, schedule_fit
 from dflash_train.train.trainer import Trainer
 
 from .test_trainer import make_config, read_metrics
@@ -78,8 +79,10 @@ def test_a_fitted_schedule_is_the_run_that_had_that_many_steps_from_the_start(
     monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: calls.append(box) or 7)
     with caplog.at_level(logging.INFO):
         summary = Trainer(fit_config(tiny_targets, tiny_datasets, tmp_path / "fit")).fit()
-    assert [c["step"] for c in calls] == [2] and calls[0]["total"] == 20
-    assert any(r.getMessage().startswith("schedule fitted to run.max_minutes=30: 7 steps (the most was 20)")
+    # fitted at step 2, then offered again at every log window: the same length is no refit
+    assert calls[0]["step"] == 2 and all(c["total"] == 20 for c in calls) and len(calls) == 6
+    assert not any("refitted" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("schedule fitted to run.max_minutes=30: 7 steps (the most is 20)")
                for r in caplog.records)
     assert summary["steps"] == 7
     Trainer(make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "ref", **{
@@ -114,3 +117,57 @@ def test_fit_schedule_without_a_time_box_keeps_max_steps(tiny_targets, tiny_data
     monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: pytest.fail("fitted without a time box"))
     cfg = fit_config(tiny_targets, tiny_datasets, tmp_path / "x", **{"run.max_minutes": 0, "run.max_steps": 3})
     assert Trainer(cfg).fit()["steps"] == 3
+
+
+def test_the_rate_counts_from_the_end_of_the_first_window_and_a_refit_needs_a_real_move() -> None:
+    rate = RateSince()
+    assert rate.steps_per_s(5, 10.0) == 0.0  # not started
+    rate.start(2, 40.0)  # the first window (compiles) ended at step 2, 40 s in
+    assert rate.steps_per_s(12, 60.0) == 0.5 and rate.steps_per_s(2, 40.0) == 0.0
+    assert not refit_due(step=10, current_total=50, fitted=54)  # 4 of 40 steps left: jitter
+    assert refit_due(step=10, current_total=50, fitted=55) and refit_due(step=10, current_total=50, fitted=45)
+    assert not refit_due(step=48, current_total=50, fitted=52) and refit_due(step=48, current_total=50, fitted=53)
+
+
+class FakeClock:
+    """perf_counter for train/stopping.py: the seconds the steps done so far cost (`cost(step)`)."""
+
+    def __init__(self, cost):
+        self.cost, self.trainer = cost, None
+
+    def perf_counter(self) -> float:
+        return sum(self.cost(i) for i in range(1, self.trainer.state.step + 1)) if self.trainer else 0.0
+
+
+def _fit_under_clock(tiny_targets, tiny_datasets, out, monkeypatch, cost, **extra):
+    clock = FakeClock(cost)
+    monkeypatch.setattr(stopping_mod, "time", clock)
+    trainer = Trainer(fit_config(tiny_targets, tiny_datasets, out, **{"run.max_minutes": 1, "run.max_steps": 200,
+                                                                      "run.save_every": 1000, **extra}))
+    clock.trainer = trainer
+    return trainer, trainer.fit()
+
+
+def test_a_load_spike_at_the_first_fit_is_refitted_once_the_speed_recovers(
+        tiny_targets, tiny_datasets, tmp_path, monkeypatch, caplog) -> None:
+    """The demo's failure: fitted during a spike (10 s a step), the box then held many more steps at
+    the recovered speed (0.5 s). The schedule grows with the measured rate and ends decayed in the box."""
+    with caplog.at_level(logging.INFO):
+        trainer, summary = _fit_under_clock(tiny_targets, tiny_datasets, tmp_path / "run", monkeypatch,
+                                            lambda step: 10.0 if step <= 3 else 0.5)
+    fits = [int(m.group(1).replace(",", "")) for r in caplog.records
+            if (m := re.match(r"schedule (?:re)?fitted to run.max_minutes=1: ([\d,]+) steps", r.getMessage()))]
+    assert fits[0] == 5  # at step 2: 0.1 steps/s measured since step 1, 40 s left: 2 + int(0.1 * 40 * 0.95)
+    assert len(fits) > 2 and fits[-1] > 30 and fits == sorted(fits)
+    assert summary["steps"] == fits[-1] == trainer.total_steps  # ended by its schedule, inside the box
+    m = read_metrics(tmp_path / "run")
+    assert m[summary["steps"]]["lr"] == pytest.approx(0.1 * 3e-3)  # the cosine ran to its end
+
+
+def test_a_steady_rate_is_fitted_once(tiny_targets, tiny_datasets, tmp_path, monkeypatch, caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        _, summary = _fit_under_clock(tiny_targets, tiny_datasets, tmp_path / "run", monkeypatch, lambda step: 2.0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("schedule ")]
+    # 0.5 steps/s from step 1 on; at step 2, 56 s left: 2 + int(0.5 * 56 * 0.95) = 28
+    assert lines == ["schedule fitted to run.max_minutes=1: 28 steps (the most is 200) at the measured 0.50 steps/s"]
+    assert summary["steps"] == 28

@@ -292,6 +292,26 @@ def _prepare_output(cfg: PrepareConfig, files: list[Path]) -> Path:
     return check_output_dir(cfg.output, overwrite=cfg.overwrite, inputs=[*cfg.inputs, *files], job=JOB)
 
 
+def read_chat_template(path: str | Path) -> str:
+    """The text of a --chat-template file, compiled once here: a Jinja error names the file and its
+    line rather than surfacing as a rejection of the first data row."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(path, None, None, f"cannot read this chat template file "
+                                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # the compiler transformers renders with
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateError as exc:
+        raise DataError(path, getattr(exc, "lineno", None), None,
+                        f"not a valid Jinja chat template: {getattr(exc, 'message', None) or exc}") from None
+    return text
+
+
 def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     """Run the whole prepare job; returns the manifest. `tokenizer` skips loading `cfg.target`.
 
@@ -299,9 +319,9 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     OutputError when the output must not be written (`_prepare_output`)."""
     files = expand_inputs(cfg.inputs)
     output = _prepare_output(cfg, files)  # fail before the expensive part
+    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
     tok = tokenizer if tokenizer is not None else load_target_tokenizer(cfg.target)
     identity = tokenizer_identity(tok)  # of the tokenizer as the target ships it: the trainer compares this
-    template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
     renderer = ChatRenderer(tok, chat_template=template, text_eos=cfg.text_eos)
 
     result: dict[str, Any] = {}

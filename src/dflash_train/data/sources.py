@@ -14,6 +14,7 @@ arrays) and the field, so a user can fix it without guessing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,7 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_train.utils.errors import DataError, InputError
+from dflash_train.utils.fs import MARKER, made_by
 from dflash_train.utils.jsonl import iter_json_rows
+
+log = logging.getLogger(__name__)
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 RESPONSE_KEYS = ("response", "completion", "answer")
@@ -122,7 +126,7 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out.extend(sorted(q for q in p.rglob("*") if q.suffix.lower() in SUPPORTED_SUFFIXES))
+            out.extend(_files_in(p))
         elif p.is_file():
             if p.suffix.lower() not in SUPPORTED_SUFFIXES:  # said before a tokenizer or model loads
                 raise DataError(p, None, None, f"unsupported file type {p.suffix.lower()!r}; "
@@ -133,6 +137,16 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
     if not out:
         raise InputError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files in {', '.join(map(str, paths))}")
     return out
+
+
+def _files_in(directory: Path) -> list[Path]:
+    """The supported files below `directory`, except those of a dataset `prepare` wrote there (an
+    output inside its input folder): its manifest.json and bad-row files are not conversations."""
+    prepared = [m.parent for m in directory.rglob(MARKER) if m.parent != directory and made_by(m.parent) == "prepare"]
+    for d in prepared:
+        log.warning("%s: skipped, a dataset written by dflash-train prepare (not conversations)", d)
+    return sorted(q for q in directory.rglob("*") if q.suffix.lower() in SUPPORTED_SUFFIXES
+                  and not any(d in q.parents for d in prepared))
 
 
 def iter_records(paths: list[str | Path], *, skip_bad: bool = False, bad: list[DataError] | None = None) -> Iterator[Record]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
@@ -100,7 +100,9 @@ def save_drafter(model: DFlashDrafter, directory: str | Path, *, dtype: torch.dt
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        # written by Python, not by safetensors' own writer: a full disk is then an OSError (ENOSPC),
+        # which the CLI reports as one line naming the output (utils/errors.py: storage_error)
+        (tmp / WEIGHTS_NAME).write_bytes(save(state, metadata={"format": "pt"}))
 
     return atomic_directory_write(Path(directory), write, job=job)
 

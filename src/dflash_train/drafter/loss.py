@@ -21,7 +21,8 @@ import torch
 from dflash_train.drafter.row_stats import row_stats
 from dflash_train.utils.compile import compiled_once
 
-WEIGHTINGS = ("decay", "cap", "cap+decay", "uniform")
+WEIGHTINGS = ("decay", "cap", "cap+decay", "dpace", "uniform")
+CONFIDENCE_WEIGHTINGS = ("cap", "cap+decay", "dpace")  # need the drafter's probability of each label
 
 
 def default_gamma(block_size: int) -> float:
@@ -31,14 +32,17 @@ def default_gamma(block_size: int) -> float:
 
 @dataclass
 class LossConfig:
-    weighting: Literal["decay", "cap", "cap+decay", "uniform"] = "decay"
-    """per-slot loss weights: exponential decay, acceptance-aware (cap), both, or uniform"""
+    weighting: Literal["decay", "cap", "cap+decay", "dpace", "uniform"] = "decay"
+    """per-slot loss weights: exponential decay, acceptance-aware (cap), both, D-PACE's
+    acceptance-aware weights (dpace: affine smoothing instead of cap's power), or uniform"""
     gamma: float | None = None
     """decay constant (default: 7 for block 16, 5 for 10, 4 for 8)"""
     cap_alpha: float = 0.5
     """weight of the acceptance-aware term in cap+decay"""
     cap_eps: float = 1e-2
     """floor of the acceptance-aware weights"""
+    dpace_alpha: float = 0.5
+    """D-PACE's smoothing toward 1: a slot's confidence is dpace_alpha + (1 - dpace_alpha) * p"""
     chunk_rows: int = 4096
     """rows of the [rows, vocab] logits computed at once (memory vs speed)"""
     fused_head: bool = True
@@ -55,6 +59,8 @@ class LossConfig:
             raise ValueError(f"loss.cap_alpha must be in (0, 1], got {self.cap_alpha}")
         if not 0 < self.cap_eps < 1:
             raise ValueError(f"loss.cap_eps must be in (0, 1), got {self.cap_eps}")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"loss.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.chunk_rows < 1:
             raise ValueError("loss.chunk_rows must be >= 1")
 
@@ -170,6 +176,8 @@ def slot_weights(
 
     cap: c_i = p_i ** alpha (0 for invalid slots: they cannot be accepted),
     P_m = prod_{i<=m} c_i, w_k = sum_{m>=k} P_m = dE/dlog c_k, floored at eps.
+    dpace: c_i = a + (1 - a) p_i (1 for invalid slots: no factor), the same suffix sum over
+    valid slots only; no floor is needed, every factor is at least a.
     """
     valid = label_valid.to(torch.float32)
     k = torch.arange(1, block_size, device=label_valid.device, dtype=torch.float32)
@@ -177,14 +185,21 @@ def slot_weights(
     if "decay" in cfg.weighting:
         gamma = cfg.gamma if cfg.gamma is not None else default_gamma(block_size)
         w = w * torch.exp(-(k - 1) / gamma)
-    if "cap" in cfg.weighting:
+    if cfg.weighting in CONFIDENCE_WEIGHTINGS:
         if p_correct is None:
-            raise ValueError("cap weighting needs the drafter's probabilities of the labels")
-        c = p_correct.detach().float().clamp(0, 1).pow(cfg.cap_alpha) * valid
-        prefix = torch.cumprod(c, dim=-1)
-        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
-        w = w * suffix.clamp(min=cfg.cap_eps)
+            raise ValueError(f"{cfg.weighting} weighting needs the drafter's probabilities of the labels")
+        p = p_correct.detach().float().clamp(0, 1)
+        if cfg.weighting == "dpace":
+            c = torch.where(label_valid, cfg.dpace_alpha + (1 - cfg.dpace_alpha) * p, torch.ones_like(p))
+            w = w * _suffix_sum(torch.cumprod(c, dim=-1) * valid)
+        else:
+            w = w * _suffix_sum(torch.cumprod(p.pow(cfg.cap_alpha) * valid, dim=-1)).clamp(min=cfg.cap_eps)
     return w * valid
+
+
+def _suffix_sum(x: torch.Tensor) -> torch.Tensor:
+    """sum_{m >= k} x_m along the last dimension."""
+    return x.flip(-1).cumsum(-1).flip(-1)
 
 
 @dataclass
@@ -242,7 +257,7 @@ def drafter_loss(
     ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows,
                                   compiled=compiled and cfg.fused_head)
     ce = ce.view(R, N, B - 1)
-    p_correct = torch.exp(-ce.detach()) if "cap" in cfg.weighting else None
+    p_correct = torch.exp(-ce.detach()) if cfg.weighting in CONFIDENCE_WEIGHTINGS else None
     weights = slot_weights(cfg, B, valid, p_correct)
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid

@@ -28,6 +28,7 @@ from dflash_train.train.export_cli import find_drafter_dir
 from dflash_train.utils.config import cli
 from dflash_train.utils.device import DtypeName, choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import ModelError
+from dflash_train.utils.fs import check_output_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,17 @@ class EvalJobConfig:
     near_tie_ulps: float = NEAR_TIE_ULPS
     """a divergence is a near-tie when the greedy run's top-1 minus top-2 logit there is at most this
     many bf16 units in the last place of the top-1 logit (docs/eval.md)"""
+    timing_repeats: int = 3
+    """decode every prompt this many times in both modes: the speedup is their median, with its spread
+    (the outputs and tau come from the first)"""
     batch_size: int = 0
     """also measure batched decoding: this many prompts at once, committed tokens/s (0 = off)"""
     compile: bool = True
     """torch.compile the engine's per-layer functions (GPU only; slower start, faster decoding)"""
     output: str | None = field(default=None, metadata=cli(aliases=("-o",)))
     """report directory (default runs/eval/<drafter>-<prompts>)"""
+    overwrite: bool = False
+    """replace the report directory when an earlier eval wrote it (else an existing one is refused)"""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:N"""
     dtype: DtypeName = "auto"
@@ -77,6 +83,8 @@ class EvalJobConfig:
             raise ValueError("--drafter DIR is required")
         if self.max_new_tokens < 1 or self.num_prompts < 0 or self.max_prompt_tokens < 1 or self.threads < 0:
             raise ValueError("max_new_tokens and max_prompt_tokens must be >= 1, num_prompts and threads >= 0")
+        if self.timing_repeats < 1:
+            raise ValueError("timing_repeats must be >= 1")
         if self.near_tie_ulps < 0 or self.batch_size < 0:
             raise ValueError("near_tie_ulps and batch_size must be >= 0")
 
@@ -87,6 +95,8 @@ CONFIG = EvalJobConfig
 def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     prompts = load_prompts(cfg.prompts, cfg.num_prompts or None)
     drafter_dir = find_drafter_dir(cfg.drafter)
+    out = Path(cfg.output) if cfg.output else Path("runs/eval") / f"{drafter_dir.name}-{prompt_set_name(cfg.prompts)}"
+    out = check_output_dir(out, overwrite=cfg.overwrite, inputs=(cfg.drafter, drafter_dir), job="eval")  # checked now
     drafter = load_drafter(drafter_dir)
     source = resolve_model_source(cfg.target)
     problems = mismatches_with_target(drafter.config, load_config(source, trust_remote_code=cfg.trust_remote_code))
@@ -104,7 +114,7 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     compile = cfg.compile and device.type == "cuda"
     results = evaluate_prompts(target, tokenizer, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                                greedy=cfg.greedy, max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress,
-                               near_tie_ulps=cfg.near_tie_ulps, compile=compile)
+                               near_tie_ulps=cfg.near_tie_ulps, compile=compile, timing_repeats=cfg.timing_repeats)
     report = build_report(results, drafter.config.block_size, target=source.describe(), drafter=str(drafter_dir),
                           prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), near_tie_ulps=cfg.near_tie_ulps,
@@ -113,7 +123,8 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
         log.info("batched decoding: %d prompts, %d at once ...", len(prompts), cfg.batch_size)
         report["batched"] = measure_batched(target, tokenizer, drafter, prompts, slots=cfg.batch_size,
                                             max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, compile=compile)
-    out = Path(cfg.output) if cfg.output else Path("runs/eval") / f"{drafter_dir.name}-{prompt_set_name(cfg.prompts)}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "eval")  # so that a later `eval --overwrite` may replace it
     json_path = write_json(report, out / "report.json")
     png_path = plot_report(report, out / "report.png", title=f"{drafter_dir.name} on {prompt_set_name(cfg.prompts)}")
     print("\n".join(summary_lines(report)))

@@ -89,7 +89,11 @@ def summary_lines(report: dict) -> list[str]:
         lines.append("tau by answer position: " + ", ".join(f"{k}: {v:.2f}" for k, v in by_pos.items())
                      + f" | repetition rate (6-grams seen earlier in the output) {o.get('repetition_rate', float('nan')):.2f}")
     if "speedup" in o:
-        lines.append(f"plain greedy: {o['greedy_tok_per_s']:.1f} tok/s  ->  speedup {o['speedup']:.2f}x")
+        lines.append(f"plain greedy: {o['greedy_tok_per_s']:.1f} tok/s  ->  speedup {o['speedup']:.2f}x"
+                     + _spread(o))
+        if o.get("speedup_is_noise"):
+            lines.append(f"no draft token was accepted (tau {o['tau']:.3f}): speculative decoding cannot be faster "
+                         f"than plain greedy here; a speedup above 1 is timing noise")
         kinds = o.get("divergences", {})
         lines.append(f"output equals plain greedy decoding: {o['matches_greedy']}/{o['prompts']} prompts"
                      + (f"; differences: {kinds.get('near_tie', 0)} at a near-tie of the target's top two logits "
@@ -104,3 +108,10 @@ def summary_lines(report: dict) -> list[str]:
             line += f" vs {batched['greedy']['committed_tok_per_s']:,.0f} greedy = {batched['speedup']:.2f}x"
         lines.append(line)
     return lines
+
+
+def _spread(o: dict) -> str:
+    n, spread = o.get("timing_repeats", 1), o.get("speedup_spread")
+    if n < 2 or not spread:
+        return "  (one timing, no spread)"
+    return f"  (median of {n} timings, spread {spread[0]:.2f}-{spread[1]:.2f}x)"

@@ -356,6 +356,15 @@ def round_robin_records(paths: list[str], *, skip_bad: bool, bad: list[DataError
                 yield record
 
 
+def _check_prompts(cfg: GenerateConfig) -> None:
+    """The prompt inputs exist, and (without --synthesize) hold a conversation to answer."""
+    expand_inputs(cfg.prompts)
+    if not cfg.synthesize and not any(r.messages is not None
+                                      for r in iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=[])):
+        raise DataError(", ".join(map(str, cfg.prompts)), None, None,
+                        "no prompt to answer (no conversation row; plain 'text' rows are skipped): nothing to generate")
+
+
 def _rows_done(cfg: GenerateConfig) -> tuple[set[str], set[str], int, int]:
     """What an earlier run wrote to `cfg.output` (a resume): the ids done, the normalised
     synthetic prompts seen, the synthetic rows of this seed, and the number of rows."""
@@ -428,7 +437,7 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
         return None
 
     if cfg.prompts:
-        expand_inputs(cfg.prompts)  # a missing input fails before the output file is touched
+        _check_prompts(cfg)  # before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
         recover(cfg.output)  # under the lock: no other run is appending
         done_ids, seen, synth_done, existing = _rows_done(cfg)

@@ -29,7 +29,8 @@ Definitions (docs/eval.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from dflash_train.speculative.decoders import Divergence
@@ -124,6 +125,8 @@ class PromptResult:
     spec: DecodeResult
     greedy: DecodeResult | None = None
     divergence: Divergence | None = None  # of spec from greedy, with the target's margin there
+    # (spec seconds, greedy seconds) of each timing repeat after the first run (eval --timing-repeats)
+    repeats: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def matches_greedy(self) -> bool | None:
@@ -175,17 +178,33 @@ def overall_report(results: list[PromptResult], block_size: int) -> dict:
            "verify_seconds": sum(p.spec.verify_seconds for p in results)}
     with_greedy = [p for p in results if p.greedy is not None]
     if with_greedy:
-        greedy_s = sum(p.greedy.seconds for p in with_greedy)
-        greedy_tokens = sum(len(p.greedy.tokens) for p in with_greedy)
-        spec_s_same = sum(p.spec.seconds for p in with_greedy)
-        spec_speed = sum(len(p.spec.tokens) for p in with_greedy) / spec_s_same if spec_s_same > 0 else float("nan")
-        greedy_speed = greedy_tokens / greedy_s if greedy_s > 0 else float("nan")
-        out.update(greedy_seconds=greedy_s, greedy_tok_per_s=greedy_speed, speedup=spec_speed / greedy_speed,
-                   matches_greedy=sum(bool(p.matches_greedy) for p in with_greedy),
+        out.update(_timed_speedup(with_greedy), matches_greedy=sum(bool(p.matches_greedy) for p in with_greedy),
                    mismatched_ids=[p.id for p in with_greedy if not p.matches_greedy])
         kinds = [p.divergence.kind for p in with_greedy if p.divergence is not None]
         out["divergences"] = {k: kinds.count(k) for k in ("identical", "near_tie", "mismatch")}
     return out
+
+
+def _timed_speedup(results: list[PromptResult]) -> dict:
+    """Speeds and speedup of the prompts that were also decoded plain greedy. Each timing repeat
+    (the first run and `repeats`) gives one speedup from its summed seconds; the report holds their
+    median, the spread (min, max), and the median speeds. With no accepted draft (tau 1.0) no
+    speedup can be real: speculation only added work, and a ratio above 1 is timing noise."""
+    n = 1 + min(len(p.repeats) for p in results)
+    spec_tokens = sum(len(p.spec.tokens) for p in results)
+    greedy_tokens = sum(len(p.greedy.tokens) for p in results)
+    runs = [[(p.spec.seconds, p.greedy.seconds), *p.repeats][:n] for p in results]
+    spec_speeds = [_rate(spec_tokens, sum(r[i][0] for r in runs)) for i in range(n)]
+    greedy_speeds = [_rate(greedy_tokens, sum(r[i][1] for r in runs)) for i in range(n)]
+    speedups = [s / g for s, g in zip(spec_speeds, greedy_speeds)]
+    accepted = sum(r.accepted for p in results for r in p.spec.rounds)
+    return {"greedy_seconds": sum(p.greedy.seconds for p in results),
+            "greedy_tok_per_s": statistics.median(greedy_speeds), "spec_tok_per_s": statistics.median(spec_speeds), "speedup": statistics.median(speedups),
+            "speedup_spread": [min(speedups), max(speedups)], "timing_repeats": n, "speedup_is_noise": accepted == 0}
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 def _mean(values: list[float]) -> float:

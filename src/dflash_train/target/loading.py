@@ -57,6 +57,21 @@ def _gguf_source(directory: Path, gguf_file: str, name: str) -> ModelSource:
     return ModelSource(folder, None, name, origin=str(directory / gguf_file))
 
 
+def _refuse_a_drafter(path: Path) -> None:
+    """A drafter given where the target belongs (its config.json looks like a model's, and the errors
+    that follow, "no chat template" or a vocabulary of 1, would not say why)."""
+    for config, what in ((path / "config.json", "a DFlash drafter"),
+                         (path / "drafter" / "config.json", "a training checkpoint of a DFlash drafter"),
+                         (path / "final" / "config.json", "a training run of a DFlash drafter")):
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        if "DFlashDraftModel" in architectures:
+            raise ModelError(f"{path} is {what}, not a target model: give the target model the drafter drafts for "
+                             f"(a model directory, a .gguf file or 'builtin')")
+
+
 def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
     """`builtin`, a model directory, or a `.gguf` file -> ModelSource (checked to exist)."""
     spec = str(spec)
@@ -75,6 +90,7 @@ def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path.parent, path.name, path.stem)
     if path.is_dir():
+        _refuse_a_drafter(path)
         if not (path / "config.json").is_file():
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             if len(ggufs) == 1:

@@ -16,6 +16,7 @@ import argparse
 
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_training
+from dflash_train.utils.errors import ConfigError
 
 CONFIG = TrainConfig
 
@@ -33,4 +34,7 @@ def _resume_mode(value: str) -> str:
 
 
 def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    if not cfg.data.path:  # checked here, not in the config: `--print-config` shows the defaults without a dataset
+        raise ConfigError("data.path is required: a dataset directory written by `dflash-train prepare` "
+                          "(--data.path DIR)")
     return run_training(cfg, resume=args.resume)

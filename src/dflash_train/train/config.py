@@ -15,7 +15,7 @@ from typing import Literal
 
 from dflash_train.data.config import DataConfig
 from dflash_train.drafter.config import DrafterSpec
-from dflash_train.drafter.loss import LossConfig
+from dflash_train.drafter.loss import CONFIDENCE_WEIGHTINGS, LossConfig
 from dflash_train.pipeline.config import PipelineConfig
 from dflash_train.target.config import TargetConfig
 from dflash_train.train.profiling import parse_profile_steps
@@ -43,9 +43,14 @@ class OptimConfig:
     lr: float = 6e-4
     """peak learning rate (AdamW)"""
     min_lr_ratio: float = 0.1
-    """the cosine schedule decays to lr * min_lr_ratio"""
+    """the schedule decays to lr * min_lr_ratio"""
     warmup_steps: int = 100
     """linear warmup steps"""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """after the warmup: cosine decay, or warmup-stable-decay (wsd: the peak lr, then a linear
+    decay over the last decay_fraction of the steps)"""
+    decay_fraction: float = 0.2
+    """wsd: the share of all steps spent decaying"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     beta1: float = 0.9
@@ -66,6 +71,9 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
+        if self.schedule not in ("cosine", "wsd") or not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.schedule must be cosine or wsd (got {self.schedule!r}) and "
+                             f"optim.decay_fraction in (0, 1] (got {self.decay_fraction})")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.grad_accum < 1:
             raise ValueError("optim.warmup_steps >= 0, optim.grad_clip >= 0 and optim.grad_accum >= 1 are required")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -87,10 +95,14 @@ class RunConfig:
     fit_schedule: bool = False
     """with max_minutes: once the rate is measured (the second log window), shorten the schedule
     (max_steps, or the epochs' steps: the most the run does) to what 95% of the time box holds, so
-    the learning rate has decayed when the box ends; the fitted length is kept across resumes. No
+    the learning rate has decayed when the box ends, and refit it at later log windows when the
+    measured rate moves the fit (docs/training.md); the fitted length is kept across resumes. No
     effect without a box (a short run with run.max_minutes 0 keeps its max_steps)"""
     seed: int = 0
     """seed of initialisation, anchors, noise and the eval split"""
+    resume_with_other_data: bool = False
+    """with --resume: continue from the checkpoint's data position although the data options, the seed or
+    the dataset differ from the checkpoint's (that position then points at other batches); else refused"""
     device: str = "auto"
     """auto (this rank's GPU, else CPU), cpu, cuda, cuda:N"""
     drafter_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -171,10 +183,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if not self.data.path:
-            raise ValueError("data.path is required: a dataset directory written by `dflash-train prepare`")
-        if self.step.label_source == "distill" and "cap" in self.loss.weighting:
-            raise ValueError("loss.weighting 'cap' needs hard labels; use decay with label_source=distill")
+        if self.step.label_source == "distill" and self.loss.weighting in CONFIDENCE_WEIGHTINGS:
+            raise ValueError(f"loss.weighting '{self.loss.weighting}' needs hard labels; use decay with "
+                             "label_source=distill")
         if self.pipeline.queue_depth < self.optim.grad_accum:
             raise ValueError(f"pipeline.queue_depth ({self.pipeline.queue_depth}) must be >= optim.grad_accum "
                              f"({self.optim.grad_accum}): a drafter needs a whole step's batches in flight")

@@ -1,4 +1,5 @@
-"""The optimizer and its learning-rate schedule: AdamW, linear warmup, cosine decay."""
+"""The optimizer and its learning-rate schedule: AdamW, linear warmup, then cosine decay or
+warmup-stable-decay (constant, then a linear decay over the last steps)."""
 
 from __future__ import annotations
 
@@ -94,10 +95,16 @@ class CompiledAdamW(torch.optim.AdamW):
                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
 
-def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, schedule: str = "cosine",
+              decay_fraction: float = 0.2) -> float:
     """Multiplier of the base lr for optimizer step `step` (0-based)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
+    if schedule == "wsd":
+        # stable at the peak, then linear to min_ratio over the last decay_fraction of the steps
+        decay = max(1, round(decay_fraction * total))
+        start = max(warmup, total - decay)
+        return 1.0 - (1 - min_ratio) * min(max(step - start, 0) / max(total - start, 1), 1.0)
     span = max(total - warmup, 1)
     progress = min(max(step - warmup, 0) / span, 1.0)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -106,4 +113,5 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: Callable[[], int]):
     """`total_steps` is read at every step: run.fit_schedule may shorten the schedule once, mid-run."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup=cfg.warmup_steps, total=total_steps(), min_ratio=cfg.min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, warmup=cfg.warmup_steps, total=total_steps(), min_ratio=cfg.min_lr_ratio,
+                                          schedule=cfg.schedule, decay_fraction=cfg.decay_fraction))

@@ -5,11 +5,14 @@ compiled wrappers, and where each step's (batch, target output) pairs come from.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,6 +38,7 @@ from dflash_train.target.packed import UnsupportedTarget
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
+from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_dtype
 from dflash_train.utils.errors import ConfigError, TrainingError
 
@@ -121,6 +125,47 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     return FrozenTarget(FrozenHeads(embed, head.weight if head is not None else embed), model, runner)
 
 
+# what a checkpoint's data position (epoch, batch index) means: the batch plan, the split, the shuffle
+_DATA_POSITION_IGNORED = {"data.prefetch", "data.eval_batches"}
+
+
+def data_position_identity(cfg: TrainConfig, data) -> dict:
+    """The options and dataset facts that give a data cursor its meaning, flattened: the checkpoint
+    records them in its config.yaml (`data_resolved`), `--resume` compares them."""
+    flat = {f"data.{k}": v for k, v in _flatten(to_dict(cfg.data)).items() if f"data.{k}" not in _DATA_POSITION_IGNORED}
+    flat["run.seed"] = cfg.run.seed
+    flat["data_resolved.train_samples"] = int(len(data.planner.lengths))
+    flat["data_resolved.train_tokens"] = int(data.planner.lengths.sum())
+    return flat
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def data_position_changes(saved_config: dict, now: dict) -> list[str]:
+    """`key: saved vs now` for every data-position fact that differs from a checkpoint's resolved config
+    (facts an older checkpoint did not record are not compared)."""
+    saved = _flatten(saved_config)
+    out = []
+    for key, value in now.items():
+        before = saved.get(key, value)
+        if key == "data.path" and before != value and Path(str(before)).resolve() == Path(str(value)).resolve():
+            continue
+        if before != value:
+            out.append(f"{key}: {before!r} there vs {value!r} now")
+    return out
+
+
+def config_diff(theirs: DrafterConfig, ours: DrafterConfig) -> str:
+    """The fields in which a saved drafter's config differs from this run's, as `name: saved vs this run`."""
+    return "; ".join(f"{f.name}: {getattr(theirs, f.name)!r} there vs {getattr(ours, f.name)!r} in this run"
+                     for f in dataclasses.fields(ours) if getattr(theirs, f.name) != getattr(ours, f.name))
+
+
 def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: FrozenHeads, device: torch.device, *,
                   init_layers: list[int] | None = None, target_model: torch.nn.Module | None = None) -> DFlashDrafter:
     """The drafter in its master dtype on `device`: loaded from drafter.init_from, or new; with
@@ -204,6 +249,41 @@ def resolve_attention(requested: str, device: torch.device, head_dim: int) -> st
         raise TrainingError(f"step.attention=flex needs drafter heads of >= {FLEX_MIN_HEAD_DIM} dims (FlexAttention's "
                             f"GPU kernels), this drafter's are {head_dim}: use step.attention auto or dense")
     return requested
+
+
+LOW_FILL = 0.25  # batches less full than this compute mostly padding: said before the run starts
+CPU_COMPILE_TOKENS = 4096  # a compiled CPU batch above this many tokens takes minutes to compile and to step
+CPU_CONFIG = "src/dflash_train/assets/demo_cpu.yaml"  # the CPU-sized config the README names
+
+
+def start_warnings(cfg: TrainConfig, planner: BatchPlanner, device: torch.device) -> list[str]:
+    """What a newcomer's first run gets wrong, said before the long wait: batches that are mostly
+    padding (a small dataset under a large token budget), and a large compiled shape on a CPU."""
+    plan = cfg.data.plan
+    out = []
+    batches = max(len(planner.plan(0)), 1)
+    fill = float(planner.lengths.sum()) / (batches * plan.token_budget)
+    if fill < LOW_FILL:
+        out.append(f"batches are only {fill:.1%} full ({int(planner.lengths.sum()):,} tokens in {batches:,} batches of "
+                   f"data.plan.token_budget {plan.token_budget:,}): most of every step is padding; a smaller "
+                   f"data.plan.token_budget (the longest sample has {int(planner.lengths.max()):,} tokens) "
+                   f"or more data fits better")
+    shape = compile_padding(cfg)
+    if shape is not None and device.type == "cpu" and shape[0] * shape[1] > CPU_COMPILE_TOKENS:
+        out.append(f"compiling for {shape[0]} x {shape[1]:,}-token batches on a CPU (run.compile / target.compile): "
+                   f"the first steps wait minutes for torch.compile and every step is slow at this shape; for a CPU, "
+                   f"start from {CPU_CONFIG} (no compile, 512-token batches)")
+    return out
+
+
+def announce_start(cfg: TrainConfig, planner: BatchPlanner, device: torch.device) -> None:
+    """The start warnings, and a "compiling" line before the first step's wait for the compiler."""
+    for line in start_warnings(cfg, planner, device):
+        log.warning("%s", line)
+    shape = compile_padding(cfg)
+    if shape is not None:
+        what = " and ".join(w for w, on in (("the drafter", cfg.run.compile), ("the target", cfg.target.compile)) if on)
+        log.info("compiling ... %s for %d x %d-token batches: the first step waits for torch.compile", what, *shape)
 
 
 def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:

@@ -122,6 +122,31 @@ def fitted_total(*, step: int, total: int, steps_per_s: float, session_elapsed_s
     return min(total, max(step + 1, fits))
 
 
+REFIT_SHARE = 0.1  # a refit happens when the fitted length moves by more than this share of the steps left
+
+
+def refit_due(*, step: int, current_total: int, fitted: int) -> bool:
+    """Whether a newly fitted length replaces the current one: it moved by more than REFIT_SHARE of the
+    steps left (and by more than 2 steps), so a steady rate's jitter does not move the cosine every window."""
+    return abs(fitted - current_total) > max(2, REFIT_SHARE * (current_total - step))
+
+
+class RateSince:
+    """The training rate since a start point (the end of the first log window, which holds the compiles):
+    steps per second over everything after it, so one slow or fast window moves it only in part."""
+
+    def __init__(self) -> None:
+        self.origin: tuple[int, float] | None = None
+
+    def start(self, step: int, elapsed_s: float) -> None:
+        self.origin = (step, elapsed_s)
+
+    def steps_per_s(self, step: int, elapsed_s: float) -> float:
+        if self.origin is None or elapsed_s <= self.origin[1]:
+            return 0.0
+        return (step - self.origin[0]) / (elapsed_s - self.origin[1])
+
+
 def schedule_fit(*, step: int, total: int, steps_per_s: float, session_elapsed_s: float,
                  max_minutes: float) -> str | None:
     """A line of advice when the learning-rate schedule does not fit run.max_minutes at the measured

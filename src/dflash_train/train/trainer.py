@@ -24,6 +24,7 @@ import torch.distributed as dist
 import yaml
 from torch.profiler import record_function
 
+from dflash_train.data.prompts import load_prompts
 from dflash_train.data.splits import open_data
 from dflash_train.drafter.checkpoint import load_drafter_config, save_drafter
 from dflash_train.drafter.loss import StepStats
@@ -46,7 +47,7 @@ from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogge
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
-from dflash_train.train.stopping import StopControl, WeightAndStop, fitted_total, schedule_fit
+from dflash_train.train.stopping import RateSince, StopControl, WeightAndStop, fitted_total, refit_due, schedule_fit
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
@@ -86,9 +87,7 @@ class Trainer:
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
         target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
         self.drafter_config = setup.resolve_drafter_config(cfg, target_config, self.tokenizer)
-        if resume_from is not None and load_drafter_config(resume_from / "drafter") != self.drafter_config:
-            raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's; resume "
-                                f"with the config the run was started with, or start a new run.output_dir")
+        self._check_inputs(resume_from)
         # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
         self.init_layers = setup.resolve_init_layers(cfg, target_config)
         if self.main:  # the resolved config and the metrics go there even without checkpoints
@@ -96,14 +95,19 @@ class Trainer:
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
                               tokenizer_identity=identity)
+        self.data_identity = setup.data_position_identity(cfg, self.data)
+        self._check_data_position(resume_from)
         attention = setup.resolve_attention(cfg.step.attention, self.device, self.drafter_config.head_dim)
         self.step_cfg = StepConfig(num_anchors=cfg.step.num_anchors, label_source=cfg.step.label_source,
                                    noise_sigma=cfg.step.noise_sigma, attention=attention, fixed_shape=cfg.run.compile)
         self.padding = setup.compile_padding(cfg)
         self.total_steps = setup.total_optimizer_steps(cfg.run, cfg.optim.grad_accum, self.data.planner,
                                                        ctx.num_drafters)
+        self.most_steps = self.total_steps  # the most the run does: run.fit_schedule fits (and refits) up to it
         self.total_batches = None if cfg.run.max_steps else self.total_steps * cfg.optim.grad_accum
         log.info("%s", self.data.planner.describe(0, world=ctx.num_drafters))
+        if self.main:
+            setup.announce_start(cfg, self.data.planner, self.device)
         d = self.drafter_config
         log.info("target %s | drafter %d layers, block %d, taps %s, mask token %d | %d steps on %s", cfg.target.path,
                  d.num_hidden_layers, d.block_size, d.target_layer_ids, d.mask_token_id, self.total_steps, self.device)
@@ -130,12 +134,15 @@ class Trainer:
                          cfg.drafter.init_from_target)
             if self.state.fitted_total:  # run.fit_schedule fitted it before: the schedule continues as fitted
                 self.total_steps = min(self.total_steps, self.state.fitted_total)
+        self.rate, self.fitted_here = RateSince(), False
         self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
         if ctx.layout == "split":
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
         self.resolved = {**to_dict(cfg), "drafter_resolved": {"target_layer_ids": d.target_layer_ids,
                                                               "mask_token_id": d.mask_token_id,
-                                                              "init_from_target_layers": self.init_layers}}
+                                                              "init_from_target_layers": self.init_layers},
+                         "data_resolved": {k.split(".", 1)[1]: v for k, v in self.data_identity.items()
+                                           if k.startswith("data_resolved.")}}
         if self.main:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
@@ -143,6 +150,41 @@ class Trainer:
         self.last_eval: tuple[int, dict] = (-1, {})
         self.evaluator = Evaluator(cfg, self.data, self.target, self.tokenizer, self.step_cfg, self.device,
                                    padding=self.padding, num_drafters=ctx.num_drafters)
+
+    def _check_inputs(self, resume_from: Path | None) -> None:
+        """The saved drafters this run starts from fit its config, and the held-out prompt file reads:
+        found before the target loads, not after training."""
+        cfg = self.cfg
+        if resume_from is not None and (diff := setup.config_diff(load_drafter_config(resume_from / "drafter"),
+                                                                  self.drafter_config)):
+            raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's ({diff}); "
+                                f"resume with the config the run was started with, or start a new run.output_dir")
+        if cfg.drafter.init_from and (diff := setup.config_diff(load_drafter_config(cfg.drafter.init_from),
+                                                                self.drafter_config)):
+            raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: that drafter does not fit this run's "
+                                f"config ({diff}); set the drafter.* options to match it")
+        if cfg.eval.spec_prompts not in (None, "", "heldout"):
+            load_prompts(cfg.eval.spec_prompts, cfg.eval.spec_num_prompts or None)
+
+    def _check_data_position(self, resume_from: Path | None) -> None:
+        """--resume continues at the checkpoint's (epoch, batch): with other data options, seed or dataset
+        that position names other batches, so it is refused (or, with run.resume_with_other_data, said)."""
+        if resume_from is None:
+            return
+        try:
+            saved = yaml.safe_load((resume_from / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            saved = {}
+        changes = setup.data_position_changes(saved, self.data_identity)
+        if not changes:
+            return
+        what = "; ".join(changes)
+        if not self.cfg.run.resume_with_other_data:
+            raise TrainingError(f"--resume: the data differ from {resume_from}'s ({what}): its data position would "
+                                f"point at other batches; resume with the checkpoint's values, start a new "
+                                f"run.output_dir, or pass --run.resume_with_other_data to continue anyway")
+        log.warning("--resume with other data (%s): continuing from the checkpoint's data position "
+                    "(run.resume_with_other_data)", what)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -179,8 +221,10 @@ class Trainer:
                     if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
                         last = self._log_window(metrics, window, timer, float(done.grad.grad_norm))
                         windows += 1
-                        if windows == 2:  # the first window holds the compiles: the second one's rate is the run's
-                            self._check_schedule(metrics, control, window.steps / max(last["window_s"], 1e-9))
+                        if windows == 1:  # the first window holds the compiles: the rate counts from its end
+                            self.rate.start(state.step, control.session_elapsed_s())
+                        else:
+                            self._check_schedule(metrics, control, first=windows == 2)
                         window = Window()
                     if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
                         self.evaluate(metrics)
@@ -244,20 +288,30 @@ class Trainer:
                                         seed=batch_seed(cfg.run.seed, batch.epoch, global_index)))
         return micro, tokens, redo, False
 
-    def _check_schedule(self, metrics: MetricsLogger, control: StopControl, steps_per_s: float) -> None:
-        """Against the time box, once: fit the schedule to it (run.fit_schedule), or say when it does not fit."""
+    def _check_schedule(self, metrics: MetricsLogger, control: StopControl, *, first: bool) -> None:
+        """Against the time box, from the second log window on: fit the schedule to it (run.fit_schedule)
+        and refit it when the rate measured since the first window moves the fit (a load spike that
+        passed, or began); without fit_schedule, or resumed from a fitted run, say once when it does not fit."""
         run, state = self.cfg.run, self.state
-        box = dict(step=state.step, total=self.total_steps, steps_per_s=steps_per_s,
-                   session_elapsed_s=control.session_elapsed_s(), max_minutes=run.max_minutes)
-        if not (run.fit_schedule and run.max_minutes and not state.fitted_total):
-            metrics.line(schedule_fit(**box) or "")
+        elapsed = control.session_elapsed_s()
+        steps_per_s = self.rate.steps_per_s(state.step, elapsed)
+        box = dict(step=state.step, total=self.most_steps, steps_per_s=steps_per_s, session_elapsed_s=elapsed,
+                   max_minutes=run.max_minutes)
+        if not (run.fit_schedule and run.max_minutes) or (state.fitted_total and not self.fitted_here):
+            if first:
+                metrics.line(schedule_fit(**{**box, "total": self.total_steps}) or "")
             return
         fitted = torch.tensor(fitted_total(**box), device=self.device)
         if self.ctx.num_drafters > 1:  # the replicas must end at one step: the slowest one's count
             dist.all_reduce(fitted, op=dist.ReduceOp.MIN, group=self.ctx.drafters)
-        metrics.line(f"schedule fitted to run.max_minutes={run.max_minutes:g}: {int(fitted):,} steps (the most was "
-                     f"{self.total_steps:,}) at the measured {steps_per_s:.2f} steps/s")
-        self.total_steps = state.fitted_total = int(fitted)
+        fitted = int(fitted)  # agreed: every replica takes the same decision below
+        if self.fitted_here and not refit_due(step=state.step, current_total=self.total_steps, fitted=fitted):
+            return
+        verb = "refitted" if self.fitted_here else "fitted"
+        metrics.line(f"schedule {verb} to run.max_minutes={run.max_minutes:g}: {fitted:,} steps (the most is "
+                     f"{self.most_steps:,}) at the measured {steps_per_s:.2f} steps/s")
+        self.total_steps = state.fitted_total = fitted
+        self.fitted_here = True
         metrics.set_total(self.total_steps)
 
     def _skip_nonfinite(self, metrics: MetricsLogger) -> None:

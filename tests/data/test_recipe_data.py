@@ -1,0 +1,128 @@
+"""scripts/recipe_data.sh: generated conversations kept in history, outside the working tree.
+
+Each test runs the real script in a scratch git repository: store exports, list them, restore
+them and rebuild the concatenated set byte for byte; the refusals exit with status 2."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "recipe_data.sh"
+
+pytestmark = pytest.mark.skipif(not (shutil.which("git") and shutil.which("xz")), reason="needs git and xz")
+
+
+def run(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", "scripts/recipe_data.sh", *args], cwd=repo, capture_output=True, text=True)
+    if check and proc.returncode:
+        raise AssertionError(f"{args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts" / "recipe_data.sh")
+    (root / "README.md").write_text("product\n")
+    git(root, "init", "-q")
+    git(root, "config", "user.email", "t@example.com")
+    git(root, "config", "user.name", "t")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "init")
+    return root
+
+
+def rows(*ids: str) -> str:
+    return "".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in ids)
+
+
+def test_exports_concatenate_to_the_generated_file_and_leave_the_tree_alone(repo: Path) -> None:
+    gen = repo / "gen.jsonl"
+    gen.write_text(rows("a", "b", "c"))
+    tree_before = git(repo, "ls-tree", "-r", "--name-only", "HEAD")
+    assert "kept 3 conversations as day1" in run(repo, "store", "day1", "gen.jsonl", "first run").stdout
+    gen.write_text(rows("a", "b", "c", "d", "e"))  # a resumed run appends to the same file
+    assert run(repo, "rows", "gen.jsonl").stdout == rows("d", "e")
+    run(repo, "store", "day2", "gen.jsonl")
+    # the branch's files are unchanged: the data lives only in the merged data commits
+    assert git(repo, "ls-tree", "-r", "--name-only", "HEAD") == tree_before
+    listing = run(repo, "list").stdout.splitlines()
+    assert [line.split()[2] for line in listing[:2]] == ["day1", "day2"]
+    assert listing[0].split()[3] == "3" and listing[1].split()[3] == "2"
+    assert listing[-1] == "5 rows in 2 export(s)"
+    out = repo / "restored"
+    run(repo, "restore", str(out))
+    files = sorted(out.glob("*.jsonl.xz"))
+    assert [f.name for f in files] == ["001-day1.jsonl.xz", "002-day2.jsonl.xz"]
+    assert b"".join(lzma.decompress(f.read_bytes()) for f in files).decode() == gen.read_text()
+
+
+def test_a_clone_restores_the_same_rows(repo: Path, tmp_path: Path) -> None:
+    (repo / "gen.jsonl").write_text(rows("x", "y"))
+    run(repo, "store", "only", "gen.jsonl")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    run(clone, "restore", "r")
+    assert lzma.decompress((clone / "r" / "001-only.jsonl.xz").read_bytes()).decode() == rows("x", "y")
+
+
+@pytest.mark.parametrize("case", ["nothing new", "same name", "bad name", "dirty tree", "row without id"])
+def test_refusals_exit_2_and_keep_nothing(repo: Path, case: str) -> None:
+    gen = repo / "gen.jsonl"
+    gen.write_text(rows("a"))
+    run(repo, "store", "first", "gen.jsonl")
+    head = git(repo, "rev-parse", "HEAD")
+    name = "first2"
+    if case == "same name":
+        gen.write_text(rows("a", "b"))
+        name = "first"
+    elif case == "bad name":
+        gen.write_text(rows("a", "b"))
+        name = "../up"
+    elif case == "dirty tree":
+        gen.write_text(rows("a", "b"))
+        (repo / "README.md").write_text("edited\n")
+    elif case == "row without id":
+        gen.write_text(rows("a") + json.dumps({"messages": []}) + "\n")
+    proc = run(repo, "store", name, "gen.jsonl", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("recipe_data: ") and len(proc.stderr.strip().splitlines()) == 1
+    assert git(repo, "rev-parse", "HEAD") == head
+
+
+def test_restore_refuses_an_export_whose_manifest_disagrees(repo: Path) -> None:
+    (repo / "gen.jsonl").write_text(rows("a"))
+    run(repo, "store", "good", "gen.jsonl")
+    # a hand-made data commit whose manifest names another checksum
+    blob = lzma.compress(rows("z").encode())
+    (repo / "bad.xz").write_bytes(blob)
+    (repo / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "rows": 1,
+                                                    "sha256_xz": "0" * 64}))
+    env_index = repo / ".git" / "tmp-index"
+    env = {"GIT_INDEX_FILE": str(env_index), "PATH": "/usr/bin:/bin"}
+    for src, dst in (("bad.xz", "conversations.jsonl.xz"), ("manifest.json", "manifest.json")):
+        sha = subprocess.run(["git", "hash-object", "-w", src], cwd=repo, check=True, capture_output=True,
+                             text=True).stdout.strip()
+        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},recipe-data/bad/{dst}"],
+                       cwd=repo, check=True, env=env)
+    tree = subprocess.run(["git", "write-tree"], cwd=repo, check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+    commit = git(repo, "commit-tree", tree, "-m", "recipe data: bad (1 conversations)").strip()
+    (repo / "bad.xz").unlink()
+    (repo / "manifest.json").unlink()
+    git(repo, "merge", "-q", "-s", "ours", "--allow-unrelated-histories", "--no-edit", commit)
+    proc = run(repo, "restore", "out", check=False)
+    assert proc.returncode == 2
+    assert "bad: sha256" in proc.stderr and "0" * 64 in proc.stderr
+    assert not list((repo / "out").glob("*bad*"))
