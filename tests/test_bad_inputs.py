@@ -160,3 +160,17 @@ def test_changed_drafter_config_on_resume_fails_before_the_target_loads(tiny_tar
     monkeypatch.setattr(setup_mod, "load_target_model", refuse)
     with pytest.raises(TrainingError, match="the checkpoint's drafter config differs from this run's"):
         Trainer(changed, resume=True)
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ('{"format_version": 1, "shards": [{"file": "shard-00000.arrow", "ro', r"manifest.json:1: invalid JSON"),
+    ("[1, 2]", r"manifest.json: not a JSON object"),
+    ('{"format_version": 1}', r"manifest.json: field 'shards' missing or not a list"),
+    ('{"format_version": 1, "shards": [7]}', r"manifest.json: field 'shards\[0\]' must be"),
+    ('{"format_version": 1, "shards": [{"file": "../x.arrow", "rows": 1}]}', r"field 'shards\[0\]' must be"),
+])
+def test_a_damaged_manifest_is_named(tiny_targets, tmp_path, manifest, message):
+    data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(20), tmp_path / "data")
+    (data / "manifest.json").write_text(manifest)
+    with pytest.raises(DataError, match=message):
+        TokenDataset(data)
