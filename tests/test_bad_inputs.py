@@ -174,3 +174,21 @@ def test_a_damaged_manifest_is_named(tiny_targets, tmp_path, manifest, message):
     (data / "manifest.json").write_text(manifest)
     with pytest.raises(DataError, match=message):
         TokenDataset(data)
+
+
+@pytest.mark.parametrize("output, message", [("report.txt", "report.txt is a file, not a directory"),
+                                             ("report.txt/eval", "report.txt/eval: cannot write there (Not a directory)")])
+def test_eval_output_that_cannot_be_written_fails_before_the_target_loads(tiny_targets, loaded_targets, tmp_path,  # noqa: F811
+                                                                          monkeypatch, capsys, output, message):
+    model, tok = loaded_targets["llama"]
+    path = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    (tmp_path / "report.txt").write_text("my notes\n")
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the output was checked")
+
+    monkeypatch.setattr(eval_cli, "load_causal_lm", refuse)
+    assert main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(path), "--no-progress",
+                 "-o", str(tmp_path / output)]) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "report.txt").read_text() == "my notes\n"

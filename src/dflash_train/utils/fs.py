@@ -257,6 +257,8 @@ def check_writable_dir(path: str | Path) -> Path:
     """Create `path` if needed and check that files can be written in it, before any long work
     whose results would go there; OutputError otherwise."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{path} is a file, not a directory; choose another directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{writer_tag()}"
@@ -265,6 +267,16 @@ def check_writable_dir(path: str | Path) -> Path:
     except OSError as exc:
         raise OutputError(f"{path}: cannot write there ({exc.strerror}); choose another directory or fix its "
                           f"permissions") from None
+    return path
+
+
+def check_writable_file(path: str | Path, *, option: str) -> Path:
+    """Before long work whose result goes to the file `path` (given by `option`): not a
+    directory, and a file can be written in its directory (created if needed); OutputError."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a directory; give a file name, e.g. {path / 'result.json'}")
+    check_writable_dir(path.parent)
     return path
 
 
