@@ -192,3 +192,19 @@ def test_eval_output_that_cannot_be_written_fails_before_the_target_loads(tiny_t
                  "-o", str(tmp_path / output)]) == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "report.txt").read_text() == "my notes\n"
+
+
+def test_prompts_from_a_missing_stdlib_directory_fail_instead_of_writing_nothing(tmp_path, capsys):
+    assert main(["prompts", "--sources", "stdlib-code", "--stdlib", str(tmp_path / "none"), "--limit", "5",
+                 "-o", str(tmp_path / "p")]) == 2
+    assert f"--stdlib {tmp_path / 'none'}: not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_report_that_cannot_be_written_leaves_no_temp_file(tmp_path):
+    from dflash_train.eval.report import write_json
+
+    (tmp_path / "report.json").mkdir()  # the rename into place fails, as a full disk fails the write
+    with pytest.raises(OSError):
+        write_json({"overall": {}}, tmp_path / "report.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
