@@ -99,8 +99,8 @@ def _build_fixtures(fx: Path) -> dict[str, Path]:
     data = prepare_dataset(target, rows, fx / "data")
     prompts = fx / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": r["messages"][0]["content"]}) + "\n" for r in rows[:3]))
-    chats = fx / "chats.jsonl"  # generate reads conversations: a user turn, no answer yet
-    chats.write_text("".join(json.dumps({"messages": r["messages"][:1]}) + "\n" for r in rows[:3]))
+    chats = fx / "chats.jsonl"  # generate reads conversations and writes the target's own answers to them
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
     run = fx / "run"
     _cli(["train", *train_args(target, data, run)], check=True)
     drafter = fx / "drafter"
