@@ -277,3 +277,51 @@ def test_a_missing_spec_prompts_file_fails_at_start(tiny_targets, tiny_datasets,
                **{"eval.spec_prompts": str(tmp_path / "missing.jsonl")})
     with pytest.raises(DFlashError, match="missing.jsonl"):
         Trainer(cfg)
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ('{"format_version": 1, "shards": [{"file": "shard-00000.arrow", "ro', r"manifest.json:1: invalid JSON"),
+    ("[1, 2]", r"manifest.json: not a JSON object"),
+    ('{"format_version": 1}', r"manifest.json: field 'shards' missing or not a list"),
+    ('{"format_version": 1, "shards": [7]}', r"manifest.json: field 'shards\[0\]' must be"),
+    ('{"format_version": 1, "shards": [{"file": "../x.arrow", "rows": 1}]}', r"field 'shards\[0\]' must be"),
+])
+def test_a_damaged_manifest_is_named(tiny_targets, tmp_path, manifest, message):
+    data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(20), tmp_path / "data")
+    (data / "manifest.json").write_text(manifest)
+    with pytest.raises(DataError, match=message):
+        TokenDataset(data)
+
+
+@pytest.mark.parametrize("output, message", [("report.txt", "report.txt is a file, not a directory"),
+                                             ("report.txt/eval", "report.txt/eval: cannot write there (Not a directory)")])
+def test_eval_output_that_cannot_be_written_fails_before_the_target_loads(tiny_targets, loaded_targets, tmp_path,  # noqa: F811
+                                                                          monkeypatch, capsys, output, message):
+    model, tok = loaded_targets["llama"]
+    path = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    (tmp_path / "report.txt").write_text("my notes\n")
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the output was checked")
+
+    monkeypatch.setattr(eval_cli, "load_causal_lm", refuse)
+    assert main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(path), "--no-progress",
+                 "-o", str(tmp_path / output)]) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "report.txt").read_text() == "my notes\n"
+
+
+def test_prompts_from_a_missing_stdlib_directory_fail_instead_of_writing_nothing(tmp_path, capsys):
+    assert main(["prompts", "--sources", "stdlib-code", "--stdlib", str(tmp_path / "none"), "--limit", "5",
+                 "-o", str(tmp_path / "p")]) == 2
+    assert f"--stdlib {tmp_path / 'none'}: not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_report_that_cannot_be_written_leaves_no_temp_file(tmp_path):
+    from dflash_train.eval.report import write_json
+
+    (tmp_path / "report.json").mkdir()  # the rename into place fails, as a full disk fails the write
+    with pytest.raises(OSError):
+        write_json({"overall": {}}, tmp_path / "report.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

@@ -8,7 +8,7 @@ from dflash_train.bench import cli as bench
 from dflash_train.bench.cli import BenchConfig, best_bf16_settings, format_lever_table, run
 from dflash_train.train.config import TrainConfig
 from dflash_train.utils.config import load_config
-from dflash_train.utils.errors import ConfigError
+from dflash_train.utils.errors import ConfigError, OutputError
 
 TINY = {"preset": "tiny", "tokens": 256, "doc_len": "40-120", "anchors": 8, "block": 4, "layers": 1, "warmup": 1,
         "measure": 2, "device": "cpu"}
@@ -86,3 +86,28 @@ def test_bad_lever_settings_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="overlap_target"):
         load_config(TrainConfig, None, {"pipeline.overlap_target": "true", "pipeline.layout": "split",
                                         "pipeline.target_ranks": "1", "pipeline.drafter_ranks": "1"})
+
+
+@pytest.mark.parametrize("content, message", [
+    ("5", "not a lever table"),
+    ('{"rows": 5}', "not a lever table"),
+    ('{"rows": [3]}', "not a lever table"),
+    ('{"rows": [{"settings": 1}]}', "not a lever table"),
+    ('{"preset": "tiny", "tokens_per_s": 1000.0}', "not a lever table"),  # a one-setting result, not a table
+    (json.dumps({"rows": [_row("x", 10.0, warp=True)]}), r"hold \['warp'\], not lever fields"),
+    (json.dumps({"rows": [_row("x", 10.0, target_forward=5)]}), "target_forward"),
+])
+def test_like_with_a_file_that_is_not_a_lever_table_is_named(tmp_path, monkeypatch, content, message):
+    (tmp_path / "t.json").write_text(content)
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("measured before --like was checked"))
+    with pytest.raises(ConfigError, match=f"--like {tmp_path / 't.json'}: .*{message}"):
+        run(BenchConfig(**TINY, like=str(tmp_path / "t.json"), out=str(tmp_path / "o.json")))
+
+
+def test_an_out_that_cannot_be_written_fails_before_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("measured before --out was checked"))
+    with pytest.raises(OutputError, match=f"--out {tmp_path} is a directory; give a file name"):
+        run(BenchConfig(**TINY, out=str(tmp_path)))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(OutputError, match="a_file is a file, not a directory"):
+        run(BenchConfig(**TINY, levers="baseline", out=str(tmp_path / "a_file" / "levers.json")))

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from dflash_train.target import gguf_cache
 from dflash_train.target.loading import (BUILTIN_GGUF, load_causal_lm, load_tokenizer, resolve_model_source,
@@ -51,6 +52,22 @@ def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert gguf_cache.cached_folder(fake_gguf(tmp_path)) is None
     assert "disk full" in caplog.text and "reading the GGUF file instead" in caplog.text
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_a_full_disk_while_writing_the_weights_falls_back_to_the_gguf(tmp_path, monkeypatch, caplog):
+    """safetensors reports ENOSPC as its own SafetensorError, not as an OSError."""
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_cache.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: torch.nn.Linear(4, 4))
+
+    def disk_full(state, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(gguf_cache, "save_file", disk_full)
+    with caplog.at_level(logging.WARNING):
+        assert gguf_cache.cached_folder(fake_gguf(tmp_path)) is None
+    assert "No space left on device" in caplog.text and "reading the GGUF file instead" in caplog.text
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
 
 

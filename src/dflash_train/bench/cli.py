@@ -41,9 +41,10 @@ from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisatio
 from dflash_train.pipeline.report import targets_tokens_per_s
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
-from dflash_train.utils.config import load_config
+from dflash_train.utils.config import from_dict, load_config, to_dict
 from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import ConfigError, TrainingError
+from dflash_train.utils.fs import check_writable_file
 
 log = logging.getLogger(__name__)
 
@@ -251,23 +252,34 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
     }
 
 
+LEVER_FIELDS = ("target_forward", "target_compile", "sdpa_backend", "overlap", "fp8_target", "labels")
+
+
 def settings_of(args: BenchConfig) -> dict:
     """The lever fields of a setting (what a lever table row records and `--like` reads back)."""
-    return {k: getattr(args, k) for k in ("target_forward", "target_compile", "sdpa_backend", "overlap",
-                                          "fp8_target", "labels")}
+    return {k: getattr(args, k) for k in LEVER_FIELDS}
 
 
 def best_bf16_settings(path: str) -> dict:
     """The settings of the fastest row of a lever table that uses target labels and no FP8."""
     try:
-        rows = json.loads(Path(path).read_text())["rows"]
-    except (OSError, ValueError, KeyError) as exc:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"--like {path}: not a lever table ({exc})") from None
-    ok = [r for r in rows if "tokens_per_s" in r and not r["settings"]["fp8_target"]
-          and r["settings"]["labels"] == "target"]
+    rows = table.get("rows") if isinstance(table, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("settings"), dict) for r in rows):
+        raise ConfigError(f"--like {path}: not a lever table (a JSON object whose 'rows' each have 'settings', "
+                          f"as `bench --levers` writes)")
+    ok = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float)) and not r["settings"].get("fp8_target")
+          and r["settings"].get("labels") == "target"]
     if not ok:
         raise ConfigError(f"--like {path}: no measured bf16 row with target labels")
-    return max(ok, key=lambda r: r["tokens_per_s"])["settings"]
+    settings = max(ok, key=lambda r: r["tokens_per_s"])["settings"]
+    unknown = sorted(set(settings) - set(LEVER_FIELDS))
+    if unknown:
+        raise ConfigError(f"--like {path}: the fastest row's settings hold {unknown}, not lever fields "
+                          f"({', '.join(LEVER_FIELDS)})")
+    return settings
 
 
 def _fastest_sdpa(rows: list[dict]) -> str:
@@ -349,17 +361,21 @@ def format_lever_table(table: dict) -> str:
 
 
 def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
+    check_writable_file(args.out, option="--out")  # before the measurement, not after it
     if args.levers:
         return run_levers(args)
-    if args.like:
-        args = dataclasses.replace(args, like=None, **best_bf16_settings(args.like))
+    if args.like:  # the table's values are checked like the command line's
+        like = best_bf16_settings(args.like)
+        try:
+            args = from_dict(BenchConfig, {**to_dict(args), "like": None, **like})
+        except ConfigError as exc:
+            raise ConfigError(f"--like {args.like}: {exc}") from None
         log.info("settings of the fastest bf16 row of the lever table: %s", settings_of(args))
     result = measure(args)
     if result is None:
         return 0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
     print(format_result(result))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     if args.profile:
         print(f"  profile         {kernels_path(args.out)} (steps after the measured ones):")
         print("\n".join(kernels_path(args.out).read_text().splitlines()[:28]))

@@ -26,16 +26,42 @@ class Sample(NamedTuple):
     loss_mask: np.ndarray  # bool [L], read-only view
 
 
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A dataset's manifest.json, checked as far as reading the shards needs: a file that is not
+    one (cut short, edited, another tool's) is named, with what is wrong in it."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(path, None, None, "not UTF-8 text: not a manifest prepare wrote; re-run prepare") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(path, exc.lineno, None, f"invalid JSON ({exc.msg}, column {exc.colno}): the manifest is "
+                                                f"damaged; re-run prepare") from None
+    if not isinstance(manifest, dict):
+        raise DataError(path, None, None, "not a JSON object: not a manifest prepare wrote; re-run prepare")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DataError(path.parent, None, None, f"dataset format {version}, this version reads {FORMAT_VERSION}; "
+                                                 f"re-run prepare")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise DataError(path, None, "shards", "missing or not a list; re-run prepare")
+    for k, shard in enumerate(shards):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and isinstance(shard.get("rows"), int)
+                and Path(shard["file"]).name == shard["file"]):
+            raise DataError(path, None, f"shards[{k}]", "must be {\"file\": a file name in the dataset, "
+                                                        "\"rows\": an integer}; re-run prepare")
+    if not isinstance(manifest.get("tokenizer", {}), dict):
+        raise DataError(path, None, "tokenizer", "must be an object; re-run prepare")
+    return manifest
+
+
 class TokenDataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise InputError(f"{self.path}: no {MANIFEST} (not a prepared dataset, or prepare did not finish)")
-        self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
-        version = self.manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise DataError(self.path, None, None, f"dataset format {version}, this version reads {FORMAT_VERSION}; re-run prepare")
+        self.manifest: dict[str, Any] = read_manifest(manifest_path)
         self._batches: list = []  # pyarrow RecordBatch objects backed by the mapped files
         counts: list[int] = []
         lengths: list[np.ndarray] = []

@@ -25,10 +25,13 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from array import array
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +51,7 @@ from dflash_train.utils.config import cli
 from dflash_train.utils.device import idle_cores
 from dflash_train.utils.errors import DataError
 from dflash_train.utils.fs import atomic_directory_write, check_output_dir
+from dflash_train.utils.signals import StopSignals
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -125,6 +129,11 @@ _worker_state: dict[str, Any] = {}
 def _init_worker(renderer: ChatRenderer, max_length: int, overflow: str, threads: bool = False) -> None:
     if not threads:  # worker processes: the parallelism is the processes
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Ctrl-C, `timeout` and schedulers signal the whole process group. A worker killed while
+        # it writes a result leaves half a message in the result pipe, and the pool's reader
+        # then waits forever: so only the parent acts on these signals, and stops its workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _worker_state.update(renderer=renderer, max_length=max_length, overflow=overflow)
 
 
@@ -175,7 +184,11 @@ def _chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
 
 def _encode_all(chunks: Iterator[list[Record]], workers: int, init_args: tuple) -> Iterator[list[Result]]:
     """Chunk results in input order. A bounded number of chunks is in flight, so memory
-    does not grow with the input (Pool.imap would read the whole input ahead)."""
+    does not grow with the input (Pool.imap would read the whole input ahead).
+
+    With worker processes, SIGINT/SIGTERM only set a flag, read while waiting for a result:
+    the job then stops at a chunk boundary, the workers finish the chunk they hold and exit
+    (no worker is killed mid-write), and the caller removes what was written."""
     if workers <= 1:
         # In-process: the Rust tokenizer spreads each chunk over its own threads.
         _init_worker(*init_args, threads=True)
@@ -184,19 +197,28 @@ def _encode_all(chunks: Iterator[list[Record]], workers: int, init_args: tuple) 
         return
     # fork shares the already-loaded tokenizer with the workers for free; spawn elsewhere.
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
-    try:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
+    with StopSignals() as stop:
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
+        try:
+            pending: deque[Future] = deque()
+            for chunk in chunks:
+                pending.append(pool.submit(_encode_chunk, chunk))
+                if len(pending) >= 4 * workers:
+                    yield _result(pending.popleft(), stop)
+            while pending:
+                yield _result(pending.popleft(), stop)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future, stop: StopSignals) -> list[list[Result]]:
+    while True:
+        if stop.received:
+            raise KeyboardInterrupt(stop.received)
+        try:
+            return future.result(timeout=0.2)
+        except TimeoutError:
+            continue
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -364,28 +386,30 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
     bar = tqdm(total=total, unit="rows", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True,
                desc="prepare")
     seen_parse_bad = 0
-    for results in _encode_all(_chunks(records, CHUNK_ROWS), workers, (renderer, cfg.max_length, cfg.overflow)):
-        for res in (r for row_results in results for r in row_results):
-            kind = res[0]
-            if kind == "ok":
-                _, ids, mask, source, truncated = res
-                writer.add(ids, mask, source)
-                lengths.append(len(ids))
-                loss_tokens += int(mask.sum())
-                counts["rows_kept"] += 1
-                counts["truncated"] += int(truncated)
-            elif kind == "too_long":
-                counts["dropped_too_long"] += 1
-            elif kind == "no_loss":
-                counts["dropped_no_loss"] += 1
-            elif not cfg.skip_bad_rows:
-                raise res[1]
-            else:
-                render_bad.append(res[1])
-        counts["rows_read"] += len(results)
-        counts["split_rows"] += sum(len(r) for r in results if len(r) > 1)
-        bar.update(len(results) + len(parse_bad) - seen_parse_bad)
-        seen_parse_bad = len(parse_bad)
+    encoded = _encode_all(_chunks(records, CHUNK_ROWS), workers, (renderer, cfg.max_length, cfg.overflow))
+    with closing(encoded):  # a bad row raised here stops the workers now, not when the generator is collected
+        for results in encoded:
+            for res in (r for row_results in results for r in row_results):
+                kind = res[0]
+                if kind == "ok":
+                    _, ids, mask, source, truncated = res
+                    writer.add(ids, mask, source)
+                    lengths.append(len(ids))
+                    loss_tokens += int(mask.sum())
+                    counts["rows_kept"] += 1
+                    counts["truncated"] += int(truncated)
+                elif kind == "too_long":
+                    counts["dropped_too_long"] += 1
+                elif kind == "no_loss":
+                    counts["dropped_no_loss"] += 1
+                elif not cfg.skip_bad_rows:
+                    raise res[1]
+                else:
+                    render_bad.append(res[1])
+            counts["rows_read"] += len(results)
+            counts["split_rows"] += sum(len(r) for r in results if len(r) > 1)
+            bar.update(len(results) + len(parse_bad) - seen_parse_bad)
+            seen_parse_bad = len(parse_bad)
     counts["rows_read"] += len(parse_bad)
     bar.close()
     shards = writer.close()

@@ -28,7 +28,7 @@ from dflash_train.train.export_cli import find_drafter_dir
 from dflash_train.utils.config import cli
 from dflash_train.utils.device import DtypeName, choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import ModelError
-from dflash_train.utils.fs import check_output_dir, write_marker
+from dflash_train.utils.fs import check_output_dir, check_writable_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     problems = mismatches_with_target(drafter.config, load_config(source, trust_remote_code=cfg.trust_remote_code))
     if problems:  # from the configs alone, before the target's weights load
         raise ModelError("the drafter does not fit this target: " + "; ".join(problems))
+    check_writable_dir(out)  # before any prompt is decoded, not after all of them
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu":
@@ -123,7 +124,6 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
         log.info("batched decoding: %d prompts, %d at once ...", len(prompts), cfg.batch_size)
         report["batched"] = measure_batched(target, tokenizer, drafter, prompts, slots=cfg.batch_size,
                                             max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, compile=compile)
-    out.mkdir(parents=True, exist_ok=True)
     write_marker(out, "eval")  # so that a later `eval --overwrite` may replace it
     json_path = write_json(report, out / "report.json")
     png_path = plot_report(report, out / "report.png", title=f"{drafter_dir.name} on {prompt_set_name(cfg.prompts)}")

@@ -22,8 +22,12 @@ def write_json(report: dict, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_clean(report), indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(_clean(report), indent=2) + "\n")
+        tmp.replace(path)
+    except BaseException:  # a full disk: no half report left next to the old one
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

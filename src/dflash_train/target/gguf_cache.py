@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,7 +78,7 @@ def cached_folder(gguf: Path) -> Path | None:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error, not OSError
         log.warning("could not cache the conversion of %s in %s (%s); reading the GGUF file instead", gguf, root, exc)
         return None
     return folder

@@ -17,6 +17,7 @@ from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.loss import StepStats, summarize
 from dflash_train.pipeline.sources import reduce_stats
 from dflash_train.train.timing import StageTimer
+from dflash_train.utils.errors import TrainingError
 
 STAGES = ("data", "queue_wait", "target", "forward", "backward", "optimizer")
 
@@ -25,6 +26,33 @@ log = logging.getLogger(__name__)
 
 def _fmt_rate(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}K" if x >= 1e3 else f"{x:.0f}"
+
+
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a metrics.jsonl, checked before a run appends to it.
+
+    A last line without its newline that is not JSON is what a full disk or a power loss
+    leaves while a line is appended: it is dropped with a warning. Any other line that is not
+    a JSON object means the file is not (only) ours: TrainingError naming the line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            out.append((line, record))
+        elif number == len(lines):  # no newline after it: a write cut short
+            log.warning("%s:%d: dropping a last line cut short (%d bytes; a disk that filled or a crash while "
+                        "it was written)", path, number, len(line))
+        else:
+            raise TrainingError(f"{path}:{number}: not a metrics record (a JSON object per line); move the file "
+                                f"away, or choose another run.output_dir")
+    return out
 
 
 class MetricsLogger:
@@ -39,11 +67,14 @@ class MetricsLogger:
                         disable=not progress, file=sys.stderr)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, forget records of steps after the checkpoint (they will be redone)."""
+        """On resume, forget records of steps after the checkpoint (they will be redone); a last
+        line cut short goes too. Rewritten whole and renamed, so a crash here loses nothing."""
         if not self.enabled or not self.path.is_file():
             return
-        kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        kept = [line for line, record in read_records(self.path) if record.get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
 
     def progress(self, step: int, postfix: dict[str, float]) -> None:
         self.bar.n = step

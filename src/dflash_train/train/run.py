@@ -19,6 +19,7 @@ it, on any node, with or without torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from dflash_train.train.stopping import STOP_ANNOUNCE
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import DFlashError
+from dflash_train.utils.fs import exclusive_directory
 from dflash_train.utils.log import set_main_process
 from dflash_train.utils.signals import StopSignals
 
@@ -65,8 +67,12 @@ def run_rank(cfg: TrainConfig, *, resume: bool | str) -> dict | None:
     resolve_device(cfg.run.device)  # a clear error for device=cuda without CUDA, before any collective
     with StopSignals(announce=STOP_ANNOUNCE) as signals:
         ctx = init_distributed(cfg.pipeline, cfg.run.device)
+        # one run per folder: a second start would interleave its steps and checkpoints with this one's
+        folder = exclusive_directory(cfg.run.output_dir, job="train", option="run.output_dir") \
+            if ctx.is_main_drafter else contextlib.nullcontext()
         try:
-            return _run_role(cfg, ctx, resume=resume, signals=signals)
+            with folder:
+                return _run_role(cfg, ctx, resume=resume, signals=signals)
         except Exception as exc:
             # a collective that failed because a peer died: let the heartbeat name it (and end
             # this rank with the peer-lost code) rather than print a socket error

@@ -43,7 +43,8 @@ from dflash_train.train.checkpoint import (
 )
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.evaluate import Evaluator
-from dflash_train.train.metrics_log import STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line
+from dflash_train.train.metrics_log import (STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line,
+                                            read_records)
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
@@ -51,12 +52,33 @@ from dflash_train.train.stopping import RateSince, StopControl, WeightAndStop, f
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
-from dflash_train.utils.errors import TrainingError
+from dflash_train.utils.errors import OutputError, TrainingError
 from dflash_train.utils.fs import check_writable_dir
 from dflash_train.utils.log import set_main_process
 from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
+
+
+RESOLVED_KEY = "drafter_resolved"  # in the config.yaml a run writes, never in a config a user writes
+
+
+def check_run_files(output_dir: Path) -> None:
+    """Before a run writes into `output_dir`: a metrics.jsonl there must hold only metrics
+    (read_records names a bad line), and a config.yaml there must be one a run wrote (it has
+    RESOLVED_KEY, which no --config file may have): a user's own config is never replaced."""
+    if (output_dir / "metrics.jsonl").is_file():
+        read_records(output_dir / "metrics.jsonl")
+    config = output_dir / "config.yaml"
+    if not config.exists():
+        return
+    try:
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = None
+    if not isinstance(data, dict) or RESOLVED_KEY not in data:
+        raise OutputError(f"{config} is not a config a run wrote (a run writes its resolved config there, and this "
+                          f"one would be replaced): choose another run.output_dir, or move the file")
 
 
 @dataclass
@@ -92,6 +114,7 @@ class Trainer:
         self.init_layers = setup.resolve_init_layers(cfg, target_config)
         if self.main:  # the resolved config and the metrics go there even without checkpoints
             check_writable_dir(self.output_dir)
+            check_run_files(self.output_dir)
         identity = tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None
         self.data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=self.drafter_config.vocab_size,
                               tokenizer_identity=identity)
@@ -138,7 +161,7 @@ class Trainer:
         self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
         if ctx.layout == "split":
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
-        self.resolved = {**to_dict(cfg), "drafter_resolved": {"target_layer_ids": d.target_layer_ids,
+        self.resolved = {**to_dict(cfg), RESOLVED_KEY: {"target_layer_ids": d.target_layer_ids,
                                                               "mask_token_id": d.mask_token_id,
                                                               "init_from_target_layers": self.init_layers},
                          "data_resolved": {k.split(".", 1)[1]: v for k, v in self.data_identity.items()

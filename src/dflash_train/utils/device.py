@@ -95,17 +95,25 @@ def idle_cores() -> int:
     return max(1, int(cores - busy + 0.5))
 
 
-def choose_cpu_threads(requested: int = 0) -> tuple[int, str]:
-    """Torch CPU threads: `requested`, or (0) as many cores as other processes leave idle.
+def choose_cpu_threads(requested: int = 0, ranks_on_node: int | None = None) -> tuple[int, str]:
+    """Torch CPU threads: `requested`, or (0) as many cores as other processes leave idle, and
+    at most this rank's share of the cores when several ranks run on the node.
 
     OpenMP threads wait for each other at every parallel region: when another process
     holds one of the cores, a 2-thread matmul ran 10-30x slower than a 1-thread one on a
-    shared 2-core machine. So the threads are fitted to the cores idle right now.
+    shared 2-core machine. So the threads are fitted to the cores idle right now. Ranks
+    started together each see every core idle, so each gets cores // ranks on the node
+    (LOCAL_WORLD_SIZE by default): 4 ranks of 16 threads on 16 cores spin against each other.
     """
     if requested:
         torch.set_num_threads(requested)
         return requested, "as requested"
+    ranks = ranks_on_node if ranks_on_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     cores = torch.get_num_threads()
+    if ranks > 1:  # the other ranks are the "other processes": a share each, whatever they do right now
+        share = min(cores, max(1, (os.cpu_count() or cores) // ranks))
+        torch.set_num_threads(share)
+        return share, f"{ranks} ranks share this node's cores; --threads overrides"
     busy = busy_cores_elsewhere()
     if busy is None:
         return cores, "default"

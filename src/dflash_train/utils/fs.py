@@ -14,6 +14,8 @@ Three promises, so that nothing is ever lost:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -21,7 +23,7 @@ import secrets
 import shutil
 import socket
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dflash_train.utils.errors import OutputError
@@ -255,6 +257,8 @@ def check_writable_dir(path: str | Path) -> Path:
     """Create `path` if needed and check that files can be written in it, before any long work
     whose results would go there; OutputError otherwise."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{path} is a file, not a directory; choose another directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{writer_tag()}"
@@ -264,3 +268,51 @@ def check_writable_dir(path: str | Path) -> Path:
         raise OutputError(f"{path}: cannot write there ({exc.strerror}); choose another directory or fix its "
                           f"permissions") from None
     return path
+
+
+def check_writable_file(path: str | Path, *, option: str) -> Path:
+    """Before long work whose result goes to the file `path` (given by `option`): not a
+    directory, and a file can be written in its directory (created if needed); OutputError."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a directory; give a file name, e.g. {path / 'result.json'}")
+    check_writable_dir(path.parent)
+    return path
+
+
+# -- one writer per directory ----------------------------------------------------------------------
+
+LOCK = ".dflash-train.lock"  # in a directory one process at a time writes into (a training run)
+
+
+@contextlib.contextmanager
+def exclusive_directory(path: str | Path, *, job: str, option: str) -> Iterator[Path]:
+    """Hold `path` (created if needed) for this process alone while the block runs.
+
+    An flock on the file LOCK inside it: the kernel drops the lock when its holder ends, however
+    it ends (SIGKILL, OOM kill), so a killed run never leaves a stale lock behind. The file
+    names the holder (`PID@HOST`), so a second process is refused with a line naming it and
+    `option` (where to choose another directory). OutputError when it is held or cannot be made.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fh = open(path / LOCK, "a+")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write there ({exc.strerror}); choose another {option} or fix its "
+                          f"permissions") from None
+    try:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "a process that has not yet written its id"
+            raise OutputError(f"{path} is in use by another dflash-train {job} (pid {holder}): wait for it to end, "
+                              f"or choose another {option}") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(writer_tag() + "\n")
+        fh.flush()
+        yield path
+    finally:
+        fh.close()  # closing drops the lock; the file stays (removing it would race a waiting starter)

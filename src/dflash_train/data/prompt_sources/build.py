@@ -45,7 +45,7 @@ from dflash_train.data.prompt_sources.python_code import code_prompts, package_r
 from dflash_train.data.prompt_sources.text_docs import document_prompts, package_descriptions, python_docs
 from dflash_train.data.sources import iter_records
 from dflash_train.utils.device import idle_cores
-from dflash_train.utils.errors import DataError, OutputError
+from dflash_train.utils.errors import DataError, InputError, OutputError
 from dflash_train.utils.fs import atomic_directory_write, made_by
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class SourceReport:
 def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptItem]:
     """The prompts of one source, in a fixed order."""
     stdlib = Path(cfg.stdlib) if cfg.stdlib else stdlib_root()
+    if name in ("stdlib-code", "python-docs") and not stdlib.is_dir():  # else: 0 prompts and exit 0
+        raise InputError(f"--stdlib {stdlib}: not a directory; give the standard library's directory, or leave "
+                         f"--stdlib out to read this interpreter's")
     workers = cfg.workers or idle_cores()
     if name == "stdlib-code":
         report.provenance[f"Python {platform.python_version()} standard library ({stdlib})"] = "PSF-2.0"

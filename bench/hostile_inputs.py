@@ -1,0 +1,691 @@
+"""Hostile inputs across every job: what a user, a full disk or a killed process gives the tool.
+
+    python bench/hostile_inputs.py --out /tmp/hostile [--jobs 3] [--only train]
+
+Builds a tiny random target (tests/conftest.py), a dataset, a short run and its drafter, then
+runs each case as its own `dflash-train` process and classifies what happened:
+
+    OK      exit 2 with one line naming what is wrong (the file, row or field asked for), or
+            success where the input is valid
+    WEAK    a traceback or an unclear message, but nothing lost
+    DEFECT  a hang, a wrong exit 0, a changed or deleted user file, temp files left behind
+
+It prints the table and the counts, writes them to OUT/report.md and OUT/report.json, and
+exits 1 when any case is a DEFECT. A full disk is simulated with RLIMIT_FSIZE (writes past the
+limit fail with EFBIG, as a full disk fails with ENOSPC); read-only places need a non-root user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
+
+# The child: an optional file-size limit (the disk-full stand-in), then the CLI.
+CHILD = textwrap.dedent("""
+    import os, resource, signal, sys
+    limit = os.environ.get("PROBE_FSIZE")
+    if limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+    from dflash_train.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+LEFTOVER = re.compile(r"(^\..+\.(tmp|old)-\d+@)|(\.tmp$)|(^\.write-test-)")
+
+
+@dataclass
+class Case:
+    name: str
+    job: str
+    argv: list[str] | Callable[[Path], list[str]]
+    expect: str = "error"  # "error": exit 2 with one line; "ok": exit 0
+    names: tuple[str, ...] = ()  # what the one line must name
+    protect: Callable[[Path], list[Path]] | None = None  # files that must come out unchanged
+    check: Callable[[Path, "Result"], str | None] | None = None  # a DEFECT message, or None
+    fsize: int | None = None
+    kind: str = "plain"  # plain | twice | group-sigint
+    timeout: float = 180.0
+    note: str = ""
+    known: str = ""  # a known weak point worked on elsewhere: a wrong exit 0 here loses nothing, so it is WEAK
+
+
+@dataclass
+class Result:
+    rc: int | None
+    out: str
+    err: str
+    seconds: float
+    verdict: str = ""
+    why: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# -- fixtures ----------------------------------------------------------------------------------------
+
+
+def build_fixtures(root: Path) -> dict[str, Path]:
+    fx = root / "fixtures"
+    if (fx / "ready").is_file():
+        return json.loads((fx / "ready").read_text(), object_hook=lambda d: {k: Path(v) for k, v in d.items()})
+    return _build_fixtures(fx)
+
+
+def _build_fixtures(fx: Path) -> dict[str, Path]:
+    from tests.conftest import build_target, build_tokenizer, prepare_dataset, synthetic_conversations
+
+    shutil.rmtree(fx, ignore_errors=True)
+    fx.mkdir(parents=True)
+    target = fx / "target"
+    tok = build_tokenizer(target)
+    build_target(target, "llama", vocab=len(tok))
+    rows = synthetic_conversations(160)
+    data = prepare_dataset(target, rows, fx / "data")
+    prompts = fx / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["messages"][0]["content"]}) + "\n" for r in rows[:3]))
+    chats = fx / "chats.jsonl"  # generate reads conversations and writes the target's own answers to them
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    run = fx / "run"
+    _cli(["train", *train_args(target, data, run)], check=True)
+    drafter = fx / "drafter"
+    _cli(["export", str(run), "-o", str(drafter)], check=True)
+    paths = {"target": target, "data": data, "prompts": prompts, "run": run, "drafter": drafter, "rows": fx / "data.jsonl",
+             "chats": chats}
+    (fx / "ready").write_text(json.dumps({k: str(v) for k, v in paths.items()}))
+    return paths
+
+
+def train_args(target: Path, data: Path, out: Path, steps: int = 2) -> list[str]:
+    return ["--target.path", str(target), "--data.path", str(data), "--run.output_dir", str(out), "--run.device", "cpu",
+            "--run.max_steps", str(steps), "--run.save_every", "2", "--no-run.progress", "--no-run.tensorboard",
+            "--data.plan.token_budget", "512", "--drafter.num_layers", "1", "--drafter.block_size", "4",
+            "--step.num_anchors", "8", "--eval.spec_prompts", "null"]
+
+
+def _env(fsize: int | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("PROBE_FSIZE", None)
+    if fsize:
+        env["PROBE_FSIZE"] = str(fsize)
+    return env
+
+
+def _cli(argv: list[str], *, check: bool = False, cwd: Path | None = None, fsize: int | None = None,
+         timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, cwd=cwd,
+                          env=_env(fsize), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"fixture step failed: dflash-train {' '.join(argv)}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+# -- running and classifying ----------------------------------------------------------------------------
+
+
+def _digest(paths: list[Path]) -> dict[str, str | None]:
+    out = {}
+    for p in paths:
+        if p.is_file():
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_dir():
+            out[str(p)] = hashlib.sha256("\n".join(sorted(
+                f"{q.relative_to(p)}:{hashlib.sha256(q.read_bytes()).hexdigest() if q.is_file() else 'dir'}"
+                for q in p.rglob("*") if q.name != ".dflash-train.lock")).encode()).hexdigest()
+        else:
+            out[str(p)] = None
+    return out
+
+
+def _leftovers(where: Path) -> list[str]:
+    return [str(p.relative_to(where)) for p in where.rglob("*") if LEFTOVER.search(p.name)]
+
+
+def run_case(case: Case, root: Path) -> Result:
+    where = root / "cases" / re.sub(r"[^A-Za-z0-9_.-]", "_", case.name)
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    argv = case.argv(where) if callable(case.argv) else list(case.argv)
+    protected = case.protect(where) if case.protect else []
+    before = _digest(protected)
+    t0 = time.perf_counter()
+    if case.kind == "twice":
+        result = _run_twice(argv, where, case)
+    elif case.kind == "group-sigint":
+        result = _run_group_sigint(argv, where, case)
+    else:
+        try:
+            proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, cwd=where,
+                                  env=_env(case.fsize), timeout=case.timeout)
+            result = Result(proc.returncode, proc.stdout, proc.stderr, 0.0)
+        except subprocess.TimeoutExpired as exc:
+            result = Result(None, str(exc.stdout or ""), str(exc.stderr or ""), 0.0)
+    result.seconds = time.perf_counter() - t0
+    classify(case, result, where, before, _digest(protected))
+    return result
+
+
+def _run_twice(argv: list[str], where: Path, case: Case) -> Result:
+    """The same command started twice, 1 s apart: the second must be refused."""
+    first = subprocess.Popen([sys.executable, "-c", CHILD, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=where, env=_env())
+    time.sleep(1.0)
+    second = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, cwd=where,
+                            env=_env(), timeout=case.timeout)
+    try:
+        out, err = first.communicate(timeout=case.timeout)
+    except subprocess.TimeoutExpired:
+        first.kill()
+        out, err = first.communicate()
+        return Result(None, out, err, 0.0)
+    if first.returncode == 2 and second.returncode == 0:  # the second start took the folder first
+        return Result(first.returncode, out, err, 0.0, extra={"other_rc": second.returncode})
+    res = Result(second.returncode, second.stdout, second.stderr, 0.0, extra={"other_rc": first.returncode})
+    if first.returncode != 0:
+        res.extra["other_err"] = err[-500:]
+    return res
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _run_group_sigint(argv: list[str], where: Path, case: Case) -> Result:
+    """SIGINT to the whole process group once the workers run (Ctrl-C, `timeout`)."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=where, env=_env(), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+        return Result(proc.returncode, out, err, 0.0, extra={"expect_rc": 130})
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return Result(None, out, err, 0.0)
+
+
+def classify(case: Case, r: Result, where: Path, before: dict, after: dict) -> None:
+    defects = []
+    if r.rc is None:
+        defects.append(f"hang: no exit within {case.timeout:.0f}s")
+    changed = [Path(p).name for p in before if before[p] != after[p]]
+    if changed:
+        defects.append(f"user file changed or lost: {', '.join(changed)}")
+    left = _leftovers(where)
+    if left and r.rc is not None:
+        defects.append(f"leftover temp files: {', '.join(left[:3])}")
+    if case.check is not None and r.rc is not None:
+        msg = case.check(where, r)
+        if msg:
+            defects.append(msg)
+    err_lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
+    last = err_lines[-1] if err_lines else ""
+    one_line = last.startswith(f"dflash-train {case.job}: error:") and "Traceback" not in r.err
+    expect_rc = r.extra.get("expect_rc", 2 if case.expect == "error" else 0)
+    if case.expect == "error" and r.rc == 0:
+        if case.known and not defects:
+            r.verdict, r.why = "WEAK", f"accepted with exit 0: {case.known}"
+            return
+        defects.append("wrong exit 0 for a bad input")
+    if defects:
+        r.verdict, r.why = "DEFECT", "; ".join(defects)
+    elif r.rc == expect_rc and case.expect == "ok":
+        r.verdict, r.why = "OK", "success"
+    elif r.rc == expect_rc == 130:
+        r.verdict, r.why = ("OK", last[:150]) if "Traceback" not in r.err else ("WEAK", "traceback on interrupt")
+    elif r.rc == 2 and one_line:
+        missing = [n for n in case.names if n not in last]
+        r.verdict, r.why = ("OK", last[:150]) if not missing else ("WEAK", f"does not name {missing}: {last[:150]}")
+        if case.expect == "ok":
+            r.verdict, r.why = "WEAK", f"a valid input refused: {last[:150]}"
+    elif "Traceback" in r.err:
+        exc = next((ln for ln in reversed(err_lines) if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln)), last)
+        r.verdict, r.why = "WEAK", f"traceback (rc {r.rc}): {exc[:150]}"
+    else:
+        r.verdict, r.why = "WEAK", f"rc {r.rc}: {last[:150]}"
+
+
+# -- the cases ----------------------------------------------------------------------------------------
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def _rows(n: int = 20) -> str:
+    from tests.conftest import synthetic_conversations
+
+    return "".join(json.dumps(r) + "\n" for r in synthetic_conversations(n))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst) if src.is_dir() else shutil.copy(src, dst)
+    return dst
+
+
+def _metrics_steps_unique(where: Path, r: Result) -> str | None:
+    path = where / "run" / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    steps = [json.loads(ln)["step"] for ln in path.read_text().splitlines() if ln.strip() and '"train"' in ln]
+    if len(steps) != len(set(steps)):
+        return f"steps recorded twice in metrics.jsonl: {steps}"
+    if r.extra.get("other_rc") not in (0, None):
+        return f"the run that held the folder failed: {r.extra.get('other_err', '')[-200:]}"
+    return None
+
+
+def prepare_cases(fx: dict) -> list[Case]:
+    T = ["--target", str(fx["target"]), "--no-progress"]
+    good = _rows()
+
+    def p(name, files: dict, extra=(), expect="error", names=(), protect=None, inputs=None, out="out", **kw):
+        def argv(w: Path) -> list[str]:
+            for rel, text in files.items():
+                _write(w / rel, text)
+            given = inputs if inputs is not None else [rel for rel in files if not rel.startswith("_") and
+                                                       not rel.startswith("out")] or ["missing.jsonl"]
+            return ["prepare", *[str(w / i) for i in given], "-o", str(w / out), *T,
+                    *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"prepare/{name}", "prepare", argv, expect, names, protect, **kw)
+
+    bad = lambda line: good + line + "\n"  # noqa: E731
+    return [
+        p("valid rows", {"rows.jsonl": good}, expect="ok"),
+        p("byte order mark", {"rows.jsonl": "\ufeff" + good}, expect="ok"),
+        p("missing input", {}, names=("missing.jsonl",)),
+        p("empty file", {"rows.jsonl": ""}, names=("no row was kept",)),
+        p("csv file", {"rows.csv": "prompt,response\na,b\n"}, names=("rows.csv",)),
+        p("invalid JSON line", {"rows.jsonl": bad('{"prompt": "a",,}')}, names=("rows.jsonl:21",)),
+        p("torn last line", {"rows.jsonl": good + '{"prompt": "a", "resp'}, names=("rows.jsonl:21",)),
+        p("not UTF-8", {"rows.jsonl": good.encode() + b'{"prompt": "caf\xe9", "response": "x"}\n'}, names=("rows.jsonl:21",)),
+        p("prompt is a number", {"rows.jsonl": bad('{"prompt": 3, "response": "x"}')}, names=("rows.jsonl:21", "prompt")),
+        p("messages not a list", {"rows.jsonl": bad('{"messages": "hi"}')}, names=("rows.jsonl:21", "messages")),
+        p("bad role", {"rows.jsonl": bad('{"messages": [{"role": "wizard", "content": "x"}]}')}, names=("role",)),
+        p("content missing", {"rows.jsonl": bad('{"messages": [{"role": "user"}]}')}, names=("content",)),
+        p("row is a list", {"rows.jsonl": bad("[1, 2]")}, names=("rows.jsonl:21",)),
+        p("row is null", {"rows.jsonl": bad("null")}, names=("rows.jsonl:21",)),
+        p("no assistant turn", {"rows.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'},
+          names=("no row was kept",)),
+        p("skip bad rows", {"rows.jsonl": bad('{"prompt": 3}')}, ["--skip-bad-rows"], expect="ok"),
+        p("json object not list", {"rows.json": '{"prompt": "a", "response": "b"}'}, expect="ok",
+          note="a single object is one row"),
+        p("json broken", {"rows.json": '[{"prompt": "a", "response": "b"},\n oops]'}, names=("rows.json:2",)),
+        p("corrupt parquet", {"rows.parquet": b"PAR1 not parquet"}, names=("rows.parquet",)),
+        p("empty directory input", {"_d/.keep": ""}, inputs=["_d"], names=("_d",)),
+        p("output exists", {"rows.jsonl": good, "out/mine.txt": "keep"}, names=("out", "--overwrite"),
+          protect=lambda w: [w / "out" / "mine.txt"]),
+        p("overwrite a foreign dir", {"rows.jsonl": good, "out/mine.txt": "keep"}, ["--overwrite"], names=("out",),
+          protect=lambda w: [w / "out" / "mine.txt"]),
+        p("output is a file", {"rows.jsonl": good, "out": "my file"}, names=("out",), protect=lambda w: [w / "out"]),
+        p("output is the input", {"rows.jsonl": good}, out="rows.jsonl", names=("rows.jsonl",),
+          protect=lambda w: [w / "rows.jsonl"]),
+        p("output inside input dir", {"in/rows.jsonl": good}, inputs=["in"], out="in/out", names=("in/out",),
+          protect=lambda w: [w / "in" / "rows.jsonl"], known="an output inside its input folder"),
+        p("max length 1", {"rows.jsonl": good}, ["--max-length", "1"], names=("max_length",)),
+        p("workers -1", {"rows.jsonl": good}, ["--workers", "-1"], names=("workers",)),
+        p("shard size 0", {"rows.jsonl": good}, ["--shard-size", "0"], names=("shard_size",)),
+        p("overflow bad choice", {"rows.jsonl": good}, ["--overflow", "cut"], names=("cut",)),
+        p("target missing", {"rows.jsonl": good}, ["--target", "{w}/nope"], names=("nope",)),
+        p("target is a text file", {"rows.jsonl": good, "_t.txt": "x"}, ["--target", "{w}/_t.txt"], names=("_t.txt",)),
+        p("chat template missing", {"rows.jsonl": good}, ["--chat-template", "{w}/none.jinja"], names=("none.jinja",)),
+        p("chat template broken", {"rows.jsonl": good, "_t.jinja": "{% for m in messages %}{{ m.content }"},
+          ["--chat-template", "{w}/_t.jinja"], names=("_t.jinja",)),
+        p("disk full", {"rows.jsonl": _rows(160)}, fsize=20_000, names=("out",)),
+        p("output below a file", {"rows.jsonl": good, "_f": "x"}, ["-o", "{w}/_f/out"], names=("_f",)),
+        p("config not YAML", {"rows.jsonl": good, "_c.yaml": "a: [1,\n"}, ["--config", "{w}/_c.yaml"], names=("_c.yaml",)),
+        p("config not a mapping", {"rows.jsonl": good, "_c.yaml": "- 1\n"}, ["--config", "{w}/_c.yaml"],
+          names=("_c.yaml",)),
+        p("config wrong type", {"rows.jsonl": good, "_c.yaml": "max_length: lots\n"}, ["--config", "{w}/_c.yaml"],
+          names=("max_length",)),
+        p("config unknown key", {"rows.jsonl": good, "_c.yaml": "max_lenght: 5\n"}, ["--config", "{w}/_c.yaml"],
+          names=("max_lenght",)),
+        p("config missing", {"rows.jsonl": good}, ["--config", "{w}/none.yaml"], names=("none.yaml",)),
+        p("config section twice", {"rows.jsonl": good, "_c.yaml": "max_length: 10\nmax_length: 20\n"},
+          ["--config", "{w}/_c.yaml"], names=("max_length",), known="a key given twice in YAML"),
+        Case("prepare/SIGINT to the group", "prepare", lambda w: [
+            "prepare", str(_write(w / "big.jsonl", _big_rows())), "-o", str(w / "out"), *T, "--workers", "2"],
+            kind="group-sigint"),
+    ]
+
+
+def _big_rows(n: int = 4000) -> str:
+    import random
+
+    from tests.conftest import WORDS
+    rng = random.Random(0)
+    return "".join(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=300)),
+                               "response": " ".join(rng.choices(WORDS, k=300))}) + "\n" for _ in range(n))
+
+
+def train_cases(fx: dict) -> list[Case]:
+    target, data = fx["target"], fx["data"]
+
+    def t(name, extra=(), expect="error", names=(), setup=None, protect=None, **kw):
+        def argv(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            return ["train", *train_args(target, data, w / "run"), *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"train/{name}", "train", argv, expect, names, protect, **kw)
+
+    def trained(w: Path) -> None:
+        _copy(fx["run"], w / "run")
+
+    def torn(w: Path) -> None:
+        trained(w)
+        with (w / "run" / "metrics.jsonl").open("a") as fh:
+            fh.write('{"step": 9, "kind": "train", "loss": 6.1')
+
+    def junk_metrics(w: Path) -> None:
+        _write(w / "run" / "metrics.jsonl", "hello\nworld\n")
+        _write(w / "run" / "config.yaml", "# mine\nrun: {seed: 1}\n")
+
+    def user_config(w: Path) -> None:
+        _write(w / "config.yaml", f"# my config\ntarget: {{path: {target}}}\ndata: {{path: {data}}}\n"
+                                  f"run: {{device: cpu, max_steps: 1, progress: false, tensorboard: false}}\n")
+
+    def torn_ckpt(w: Path) -> None:
+        trained(w)
+        for f in (w / "run" / "checkpoints").rglob("model.safetensors"):
+            f.write_bytes(f.read_bytes()[:100])
+
+    def bad_manifest(w: Path) -> None:
+        _copy(data, w / "data")
+        (w / "data" / "manifest.json").write_text('{"format_version": 1, "shards": [')
+
+    def no_shard(w: Path) -> None:
+        _copy(data, w / "data")
+        next((w / "data").glob("shard-*.arrow")).unlink()
+
+    def cut_shard(w: Path) -> None:
+        _copy(data, w / "data")
+        s = next((w / "data").glob("shard-*.arrow"))
+        s.write_bytes(s.read_bytes()[: s.stat().st_size // 2])
+
+    wdata = ["--data.path", "{w}/data"]
+    return [
+        t("valid run", expect="ok"),
+        t("resume a finished run", ["--resume", "--run.max_steps", "4"], expect="ok", setup=trained),
+        t("fresh start over checkpoints", setup=trained, names=("--resume",), protect=lambda w: [w / "run" / "checkpoints"]),
+        t("resume with nothing", ["--resume"], names=("--resume",)),
+        t("torn metrics line, resume", ["--resume", "--run.max_steps", "4"], expect="ok", setup=torn),
+        t("junk metrics, fresh", setup=junk_metrics, names=("metrics.jsonl",),
+          protect=lambda w: [w / "run" / "config.yaml", w / "run" / "metrics.jsonl"]),
+        Case("train/user config in the run folder", "train", lambda w: (user_config(w), [
+            "train", "--config", str(w / "config.yaml"), "--run.output_dir", "."])[1], names=("config.yaml",),
+            protect=lambda w: [w / "config.yaml"]),
+        Case("train/started twice", "train", lambda w: ["train", *train_args(target, data, w / "run", steps=6)],
+             kind="twice", names=("in use",), check=_metrics_steps_unique),
+        t("torn checkpoint, resume", ["--resume"], setup=torn_ckpt, names=("checkpoint",),
+          protect=lambda w: [w / "run" / "checkpoints"]),
+        t("corrupt manifest", wdata, setup=bad_manifest, names=("manifest.json",)),
+        t("missing shard", wdata, setup=no_shard, names=("shard-00000.arrow",)),
+        t("truncated shard", wdata, setup=cut_shard, names=("shard-00000.arrow",)),
+        t("data path missing", ["--data.path", "{w}/none"], names=("none",)),
+        t("data is a jsonl file", ["--data.path", str(fx["rows"])], names=("data.jsonl",)),
+        t("target missing", ["--target.path", "{w}/none"], names=("none",)),
+        t("lr negative", ["--optim.lr", "-1"], names=("lr",)),
+        t("lr is text", ["--optim.lr", "fast"], names=("lr",)),
+        t("lr is nan", ["--optim.lr", "nan"], names=("lr",)),
+        t("max steps 1.5", ["--run.max_steps", "1.5"], names=("max_steps",)),
+        t("block size 0", ["--drafter.block_size", "0"], names=("block_size",)),
+        t("token budget 1", ["--data.plan.token_budget", "1"], names=("token_budget",)),
+        t("unknown device", ["--run.device", "tpu"], names=("tpu",)),
+        t("cuda without a GPU", ["--run.device", "cuda"], names=("cuda",)),
+        t("split without torchrun", ["--pipeline.layout", "split"], names=("split",)),
+        t("output below a file", ["--run.output_dir", "{w}/f/run"], setup=lambda w: _write(w / "f", "x"), names=("f",)),
+        t("disk full", ["--run.max_steps", "2"], fsize=60_000, names=("run",)),
+        t("eval prompts missing", ["--eval.spec_prompts", "{w}/none.jsonl"], names=("none.jsonl",)),
+        t("init_from missing", ["--drafter.init_from", "{w}/none"], names=("none",)),
+        t("config wrong type", ["--config", "{w}/c.yaml"], names=("optim",),
+          setup=lambda w: _write(w / "c.yaml", "optim: 5\n")),
+        t("config unknown section", ["--config", "{w}/c.yaml"], names=("optimiser",),
+          setup=lambda w: _write(w / "c.yaml", "optimiser: {lr: 1}\n")),
+        t("config list for a number", ["--config", "{w}/c.yaml"], names=("lr",),
+          setup=lambda w: _write(w / "c.yaml", "optim: {lr: [1, 2]}\n")),
+        t("config empty file", ["--config", "{w}/c.yaml"], expect="ok", setup=lambda w: _write(w / "c.yaml", "")),
+        t("config section twice", ["--config", "{w}/c.yaml"], names=("optim",),
+          setup=lambda w: _write(w / "c.yaml", "optim: {lr: 0.1}\noptim: {warmup_steps: 1}\n"),
+          known="a YAML section given twice"),
+        t("resume value bad", ["--resume", "yes"], names=("--resume",)),
+        t("mistyped flag", ["--optim.lrr", "1"], names=("--optim.lrr",)),
+    ]
+
+
+def export_cases(fx: dict) -> list[Case]:
+    def e(name, argv, expect="error", names=(), setup=None, protect=None, **kw):
+        def build(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            return ["export", *[a.replace("{w}", str(w)) for a in argv]]
+        return Case(f"export/{name}", "export", build, expect, names, protect, **kw)
+
+    run = str(fx["run"])
+    return [
+        e("valid", [run, "-o", "{w}/out"], expect="ok"),
+        e("source missing", ["{w}/none", "-o", "{w}/out"], names=("none",)),
+        e("source not a run", ["{w}/d", "-o", "{w}/out"], names=("d",), setup=lambda w: _write(w / "d" / "x.txt", "x")),
+        e("output exists", [run, "-o", "{w}/out"], names=("--overwrite",), setup=lambda w: _write(w / "out" / "m", "k"),
+          protect=lambda w: [w / "out"]),
+        e("overwrite foreign", [run, "-o", "{w}/out", "--overwrite"], names=("out",),
+          setup=lambda w: _write(w / "out" / "m", "k"), protect=lambda w: [w / "out"]),
+        e("output is a file", [run, "-o", "{w}/out"], names=("out",), setup=lambda w: _write(w / "out", "k"),
+          protect=lambda w: [w / "out"]),
+        e("output is the source", ["{w}/run", "-o", "{w}/run", "--overwrite"], names=("run",),
+          setup=lambda w: _copy(fx["run"], w / "run"), protect=lambda w: [w / "run" / "checkpoints"]),
+        e("torn checkpoint", ["{w}/run", "-o", "{w}/out"], names=("checkpoint",), setup=lambda w: [
+            _copy(fx["run"], w / "run"), shutil.rmtree(w / "run" / "final"),
+            *[f.write_bytes(b"x") for f in (w / "run" / "checkpoints").rglob("model.safetensors")]]),
+        e("bad dtype", [run, "-o", "{w}/out", "--dtype", "int8"], names=("int8",)),
+        e("disk full", [run, "-o", "{w}/out"], fsize=20_000, names=("out",)),
+        e("output below a file", [run, "-o", "{w}/f/out"], names=("f",), setup=lambda w: _write(w / "f", "x")),
+        e("drafter dir as source", [str(fx["drafter"]), "-o", "{w}/out"], expect="ok"),
+    ]
+
+
+def eval_cases(fx: dict) -> list[Case]:
+    base = ["--target", str(fx["target"]), "--no-progress", "--max-new-tokens", "8", "--device", "cpu",
+            "--prompts", str(fx["prompts"])]
+
+    def v(name, extra, expect="error", names=(), setup=None, protect=None, drafter=None, **kw):
+        def build(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            d = drafter.replace("{w}", str(w)) if drafter else str(fx["drafter"])
+            return ["eval", "--drafter", d, *base, *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"eval/{name}", "eval", build, expect, names, protect, **kw)
+
+    return [
+        v("valid", ["-o", "{w}/rep"], expect="ok"),
+        v("drafter missing", ["-o", "{w}/rep"], drafter="{w}/none", names=("none",)),
+        v("drafter config broken", ["-o", "{w}/rep"], drafter="{w}/d", names=("config.json",),
+          setup=lambda w: (_copy(fx["drafter"], w / "d"), (w / "d" / "config.json").write_text("{"))),
+        v("drafter weights cut", ["-o", "{w}/rep"], drafter="{w}/d", names=("model.safetensors",),
+          setup=lambda w: (_copy(fx["drafter"], w / "d"), (w / "d" / "model.safetensors").write_bytes(b"12345678"))),
+        v("output is a file", ["-o", "{w}/rep"], names=("rep",), setup=lambda w: _write(w / "rep", "notes"),
+          protect=lambda w: [w / "rep"]),
+        v("output below a file", ["-o", "{w}/f/rep"], names=("f",), setup=lambda w: _write(w / "f", "x")),
+        v("prompts missing", ["-o", "{w}/rep", "--prompts", "{w}/none.jsonl"], names=("none.jsonl",)),
+        v("prompts bad row", ["-o", "{w}/rep", "--prompts", "{w}/p.jsonl"], names=("p.jsonl:1",),
+          setup=lambda w: _write(w / "p.jsonl", '{"prompt": 7}\n')),
+        v("prompts empty", ["-o", "{w}/rep", "--prompts", "{w}/p.jsonl"], names=("p.jsonl",),
+          setup=lambda w: _write(w / "p.jsonl", "")),
+        v("max new tokens 0", ["--max-new-tokens", "0"], names=("max_new_tokens",)),
+        v("num prompts -1", ["--num-prompts", "-1"], names=("num_prompts",)),
+        v("target missing", ["--target", "{w}/none"], names=("none",)),
+        v("disk full", ["-o", "{w}/rep"], fsize=2_000, names=("rep",)),
+        v("report folder exists", ["-o", "{w}/rep"], setup=lambda w: _write(w / "rep" / "mine.txt", "keep"),
+          protect=lambda w: [w / "rep" / "mine.txt"], names=("--overwrite",),
+          known="an existing report folder is replaced without --overwrite"),
+    ]
+
+
+def bench_cases(fx: dict) -> list[Case]:
+    tiny = ["--preset", "tiny", "--tokens", "256", "--doc-len", "40-120", "--anchors", "8", "--block", "4",
+            "--layers", "1", "--warmup", "1", "--measure", "1", "--device", "cpu"]
+
+    def b(name, extra, expect="error", names=(), setup=None, protect=None, **kw):
+        def build(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            return ["bench", *tiny, *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"bench/{name}", "bench", build, expect, names, protect, **kw)
+
+    return [
+        b("valid", ["--out", "{w}/b.json"], expect="ok"),
+        b("out is a directory", ["--out", "{w}/d"], names=("--out",), setup=lambda w: (w / "d").mkdir()),
+        b("out below a file", ["--out", "{w}/f/b.json"], names=("f",), setup=lambda w: _write(w / "f", "x")),
+        b("like an int table", ["--like", "{w}/t.json", "--out", "{w}/b.json"], names=("--like",),
+          setup=lambda w: _write(w / "t.json", '{"rows": 5}')),
+        b("like a list", ["--like", "{w}/t.json", "--out", "{w}/b.json"], names=("--like",),
+          setup=lambda w: _write(w / "t.json", "[1]")),
+        b("like missing", ["--like", "{w}/none.json", "--out", "{w}/b.json"], names=("none.json",)),
+        b("like not JSON", ["--like", "{w}/t.json", "--out", "{w}/b.json"], names=("--like",),
+          setup=lambda w: _write(w / "t.json", "{")),
+        b("measure not a multiple", ["--warmup", "2", "--measure", "3"], names=("--measure",)),
+        b("unknown lever", ["--levers", "warp"], names=("warp",)),
+        b("unknown preset", ["--preset", "gpt-9"], names=("gpt-9",)),
+        b("set without =", ["--set", "optim.lr"], names=("--set",)),
+        b("set unknown key", ["--set", "optim.lrr=1", "--out", "{w}/b.json"], names=("lrr",)),
+        b("append other preset", ["--levers", "baseline", "--append", "--out", "{w}/t.json"], names=("--append",),
+          setup=lambda w: _write(w / "t.json", json.dumps({"preset": "qwen3-8b", "rows": []})),
+          protect=lambda w: [w / "t.json"]),
+    ]
+
+
+def other_cases(fx: dict) -> list[Case]:
+    gen = ["--target", str(fx["target"]), "--device", "cpu", "--max-new-tokens", "4", "--no-progress"]
+
+    def g(name, extra, expect="error", names=(), setup=None, protect=None, **kw):
+        def build(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            return ["generate", *gen, *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"generate/{name}", "generate", build, expect, names, protect, **kw)
+
+    def pr(name, extra, expect="error", names=(), setup=None, protect=None, **kw):
+        def build(w: Path) -> list[str]:
+            if setup:
+                setup(w)
+            return ["prompts", *[a.replace("{w}", str(w)) for a in extra]]
+        return Case(f"prompts/{name}", "prompts", build, expect, names, protect, **kw)
+
+    def dm(name, extra, names=(), **kw):  # --quick: a demo that does not stop at a bad option still ends
+        return Case(f"demo/{name}", "demo", lambda w: ["demo", "-o", str(w / "demo"), "--device", "cpu", "--quick",
+                                                       *extra], "error", names, timeout=420, **kw)
+
+    P = str(fx["chats"])
+    return [
+        g("valid", ["--prompts", P, "--output", "{w}/o.jsonl"], expect="ok"),
+        g("prompts missing", ["--prompts", "{w}/none.jsonl", "--output", "{w}/o.jsonl"], names=("none.jsonl",)),
+        g("prompts bad row", ["--prompts", "{w}/p.jsonl", "--output", "{w}/o.jsonl"], names=("p.jsonl:1",),
+          setup=lambda w: _write(w / "p.jsonl", '{"prompt": [1]}\n')),
+        g("prompts empty", ["--prompts", "{w}/p.jsonl", "--output", "{w}/o.jsonl"], names=("p.jsonl",),
+          setup=lambda w: _write(w / "p.jsonl", ""), known="an empty prompts file writes 0 rows"),
+        g("output is a directory", ["--prompts", P, "--output", "{w}/d"], names=("d",), setup=lambda w: (w / "d").mkdir()),
+        g("output holds other rows", ["--prompts", P, "--output", "{w}/o.jsonl"], names=("o.jsonl",),
+          setup=lambda w: _write(w / "o.jsonl", "my notes, not JSON\n"), protect=lambda w: [w / "o.jsonl"]),
+        g("output torn last line", ["--prompts", P, "--output", "{w}/o.jsonl"], expect="ok",
+          setup=lambda w: _write(w / "o.jsonl", '{"messages": [{"role": "user", "con')),
+        g("disk full", ["--prompts", P, "--output", "{w}/o.jsonl"], fsize=200, names=("o.jsonl",)),
+        g("output below a file", ["--prompts", P, "--output", "{w}/f/o.jsonl"], names=("f",),
+          setup=lambda w: _write(w / "f", "x")),
+        g("temperature negative", ["--prompts", P, "--output", "{w}/o.jsonl", "--temperature", "-1"],
+          names=("temperature",)),
+        g("target missing", ["--prompts", P, "--output", "{w}/o.jsonl", "--target", "{w}/none"], names=("none",)),
+        g("http without url", ["--prompts", P, "--output", "{w}/o.jsonl", "--engine", "http"], names=("base_url",)),
+        pr("unknown source", ["--sources", "nowhere", "-o", "{w}/p"], names=("nowhere",)),
+        pr("humaneval file missing", ["--sources", "math", "--humaneval-file", "{w}/none.jsonl.gz", "-o", "{w}/p",
+                                      "--limit", "5"], names=("none.jsonl.gz",),
+           note="a FileNotFoundError traceback is the other part of the work"),
+        pr("output is a file", ["--sources", "math", "--limit", "5", "-o", "{w}/p"], names=("p",),
+           setup=lambda w: _write(w / "p", "mine"), protect=lambda w: [w / "p"]),
+        pr("limit negative", ["--sources", "math", "--limit", "-5", "-o", "{w}/p"], names=("limit",)),
+        pr("stdlib missing", ["--sources", "stdlib-code", "--stdlib", "{w}/none", "-o", "{w}/p", "--limit", "5"],
+           names=("none",)),
+        pr("disk full", ["--sources", "math", "--limit", "50", "-o", "{w}/p"], fsize=300, names=("p",)),
+        dm("train minutes negative", ["--train-minutes", "-1"], names=("--train-minutes",),
+           note="found late is the other part of the work"),
+        dm("eval prompts negative", ["--eval-prompts", "-1"], names=("eval_prompts",),
+           known="demo's --eval-prompts is not checked"),
+        Case("demo/output is a file", "demo", lambda w: (_write(w / "demo", "mine"),
+             ["demo", "-o", str(w / "demo"), "--device", "cpu", "--quick"])[1], names=("demo",),
+             protect=lambda w: [w / "demo"]),
+        dm("threads negative", ["--threads", "-2"], names=("threads",)),
+    ]
+
+
+def all_cases(fx: dict) -> list[Case]:
+    return [*prepare_cases(fx), *train_cases(fx), *export_cases(fx), *eval_cases(fx), *bench_cases(fx),
+            *other_cases(fx)]
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def report(cases: list[Case], results: list[Result]) -> str:
+    lines = ["| case | verdict | exit | s | what happened |", "|---|---|---|---|---|"]
+    for c, r in zip(cases, results):
+        note = f" ({c.note})" if c.note and r.verdict != "OK" else ""
+        lines.append(f"| {c.name} | {r.verdict} | {r.rc} | {r.seconds:.0f} | {r.why.replace('|', '/')}{note} |")
+    counts = {v: sum(r.verdict == v for r in results) for v in ("OK", "WEAK", "DEFECT")}
+    lines.append("")
+    lines.append(f"{len(results)} cases: {counts['OK']} OK, {counts['WEAK']} WEAK, {counts['DEFECT']} DEFECT")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="working folder: fixtures, one folder per case, the report")
+    ap.add_argument("--jobs", type=int, default=2, help="cases run at once")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    args = ap.parse_args()
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fx = build_fixtures(root)
+    cases = [c for c in all_cases(fx) if args.only in c.name]
+    print(f"fixtures ready in {time.perf_counter() - t0:.0f}s; {len(cases)} cases, {args.jobs} at a time", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda c: run_case(c, root), cases))
+    text = report(cases, results)
+    print(text)
+    (root / "report.md").write_text(text + "\n")
+    (root / "report.json").write_text(json.dumps([{"case": c.name, "verdict": r.verdict, "rc": r.rc, "why": r.why,
+                                                   "seconds": round(r.seconds, 1), "note": c.note}
+                                                  for c, r in zip(cases, results)], indent=1))
+    print(f"total {time.perf_counter() - t0:.0f}s; report: {root / 'report.md'}")
+    return 1 if any(r.verdict == "DEFECT" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
