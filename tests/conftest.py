@@ -154,3 +154,15 @@ def umask():
     old = os.umask(0o022)
     yield os.umask
     os.umask(old)
+
+
+@pytest.fixture
+def refuse_models(monkeypatch):
+    """Fail the test if the run loads a target model: for checks that must come before it."""
+    import dflash_train.train.setup as setup_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the run was known to be able to go on")
+
+    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
+    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)

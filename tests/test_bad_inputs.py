@@ -117,13 +117,6 @@ def test_truncated_arrow_shard_is_named(tiny_targets, tmp_path):
         TokenDataset(data)
 
 
-@pytest.fixture
-def refuse_models(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the run was known to be able to go on")
-
-    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
-    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)
 
 
 def _cfg(target, data, out, **extra) -> TrainConfig:

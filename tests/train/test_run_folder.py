@@ -12,7 +12,6 @@ import textwrap
 import pytest
 import yaml
 
-import dflash_train.train.setup as setup_mod
 from dflash_train.cli import main
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.errors import TrainingError
@@ -21,13 +20,6 @@ from dflash_train.utils.fs import LOCK, exclusive_directory
 from .test_trainer import make_config, read_metrics
 
 
-@pytest.fixture
-def refuse_models(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the run was known to be able to go on")
-
-    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
-    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_targets, tiny_datasets, tmp_path, caplog):

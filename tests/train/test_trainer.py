@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflash_train.train.setup as setup_mod
 import dflash_train.train.step as step_mod
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.train.checkpoint import latest_checkpoint, latest_valid_checkpoint
@@ -167,28 +166,21 @@ def test_export_then_load_gives_identical_outputs(tiny_targets, tiny_datasets, t
 
 
 # ---------------------------------------------------------------- clear errors, before heavy work
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the target model was loaded before the config was validated")
-
-    monkeypatch.setattr(setup_mod, "load_target_model", refuse)
-    monkeypatch.setattr(setup_mod, "load_target_heads", refuse)
 
 
-def test_error_tapped_layer_outside_target(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
+def test_error_tapped_layer_outside_target(tiny_targets, tiny_datasets, tmp_path, refuse_models):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"drafter.target_layer_ids": "[1, 9]"})
     with pytest.raises(ConfigError, match=r"outside the target's decoder layers 0\.\.5"):
         Trainer(cfg)
 
 
-def test_error_mask_token_outside_embedding(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
+def test_error_mask_token_outside_embedding(tiny_targets, tiny_datasets, tmp_path, refuse_models):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"drafter.mask_token_id": 300})
     with pytest.raises(ConfigError, match="outside the embedding table"):
         Trainer(cfg)
 
 
-def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, no_model_loading):
+def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, refuse_models):
     other = tmp_path / "other"
     build_tokenizer(other)
     tok_cfg = json.loads((other / "tokenizer_config.json").read_text())
@@ -201,7 +193,7 @@ def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, no_model_l
         Trainer(cfg)
 
 
-def test_error_empty_dataset(tiny_targets, tmp_path, no_model_loading):
+def test_error_empty_dataset(tiny_targets, tmp_path, refuse_models):
     from dflash_train.data.prepare import MANIFEST
 
     data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(3), tmp_path / "data")
@@ -213,7 +205,7 @@ def test_error_empty_dataset(tiny_targets, tmp_path, no_model_loading):
         Trainer(cfg)
 
 
-def test_error_budget_smaller_than_longest_row(tiny_targets, tiny_datasets, tmp_path, no_model_loading):
+def test_error_budget_smaller_than_longest_row(tiny_targets, tiny_datasets, tmp_path, refuse_models):
     cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "r", **{"data.plan.token_budget": 20})
     with pytest.raises(ConfigError, match="token budget is smaller than the longest row"):
         Trainer(cfg)
