@@ -133,6 +133,19 @@ def test_a_section_given_twice_in_a_config_file_is_an_error(tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["optim"]["warmup_steps"] == 7
 
 
+@pytest.mark.parametrize("text, want", [
+    ("data: [unclosed\n  x: 1\n", ":2:4: not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence)"),
+    ("a: 1\n\tb: 2\n", ":2:1: not valid YAML: found character '\\t' that cannot start any token"),
+    (b"\xff\xfe", ": not valid YAML: 'utf-8' codec can't decode byte 0xff in position 0"),
+])
+def test_a_config_that_is_not_yaml_is_one_line_with_its_place(text, want, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["prepare", "in.jsonl", "-o", str(tmp_path / "out"), "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}{want}" in err
+
+
 @dataclass
 class _Flags:
     inputs: list[str] = field(default_factory=list, metadata=cli(positional=True))
@@ -212,6 +225,15 @@ def test_a_full_disk_or_read_only_output_is_one_line_naming_the_path(job, argv, 
     assert main([job, *argv]) == 2
     assert capsys.readouterr().err.strip() == (f"dflash-train {job}: error: /mnt/ro/shard-00000.arrow: Read-only "
                                                f"file system: choose an output on a writable filesystem")
+    for err, text, fix in [(errno.EFBIG, "File too large", "raise the file-size limit (ulimit -f) or choose "
+                            "another output"),
+                           (errno.ENOTDIR, "Not a directory", "a file stands where the output needs a folder: "
+                            "choose another output"),
+                           (errno.EEXIST, "File exists", "a file stands where the output needs a folder: choose "
+                            "another output")]:
+        monkeypatch.setattr(module, "run", lambda cfg, args, e=err, t=text: (_ for _ in ()).throw(OSError(e, t, "x/f")))
+        assert main([job, *argv]) == 2
+        assert capsys.readouterr().err.strip() == f"dflash-train {job}: error: x/f: {text}: {fix}"
     monkeypatch.setattr(module, "run", lambda cfg, args: (_ for _ in ()).throw(FileNotFoundError(errno.ENOENT, "gone")))
     with pytest.raises(FileNotFoundError):  # any other OSError is a bug: it keeps its traceback
         main([job, *argv])

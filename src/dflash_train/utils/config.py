@@ -258,6 +258,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
 
 
+def _yaml_problem(exc: Exception) -> str:
+    """`:LINE:COLUMN: not valid YAML: problem (context)` in one line (PyYAML's own text spans
+    several, with the offending line quoted and a caret)."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if problem is None:
+        return f": not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
     """YAML file (optional) + dotted overrides -> validated `cls`. Errors name the file."""
     data: dict[str, Any] = {}
@@ -268,7 +279,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
         try:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(f"{path}{_yaml_problem(exc)}") from None
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -61,10 +61,14 @@ class DataError(DFlashError):
         return {"where": where, "field": self.field, "reason": self.problem}
 
 
-# OS errors that are the user's to fix, not bugs: where the outputs go is full, read-only or not ours.
+# OS errors that are the user's to fix, not bugs: where the outputs go is full, read-only, not ours,
+# or a file stands where the output needs a folder.
 _STORAGE_FIXES = {
     errno.ENOSPC: "free some space there or choose another output",
     errno.EDQUOT: "free some of your quota there or choose another output",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or choose another output",
+    errno.ENOTDIR: "a file stands where the output needs a folder: choose another output",
+    errno.EEXIST: "a file stands where the output needs a folder: choose another output",
     errno.EROFS: "choose an output on a writable filesystem",
     errno.EACCES: "fix its permissions or choose another output",
     errno.EPERM: "fix its permissions or choose another output",
