@@ -32,6 +32,8 @@ MIX=${MIX:-}                       # data mix of the training rows, SOURCE=WEIGH
 EVAL_NEW=${EVAL_NEW:-256}
 EVAL_PROMPTS=${EVAL_PROMPTS:-0}     # HumanEval and chat prompts in the eval (0 = all)
 EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-64}  # held-out (and training) prompts per source in the eval
+TIMING_REPEATS=${TIMING_REPEATS:-1}  # timed decodes per prompt in the greedy sets (eval --timing-repeats; 3 gives
+                                     # the speedup's spread at 3x the eval's time)
 PY=${PYTHON:-python3}
 DFT="$PY -m dflash_train"
 mkdir -p "$WORK/gen"
@@ -112,7 +114,7 @@ if has eval; then
     mode=${spec##*:}; spec=${spec%:*}; n=${spec##*:}; spec=${spec%:*}; name=$(basename "$spec" .jsonl)
     [ -f "$WORK/eval-$name/report.json" ] && { echo "   eval-$name done"; return; }
     $DFT eval --target "$TARGET" --drafter "$D" --prompts "$spec" --num-prompts "$n" --max-new-tokens "$EVAL_NEW" \
-      --"$mode" --output "$WORK/eval-$name" --no-progress > "$WORK/eval-$name.log" 2>&1 || echo "   eval-$name failed (rc=$?)"
+      --"$mode" --timing-repeats "$TIMING_REPEATS" --output "$WORK/eval-$name" --no-progress > "$WORK/eval-$name.log" 2>&1 || echo "   eval-$name failed (rc=$?)"
   }
   for k in $(seq 0 $((NGPU - 1))); do
     ( [ "$NGPU" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$k; i=0

@@ -77,7 +77,7 @@ fi
 for set in humaneval chat; do
   has "$set" || continue
   stage "eval_$set" "$EVAL_LIMIT" "$PY" -m dflash_train eval --target "$TARGET_HF" --drafter "$WORK/drafter" \
-    --prompts "$set" --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --greedy --no-progress \
+    --prompts "$set" --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --greedy --timing-repeats 1 --no-progress \
     --output "$WORK/eval-$set"
   cp "$WORK/eval-$set/report.json" "$OUT/report_peer_$set.json" 2>/dev/null
 done
