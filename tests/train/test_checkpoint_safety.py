@@ -273,3 +273,24 @@ def test_export_takes_the_newest_checkpoint_that_verifies(tmp_path, caplog):
     truncate(good / "drafter" / "model.safetensors")
     with pytest.raises(InputError, match="none of its checkpoints verifies"):
         export(tmp_path / "r1", tmp_path / "out3")
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_rng_capture_takes_cuda_generators_only_where_cuda_is_in_use(monkeypatch, initialized):
+    """A CPU run on a GPU machine never creates a CUDA context to save generators it never used
+    (every rank would take one at its first checkpoint); a process that uses CUDA keeps them."""
+    cuda_state = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+
+    def get_all():
+        if not initialized:
+            raise AssertionError("a CUDA context was created by a process that never used CUDA")
+        return cuda_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", get_all)
+    tensors, plain = ck.capture_rng()
+    assert torch.equal(tensors["torch"], torch.get_rng_state())
+    assert ("cuda" in tensors) == initialized
+    if initialized:
+        assert torch.equal(tensors["cuda"], torch.stack(cuda_state))

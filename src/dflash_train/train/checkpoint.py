@@ -67,7 +67,10 @@ class TrainState:
 def capture_rng() -> tuple[dict, dict]:
     """(tensor states for rng.pt, JSON-able states for state.json)."""
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    # Only a process that uses CUDA has CUDA generators to keep: asking for them creates a CUDA
+    # context, so every rank of a CPU run on a GPU machine would take a context (seconds and
+    # ~0.5 GB each, all ranks at once on one GPU) at its first checkpoint.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     plain = {"numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
