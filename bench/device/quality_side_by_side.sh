@@ -9,11 +9,11 @@
 #
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
-#   PART=setup  carry .smol1 .whl        GGUF part one, the prompt files; with .recipe (filled by
-#                                       `bash scripts/recipe_data.sh restore .recipe`) the kept
-#                                       conversations instead of new ones           (~2 min)
-#   PART=data   carry .smol2 .whl       convert, generate GEN_SECONDS (default 320; 0 after a
-#                                       restore), the new rows back as $OUT/recipe/new-rows.jsonl.xz*
+#   PART=setup  carry .smol1 .whl       GGUF part one, the prompt files               (~2 min)
+#   PART=data   carry .smol2 [.recipe]  convert; with .recipe (filled by `bash scripts/recipe_data.sh
+#                                       restore .recipe`) the kept conversations first; generate
+#                                       GEN_SECONDS (default 320; 0 with .recipe unless set), the
+#                                       new rows back as $OUT/recipe/new-rows.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
 #                                       (OURS_NAME, OURS_ARGS: a lever run under its own name)
