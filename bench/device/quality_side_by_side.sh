@@ -153,11 +153,14 @@ peer)
   need $W/peer/drafter/model.safetensors
   eval_sets peer $W/peer/drafter ;;
 tokens)
-  need $W/peer/run/summary.json; need "$OURS_METRICS"
+  # PEER_SUMMARY: the peer run's summary (its tokens), this machine's or a kept one
+  # (bench/results/2026-12-02-quality-side-by-side/peer-run-summary.json: no peer run needed)
+  PEER_SUMMARY=${PEER_SUMMARY:-$W/peer/run/summary.json}
+  need "$PEER_SUMMARY"; need "$OURS_METRICS"
   # ours for the peer's training tokens: the schedule sized to the steps that take them at the
   # tokens per step of the matched run (a step's budget is 32,768 tokens, filled ~96%), its
   # warm-up the same share of the run (200 of 798 steps)
-  read -r steps warmup < <(python3 - $W/peer/run/summary.json "$OURS_METRICS" "${STEP_TOKENS:-}" <<'PY'
+  read -r steps warmup < <(python3 - "$PEER_SUMMARY" "$OURS_METRICS" "${STEP_TOKENS:-}" <<'PY'
 import json, math, sys
 peer = json.load(open(sys.argv[1]))
 train = [json.loads(l) for l in open(sys.argv[2]) if '"kind": "train"' in l]
