@@ -1,15 +1,21 @@
 """The dspark variant's training rule against brute-force loops (docs/dflash-spec.md, "Variant: dspark")."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
+from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
 from dflash_train.drafter.loss import LossConfig, head_cross_entropy
 from dflash_train.drafter.markov import markov_drafts, previous_tokens
-from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.drafter.masks import build_layer_masks
+from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step, head_operands
+from dflash_train.utils.errors import ModelError
 
 from .test_model import TAPS, H, V, _batch, tiny_config
 
@@ -166,3 +172,40 @@ def test_bad_variant_fields_are_rejected(kw, match):
         tiny_config(**kw)
     with pytest.raises(ValueError, match=match):
         DrafterSpec(**kw)
+
+
+def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path):
+    """save -> config.json in vLLM's Qwen3 DSpark layout -> load -> the same block logits, bit for bit."""
+    model = _dspark_model(4).float()
+    out = save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    data = json.loads((out / "config.json").read_text())
+    assert data["architectures"] == ["DSparkDraftModel"] and data["model_type"] == "qwen3"
+    assert (data["markov_rank"], data["markov_head_type"], data["sample_from_anchor"]) == (5, "vanilla", False)
+    assert data["dflash_config"]["projector_type"] == "dspark" and data["draft_vocab_size"] == V
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("markov_head.markov_w1.weight").shape == (V, 5)
+        assert f.get_tensor("markov_head.markov_w2.weight").shape == (V, 5)
+    loaded = load_drafter(out)
+    assert loaded.config == model.config and loaded.config.variant == "dspark"
+    ids, pos, doc, loss, anchors, valid = _batch(4)
+    emb, lm = torch.randn(V, H), torch.randn(V, H)
+    taps = torch.randn(R, S, TAPS * H)
+    labels, lv = build_block_labels(ids, doc, loss, anchors, valid, B)
+    prev = previous_tokens(ids, anchors, labels, lv).view(R, -1)
+
+    def logits(m):
+        masks = build_layer_masks(m.config, doc, pos, anchors, valid, backend="dense")
+        h = m(taps, pos, emb[block_input_ids(ids, anchors, B, m.config.mask_token_id)],
+              block_positions(pos, anchors, B), masks)
+        return h @ lm.T + m.markov_head.bias(prev, h.dtype)
+
+    with torch.no_grad():
+        assert torch.equal(logits(model), logits(loaded))
+
+
+def test_a_dspark_checkpoint_that_drafts_from_the_anchor_is_refused(tmp_path):
+    out = save_drafter(_dspark_model(0), tmp_path / "d")
+    data = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**data, "sample_from_anchor": True}))
+    with pytest.raises(ModelError, match="sample_from_anchor"):
+        load_drafter(out)
