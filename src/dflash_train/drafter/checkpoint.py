@@ -6,6 +6,9 @@ A directory with `config.json` (Qwen3 fields + `block_size`, `num_target_layers`
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`,
 `fc.weight`, `hidden_norm.weight`, `norm.weight`. This is what public DFlash inference
 code and serving engines load. Writes are atomic: a temporary directory renamed in place.
+
+The dspark variant adds `markov_head.markov_w{1,2}.weight` ([V, r] each) and the fields of
+`_add_dspark_fields` (architecture `DSparkDraftModel`): vLLM's Qwen3 DSpark drafter's layout.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import atomic_directory_write
 
 CONFIG_NAME = "config.json"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "DSparkDraftModel"
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -61,7 +66,21 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     }
     if cfg.extra:
         out["dflash_config"]["extra"] = cfg.extra
+    if cfg.variant == "dspark":
+        _add_dspark_fields(out, cfg)
     return out
+
+
+def _add_dspark_fields(out: dict, cfg: DrafterConfig) -> None:
+    """The dspark variant in the layout vLLM's Qwen3 DSpark drafter reads: its architecture, the
+    bigram head's rank and kind, and `sample_from_anchor: false` (slot 0 is the anchor and slots
+    1..B-1 are drafted, DFlash's block; vLLM's own default drafts from the anchor slot)."""
+    out["architectures"] = [DSPARK_ARCHITECTURE]
+    fields = {"projector_type": "dspark", "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+              "sample_from_anchor": False}
+    # dspark_bonus_anchor: the same block layout under the name other vLLM builds read
+    out.update(fields, draft_vocab_size=cfg.vocab_size, dspark_bonus_anchor=True)
+    out["dflash_config"].update(fields)
 
 
 def from_hf_config(data: dict) -> DrafterConfig:
@@ -88,6 +107,8 @@ def from_hf_config(data: dict) -> DrafterConfig:
         sliding_window=data.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None,
         causal_in_block_full=causal.get("full_attention", False),
         causal_in_block_sliding=causal.get("sliding_attention", True),
+        variant="dspark" if dflash.get("projector_type", data.get("projector_type")) == "dspark" else "dflash",
+        markov_rank=int(dflash.get("markov_rank", data.get("markov_rank", 256))),
         extra=dflash.get("extra", {}),
     )
 
@@ -116,8 +137,14 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path}: not valid JSON ({exc})") from None
-    if "DFlashDraftModel" not in (data.get("architectures") or []):
-        raise ModelError(f"{path}: architectures is {data.get('architectures')}, expected DFlashDraftModel")
+    if not {DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE} & set(data.get("architectures") or []):
+        raise ModelError(f"{path}: architectures is {data.get('architectures')}, expected "
+                         f"{DFLASH_ARCHITECTURE} or {DSPARK_ARCHITECTURE}")
+    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("markov_head_type", "vanilla") != "vanilla":
+        raise ModelError(f"{path}: markov_head_type {data['markov_head_type']!r} is not supported (vanilla only)")
+    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("sample_from_anchor", True):
+        raise ModelError(f"{path}: a DSpark drafter that drafts from the anchor slot (sample_from_anchor) "
+                         "is not this project's block layout (sample_from_anchor: false)")
     try:
         return from_hf_config(data)
     except (KeyError, TypeError, ValueError) as exc:

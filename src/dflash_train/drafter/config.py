@@ -13,6 +13,10 @@ from typing import Any, Literal
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
+# "dflash": every block slot is drafted independently (the spec). "dspark": DFlash plus a
+# low-rank bigram head that conditions each slot on the token before it (docs/dflash-spec.md,
+# "Variant: dspark").
+VARIANTS = ("dflash", "dspark")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -58,6 +62,9 @@ class DrafterConfig:
     # Spec defaults: full layers bidirectional, sliding layers causal (serving engines assume it).
     causal_in_block_full: bool = False
     causal_in_block_sliding: bool = True
+    variant: str = "dflash"
+    # dspark only: width r of the bigram head (markov_w1 [V, r], markov_w2 [V, r]).
+    markov_rank: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +111,7 @@ class DrafterConfig:
                 raise ValueError("sliding_attention layers need sliding_window >= 1")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        _check_variant(self.variant, self.markov_rank)
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -124,6 +132,13 @@ class DrafterConfig:
             if key not in seen:
                 seen.append(key)
         return seen
+
+
+def _check_variant(variant: str, markov_rank: int) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"drafter variant must be one of {list(VARIANTS)}, got {variant!r}")
+    if not isinstance(markov_rank, int) or isinstance(markov_rank, bool) or markov_rank < 1:
+        raise ValueError(f"drafter markov_rank must be an integer >= 1, got {markov_rank!r}")
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -237,6 +252,11 @@ class DrafterSpec:
     spans); layers = the ids in init_target_layers"""
     init_target_layers: list[int] | None = None
     """with init_from_target=layers: one 0-based target layer id per drafter layer, in drafter order"""
+    variant: Literal["dflash", "dspark"] = "dflash"
+    """dflash = slots drafted independently; dspark = plus a low-rank bigram head that conditions each
+    slot on the token before it (docs/dflash-spec.md, "Variant: dspark")"""
+    markov_rank: int = 256
+    """dspark only: rank r of the bigram head (two [vocab, r] tables)"""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_taps < 1:
@@ -260,6 +280,10 @@ class DrafterSpec:
             raise ValueError(f"drafter.layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError("drafter.sliding_window must be >= 1")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"drafter.variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        if self.markov_rank < 1:
+            raise ValueError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -303,6 +327,8 @@ def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: i
         intermediate_size=spec.intermediate_size,
         causal_in_block_full=spec.causal_in_block_full,
         causal_in_block_sliding=spec.causal_in_block_sliding,
+        variant=spec.variant,
+        markov_rank=spec.markov_rank,
     )
 
 

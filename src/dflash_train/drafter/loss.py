@@ -123,33 +123,77 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool, compiled: bool):
+    def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool, compiled: bool,
+                tail=None):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
-        if target_hidden is None:
-            onehot_grad = compiled_once(_softmax_minus_onehot) if compiled else _softmax_minus_onehot
-        else:
-            soft_chunk = compiled_once(_soft_target_chunk) if compiled else _soft_target_chunk
+        tail_w = tail.detach().to(w.dtype) if tail is not None else None  # [V, r], small
+        chunk_fn = _chunk_fn(target_hidden is None, compiled)
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
-            logits = hidden[sl].to(w.dtype) @ w.T  # [c, V]
+            logits = _head_logits(hidden[sl], w, tail_w)  # [c, V]
             if target_hidden is None:
-                ce[sl], pred[sl], grad_logits = _hard_label_chunk(logits, labels[sl], need_grad, onehot_grad)
+                ce[sl], pred[sl], grad_logits = _hard_label_chunk(logits, labels[sl], need_grad, chunk_fn)
             else:
-                ce[sl], pred[sl], grad_logits = soft_chunk(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
+                ce[sl], pred[sl], grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
             if need_grad:
-                grad_hidden[sl] = (grad_logits @ w).to(hidden.dtype)
+                grad_hidden[sl] = _head_back(grad_logits, w, tail_w).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
         ctx.mark_non_differentiable(pred)
+        ctx.tail_args = None
+        if tail is not None and need_grad and tail.requires_grad:
+            ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn)
         return ce, pred
 
     @staticmethod
     def backward(ctx, grad_ce, grad_pred):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
+        grad_tail = _tail_grad(grad_ce, *ctx.tail_args) if ctx.tail_args is not None else None
+        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None, None, grad_tail
+
+
+def _chunk_fn(hard: bool, compiled: bool):
+    """The per-chunk math: the one-hot gradient (hard labels) or the whole soft-target chunk."""
+    fn = _softmax_minus_onehot if hard else _soft_target_chunk
+    return compiled_once(fn) if compiled else fn
+
+
+def _head_logits(hidden: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor | None) -> torch.Tensor:
+    """[c, H] @ w.T; with a tail (dspark), [c, H + r] against [w | tail_w]: the LM head's logits plus
+    the bigram bias, two matmuls into one [c, V] (the [V, H + r] weight is never built)."""
+    if tail_w is None:
+        return hidden.to(w.dtype) @ w.T
+    H = w.shape[1]
+    return torch.addmm(hidden[:, :H].to(w.dtype) @ w.T, hidden[:, H:].to(w.dtype), tail_w.T)
+
+
+def _head_back(grad_logits: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor | None) -> torch.Tensor:
+    """dLoss/dhidden of one chunk: [c, V] -> [c, H] (or [c, H + r] with a tail)."""
+    if tail_w is None:
+        return grad_logits @ w
+    return torch.cat([grad_logits @ w, grad_logits @ tail_w], dim=-1)
+
+
+def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chunk_fn) -> torch.Tensor:
+    """dLoss/dtail [V, r] (dspark's markov_w2, trainable, unlike the frozen LM head). Its gradient
+    needs each row's incoming weight, known only now, so each chunk's logits are computed again:
+    sum over rows of grad_ce * (softmax - target) (x) markov code, accumulated in float32."""
+    H = w.shape[1]
+    tail_w = tail.detach().to(w.dtype)
+    grad = torch.zeros(tail.shape, dtype=torch.float32, device=tail.device)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        sl = slice(start, start + chunk_rows)
+        logits = _head_logits(hidden[sl], w, tail_w)
+        if target_hidden is None:
+            grad_logits = _hard_label_chunk(logits, labels[sl], True, chunk_fn)[2]
+        else:
+            grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, True)[2]
+        scaled = grad_logits.float() * grad_ce[sl, None].float()  # [c, V]
+        grad += scaled.T @ hidden[sl, H:].float()
+    return grad.to(tail.dtype)
 
 
 def head_cross_entropy(
@@ -159,14 +203,16 @@ def head_cross_entropy(
     target_hidden: torch.Tensor | None = None,  # [M, H] for distillation
     chunk_rows: int = 4096,
     compiled: bool = False,
+    tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2 (trainable); hidden is then [M, H + r]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
     if (labels is None) == (target_hidden is None):
         raise ValueError("give exactly one of labels and target_hidden")
     if labels is not None:
         labels = labels.clamp(min=0)  # IGNORE slots carry weight 0; any id is fine there
+    need_grad = hidden.requires_grad or (tail is not None and tail.requires_grad)
     return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows,
-                                   hidden.requires_grad, compiled)
+                                   need_grad, compiled, tail)
 
 
 def slot_weights(
@@ -226,13 +272,16 @@ def leading_hits(hits: torch.Tensor) -> torch.Tensor:
 
 
 def block_acceptance(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                     label_valid: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                     label_valid: torch.Tensor, chunk_rows: int = 4096,
+                     tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [R, N], block has a valid label [R, N]) of each block, teacher-forced:
-    the drafter's greedy prediction of slot k against the label of slot k (no gradient)."""
+    the drafter's greedy prediction of slot k against the label of slot k (no gradient).
+    `tail`: dspark's markov_w2, with `hidden` widened by the bigram codes (drafter/markov.py)."""
     R, N, B = labels.shape
     H = hidden.shape[-1]
     flat = hidden.detach().view(R, N, B, H)[:, :, 1:].reshape(-1, H)
-    _, pred = head_cross_entropy(flat, lm_head_weight, labels[:, :, 1:].reshape(-1), None, chunk_rows)
+    _, pred = head_cross_entropy(flat, lm_head_weight, labels[:, :, 1:].reshape(-1), None, chunk_rows,
+                                 tail=None if tail is None else tail.detach())
     valid = label_valid[:, :, 1:]
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     return leading_hits(hits), valid.any(dim=-1)
@@ -247,15 +296,16 @@ def drafter_loss(
     *,
     target_states: torch.Tensor | None = None,  # [R, N, B-1, H] for distillation
     compiled: bool = False,  # compiled mode (fixed shapes): the head's chunk math compiled (cfg.fused_head)
+    tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2; final_hidden is then [R, N*B, H + r]
 ) -> StepStats:
     R, N, B = labels.shape
     H = final_hidden.shape[-1]
     hidden = final_hidden.view(R, N, B, H)[:, :, 1:].reshape(-1, H)  # slot 0 is never a label
     lab = labels[:, :, 1:].reshape(-1)
     valid = label_valid[:, :, 1:]
-    soft = target_states.reshape(-1, H) if target_states is not None else None
+    soft = target_states.reshape(-1, target_states.shape[-1]) if target_states is not None else None
     ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows,
-                                  compiled=compiled and cfg.fused_head)
+                                  compiled=compiled and cfg.fused_head, tail=tail)
     ce = ce.view(R, N, B - 1)
     p_correct = torch.exp(-ce.detach()) if cfg.weighting in CONFIDENCE_WEIGHTINGS else None
     weights = slot_weights(cfg, B, valid, p_correct)

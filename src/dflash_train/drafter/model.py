@@ -28,6 +28,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.markov import MarkovHead
 from dflash_train.drafter.masks import AttentionMask, attend
 from dflash_train.target.ops import apply_rope, rms_norm
 
@@ -186,6 +187,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
+        # dspark: the bigram head over the block (drafter/markov.py); applied on the logits, after forward()
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.variant == "dspark" else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -195,6 +198,8 @@ class DFlashDrafter(nn.Module):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        if self.markov_head is not None:
+            self.markov_head.reset_parameters(std)
 
     def project_context(self, ctx_raw: torch.Tensor, noise_sigma: float = 0.0, generator=None) -> torch.Tensor:
         """ctx_raw [R, S, n*H] (concatenated taps) -> ctx [R, S, H].

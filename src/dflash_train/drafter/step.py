@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dflash_train.drafter.anchors import select_anchors, trim_anchor_columns
 from dflash_train.drafter.labels import PendingTargetLabels, build_block_labels, gather_target_states
 from dflash_train.drafter.loss import LossConfig, StepStats, drafter_loss
+from dflash_train.drafter.markov import previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 
@@ -83,7 +84,7 @@ def drafter_forward(
     generator: torch.Generator | None = None,
 ) -> BlockForward:
     """Anchors, labels, masks and the drafter forward on one batch."""
-    cfg = drafter.config if hasattr(drafter, "config") else drafter.module.config  # DDP wraps the module
+    cfg = _module(drafter).config
     B = cfg.block_size
     anchors, valid = select_anchors(
         loss_mask, document_ids, step_cfg.num_anchors, B, generator=generator, fixed_shape=step_cfg.fixed_shape
@@ -118,10 +119,28 @@ def drafter_forward(
     return BlockForward(hidden, labels, label_valid, anchors, valid, target_states)
 
 
+def _module(drafter: DFlashDrafter) -> DFlashDrafter:
+    """The DFlashDrafter itself (DDP wraps it in .module; torch.compile forwards attributes)."""
+    return drafter if hasattr(drafter, "config") else drafter.module
+
+
+def head_operands(drafter: DFlashDrafter, out: BlockForward,
+                  input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the LM-head loss reads: (hidden [R, N*B, H], None) for dflash; for dspark the hidden
+    states widened by each slot's bigram code, [R, N*B, H + r], and markov_w2 [V, r] as the head's
+    trainable tail (drafter/markov.py), with teacher-forced previous tokens."""
+    markov = _module(drafter).markov_head
+    if markov is None:
+        return out.hidden, None
+    prev = previous_tokens(input_ids, out.anchors, out.labels, out.label_valid)  # [R, N, B]
+    return markov.widen(out.hidden, prev.view(prev.shape[0], -1)), markov.markov_w2.weight
+
+
 def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, *, step_cfg: StepConfig, loss_cfg: LossConfig,
                  generator: torch.Generator | None = None, **batch: torch.Tensor | None) -> StepStats:
     """`drafter_forward` on the batch (input_ids, position_ids, document_ids, loss_mask, taps,
     final_hidden), then the loss sums and metrics."""
     out = drafter_forward(drafter, heads, step_cfg=step_cfg, generator=generator, **batch)
-    return drafter_loss(out.hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
-                        target_states=out.target_states, compiled=step_cfg.fixed_shape)
+    hidden, tail = head_operands(drafter, out, batch["input_ids"])
+    return drafter_loss(hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
+                        target_states=out.target_states, compiled=step_cfg.fixed_shape, tail=tail)

@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import torch
 
 from dflash_train.drafter.masks import dense_attention_mask
+from dflash_train.drafter.markov import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.target.runner import find_decoder_layers
 
@@ -141,6 +142,9 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, sequence: Sequence[int], position: int) -> list[int]:
         hidden = self.block_hidden(sequence[-1], position)[1:]  # slots 1..B-1: the tokens after the anchor
+        if self.drafter.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
+            anchor = torch.tensor([int(sequence[-1])], device=hidden.device)
+            return markov_drafts(self.drafter.markov_head, hidden[None], anchor, self.lm_head_weight)[0].tolist()
         logits = hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
         return logits.argmax(-1).tolist()
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_train.drafter.markov import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, flat, write_cache
 from dflash_train.target.ops import apply_rope, rms_norm
@@ -289,4 +290,7 @@ class StaticDrafter:
         """Drafts [S, B-1] following tokens [S] (each slot's last committed token, at positions [S]).
         The caller guarantees max(positions) + B <= kv_len <= max_len."""
         x = self._block_residual(tokens, positions, kv_len)
+        if self.module.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
+            return markov_drafts(self.module.markov_head, _norm(x[:, 1:], self.norm_w, self.norm_eps), tokens,
+                                 self.lm_head_w)
         return self.head(x, self.norm_w, self.lm_head_w, eps=self.norm_eps)

@@ -67,7 +67,7 @@ def _refuse_a_drafter(path: Path) -> None:
             architectures = json.loads(config.read_text()).get("architectures") or []
         except (OSError, ValueError, AttributeError):
             continue
-        if "DFlashDraftModel" in architectures:
+        if {"DFlashDraftModel", "DSparkDraftModel"} & set(architectures):
             raise ModelError(f"{path} is {what}, not a target model: give the target model the drafter drafts for "
                              f"(a model directory, a .gguf file or 'builtin')")
 

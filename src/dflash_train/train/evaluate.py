@@ -23,7 +23,7 @@ from dflash_train.data.prompts import encode_prompt, load_prompts
 from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.loss import LossConfig, StepStats, block_acceptance, drafter_loss, summarize
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.drafter.step import BlockForward, FrozenHeads, StepConfig, drafter_forward
+from dflash_train.drafter.step import BlockForward, FrozenHeads, StepConfig, drafter_forward, head_operands
 from dflash_train.speculative.evaluate import HeldOutProbe
 from dflash_train.speculative.metrics import repetition_rate, tau_by_position, tau_of, walk_rounds
 from dflash_train.target.chat_template import stop_token_ids
@@ -94,9 +94,10 @@ def estimate_on_split(drafter: DFlashDrafter, heads: FrozenHeads, runner: Target
             fwd = drafter_forward(drafter, heads, input_ids=b.input_ids, position_ids=b.position_ids,
                                   document_ids=b.document_ids, loss_mask=b.loss_mask, taps=out.taps,
                                   final_hidden=out.final_hidden, step_cfg=eval_cfg, generator=gen)
-            stats.append(drafter_loss(fwd.hidden, heads.lm_head_weight, fwd.labels, fwd.label_valid, loss_cfg))
-            accepted, _ = block_acceptance(fwd.hidden, heads.lm_head_weight, fwd.labels, fwd.label_valid,
-                                           loss_cfg.chunk_rows)
+            hidden, tail = head_operands(drafter, fwd, b.input_ids)  # dspark: + the bigram head
+            stats.append(drafter_loss(hidden, heads.lm_head_weight, fwd.labels, fwd.label_valid, loss_cfg, tail=tail))
+            accepted, _ = block_acceptance(hidden, heads.lm_head_weight, fwd.labels, fwd.label_valid,
+                                           loss_cfg.chunk_rows, tail=tail)
         for acc, new in zip((rounds, all_anchor, repeats), walk_batch(fwd, accepted, batch, limit)):
             acc.extend(new)
     drafter.train(was_training)

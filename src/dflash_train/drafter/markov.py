@@ -1,0 +1,76 @@
+"""The dspark variant's bigram head (docs/dflash-spec.md, "Variant: dspark").
+
+The DFlash backbone drafts every slot of a block at once; this head adds back a first-order
+dependency inside the block. The logits of slot k are
+
+    lm_head(h_k) + markov_w2 @ markov_w1[x_{k-1}]         (markov_w1, markov_w2: [V, r])
+
+where x_{k-1} is the token before slot k: the anchor for k = 1, then the token drafted (at
+inference) or taught (in training) for slot k - 1. Both parts are one matmul over the
+concatenation [h_k ; markov_w1[x_{k-1}]] against [lm_head | markov_w2]: the loss
+(drafter/loss.py) takes the wider hidden state and markov_w2 as a trainable tail of the head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_train.drafter.labels import block_label_positions
+
+
+class MarkovHead(nn.Module):
+    """markov_w1: token -> r-dim code; markov_w2: code -> a bias over the vocabulary. The names
+    are the tensors' names in the exported checkpoint (`markov_head.markov_w{1,2}.weight`)."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # weight [V, r]
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        self.markov_w1.weight.normal_(0.0, std)
+        self.markov_w2.weight.normal_(0.0, std)
+
+    def widen(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[..., H] hidden states, [...] previous tokens -> [..., H + r] = [h ; markov_w1[prev]]."""
+        code = self.markov_w1(prev_ids).to(hidden.dtype)
+        return torch.cat([hidden, code], dim=-1)
+
+    def bias(self, prev_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[...] previous tokens -> [..., V] logit bias (inference: one slot at a time)."""
+        w2 = self.markov_w2.weight.to(dtype)
+        return self.markov_w1(prev_ids).to(dtype) @ w2.T
+
+
+def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                    label_valid: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced previous token of every slot: [R, N, B] (slot 0's entry is unused).
+
+    Slot k's previous token is the label of slot k - 1 where that label is valid (the token the
+    target commits there, whatever the label source), else the dataset token at a_j + k - 1;
+    for k = 1 that is the anchor token itself. input_ids [R, S], anchors [R, N],
+    labels/label_valid [R, N, B]."""
+    R, S = input_ids.shape
+    B = labels.shape[-1]
+    pos = (block_label_positions(anchors, B) - 1).clamp(0, S - 1)  # a_j + k - 1: [R, N, B]
+    data = torch.gather(input_ids, 1, pos.view(R, -1)).view_as(pos)
+    shifted_labels = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)  # label of slot k - 1
+    shifted_valid = torch.cat([torch.zeros_like(label_valid[..., :1]), label_valid[..., :-1]], dim=-1)
+    return torch.where(shifted_valid, shifted_labels, data)
+
+
+@torch.no_grad()
+def markov_drafts(head: MarkovHead, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                  lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts of slots 1..B-1, left to right: hidden [S, B-1, H] (final normed states of
+    slots 1..B-1), anchor_ids [S] -> drafts [S, B-1]. The backbone logits of all slots come
+    from one matmul; only the bias ([S, r] -> [S, V] per slot) runs sequentially."""
+    base = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T  # [S, B-1, V]
+    prev = anchor_ids
+    drafts = []
+    for k in range(base.shape[1]):
+        prev = (base[:, k] + head.bias(prev, base.dtype)).argmax(-1)  # [S]
+        drafts.append(prev)
+    return torch.stack(drafts, dim=1)

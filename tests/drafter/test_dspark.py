@@ -1,0 +1,211 @@
+"""The dspark variant's training rule against brute-force loops (docs/dflash-spec.md, "Variant: dspark")."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from dflash_train.drafter.checkpoint import load_drafter, save_drafter
+from dflash_train.drafter.config import DrafterSpec
+from dflash_train.drafter.labels import build_block_labels
+from dflash_train.drafter.loss import LossConfig, head_cross_entropy
+from dflash_train.drafter.markov import markov_drafts, previous_tokens
+from dflash_train.drafter.masks import build_layer_masks
+from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
+from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step, head_operands
+from dflash_train.utils.errors import ModelError
+
+from .test_model import TAPS, H, V, _batch, tiny_config
+
+R, S, B = 2, 18, 4
+
+
+def prev_ref(ids, anchors, labels, lv):
+    """Slot k's previous token by the rule, one slot at a time."""
+    out = torch.full_like(labels, -1)
+    for r in range(labels.shape[0]):
+        for j in range(labels.shape[1]):
+            a = int(anchors[r, j])
+            for k in range(1, labels.shape[2]):
+                if lv[r, j, k - 1]:
+                    out[r, j, k] = labels[r, j, k - 1]
+                else:
+                    out[r, j, k] = ids[r, min(a + k - 1, ids.shape[1] - 1)]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_previous_tokens_match_brute_force(seed):
+    ids, pos, doc, loss, anchors, valid = _batch(seed)
+    labels, lv = build_block_labels(ids, doc, loss, anchors, valid, B)
+    g = torch.Generator().manual_seed(seed)  # labels that differ from the data, as `target` ones do
+    labels = torch.where(lv, torch.randint(0, V, labels.shape, generator=g), labels)
+    got = previous_tokens(ids, anchors, labels, lv)
+    want = prev_ref(ids, anchors, labels, lv)
+    assert torch.equal(got[..., 1:], want[..., 1:])
+    assert torch.equal(got[..., 1], torch.gather(ids, 1, anchors))  # slot 1 follows the anchor
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_head_with_a_trainable_tail_matches_full_logits(chunk, soft):
+    """[h ; code] against [W | tail]: CE, argmax and the gradients of hidden and tail, as autograd
+    on the full logits h @ W.T + code @ tail.T gives them."""
+    g = torch.Generator().manual_seed(chunk)
+    M, Hh, r, Vv = 13, 8, 3, 29
+    hidden = torch.randn(M, Hh + r, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
+    tail = torch.randn(Vv, r, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, Vv, (M,), generator=g)
+    target = torch.randn(M, Hh, generator=g, dtype=torch.float64) if soft else None
+    up = torch.rand(M, generator=g, dtype=torch.float64)
+    ce, pred = head_cross_entropy(hidden, w, None if soft else labels, target, chunk_rows=chunk, tail=tail)
+    (ce * up).sum().backward()
+    got = hidden.grad.clone(), tail.grad.clone()
+    hidden.grad = tail.grad = None
+    logits = hidden[:, :Hh] @ w.T + hidden[:, Hh:] @ tail.T
+    if soft:
+        ref = -(torch.softmax(target @ w.T, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    else:
+        ref = F.cross_entropy(logits, labels, reduction="none")
+    (ref * up).sum().backward()
+    torch.testing.assert_close(ce.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pred, logits.argmax(-1))
+    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], tail.grad, rtol=1e-6, atol=1e-6)
+
+
+def _dspark_model(seed):
+    torch.manual_seed(seed)
+    model = DFlashDrafter(tiny_config(variant="dspark", markov_rank=5)).double()
+    with torch.no_grad():  # a bias as large as the backbone's logits, so a wrong previous token shows
+        model.markov_head.markov_w1.weight.normal_(0, 1)
+        model.markov_head.markov_w2.weight.normal_(0, 1)
+    return model
+
+
+def step_ref(model, heads, fwd, ids, gamma):
+    """The loss sum, one valid slot at a time: CE of lm_head(h) + w2 @ w1[prev] against the label."""
+    labels, lv = fwd.labels, fwd.label_valid
+    prev = prev_ref(ids, fwd.anchors, labels, lv)
+    hid = fwd.hidden.view(R, -1, B, H)
+    m = model.markov_head
+    total = torch.zeros((), dtype=torch.float64)
+    for r in range(R):
+        for j in range(labels.shape[1]):
+            for k in range(1, B):
+                if not lv[r, j, k]:
+                    continue
+                logits = heads.lm_head_weight @ hid[r, j, k] + m.markov_w2.weight @ m.markov_w1.weight[prev[r, j, k]]
+                ce = torch.logsumexp(logits, 0) - logits[labels[r, j, k]]
+                total = total + torch.exp(torch.tensor(-(k - 1) / gamma, dtype=torch.float64)) * ce
+    return total
+
+
+@pytest.mark.parametrize("label_source", ["data", "target"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_source):
+    model = _dspark_model(seed)
+    ids, pos, doc, loss, _, _ = _batch(seed + 10)
+    g = torch.Generator().manual_seed(seed)
+    heads = FrozenHeads(torch.randn(V, H, generator=g, dtype=torch.float64),
+                        torch.randn(V, H, generator=g, dtype=torch.float64))
+    batch = dict(input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss,
+                 taps=torch.randn(R, S, TAPS * H, generator=g, dtype=torch.float64),
+                 final_hidden=torch.randn(R, S, H, generator=g, dtype=torch.float64))
+    step_cfg, loss_cfg = StepConfig(num_anchors=5, label_source=label_source), LossConfig(gamma=3.0)
+    stats = drafter_step(model, heads, step_cfg=step_cfg, loss_cfg=loss_cfg,
+                         generator=torch.Generator().manual_seed(7), **batch)
+    stats.loss_sum.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    fwd = drafter_forward(model, heads, step_cfg=step_cfg, generator=torch.Generator().manual_seed(7), **batch)
+    if label_source == "target":  # the teacher-forced tokens are then the target's, not the data's
+        data_labels, _ = build_block_labels(ids, doc, loss, fwd.anchors, fwd.valid, B)
+        assert (fwd.labels != data_labels)[fwd.label_valid].any()
+    want = step_ref(model, heads, fwd, ids, gamma=3.0)
+    want.backward()
+    # the CE per label is float32 by design (drafter/loss.py): that bounds the agreement
+    torch.testing.assert_close(stats.loss_sum.double(), want, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["markov_head.markov_w2.weight"].abs().sum() > 0
+    assert got["markov_head.markov_w1.weight"].abs().sum() > 0
+
+
+def test_dflash_variant_has_no_head_and_reads_the_hidden_states_unchanged():
+    torch.manual_seed(0)
+    a = DFlashDrafter(tiny_config())
+    torch.manual_seed(0)
+    b = DFlashDrafter(tiny_config(variant="dflash"))
+    assert a.markov_head is None and not any("markov" in n for n in a.state_dict())
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    ids, pos, doc, loss, _, _ = _batch(0)
+    heads = FrozenHeads(torch.randn(V, H), torch.randn(V, H))
+    fwd = drafter_forward(a, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss,
+                          taps=torch.randn(R, S, TAPS * H), final_hidden=None, step_cfg=StepConfig(num_anchors=4))
+    hidden, tail = head_operands(a, fwd, ids)
+    assert hidden is fwd.hidden and tail is None
+
+
+def test_markov_drafts_are_sequential_greedy():
+    model = _dspark_model(3)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, B - 1, H, generator=g, dtype=torch.float64)
+    lm = torch.randn(V, H, generator=g, dtype=torch.float64)
+    anchors = torch.tensor([1, 5, 9])
+    got = markov_drafts(model.markov_head, hidden, anchors, lm)
+    m = model.markov_head
+    for s in range(3):
+        prev = int(anchors[s])
+        for k in range(B - 1):
+            logits = lm @ hidden[s, k] + m.markov_w2.weight @ m.markov_w1.weight[prev]
+            prev = int(logits.argmax())
+            assert got[s, k] == prev
+
+
+@pytest.mark.parametrize("kw,match", [(dict(variant="domino"), "variant"), (dict(markov_rank=0), "markov_rank")])
+def test_bad_variant_fields_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**kw)
+    with pytest.raises(ValueError, match=match):
+        DrafterSpec(**kw)
+
+
+def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path):
+    """save -> config.json in vLLM's Qwen3 DSpark layout -> load -> the same block logits, bit for bit."""
+    model = _dspark_model(4).float()
+    out = save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    data = json.loads((out / "config.json").read_text())
+    assert data["architectures"] == ["DSparkDraftModel"] and data["model_type"] == "qwen3"
+    assert (data["markov_rank"], data["markov_head_type"], data["sample_from_anchor"]) == (5, "vanilla", False)
+    assert data["dflash_config"]["projector_type"] == "dspark" and data["draft_vocab_size"] == V
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("markov_head.markov_w1.weight").shape == (V, 5)
+        assert f.get_tensor("markov_head.markov_w2.weight").shape == (V, 5)
+    loaded = load_drafter(out)
+    assert loaded.config == model.config and loaded.config.variant == "dspark"
+    ids, pos, doc, loss, anchors, valid = _batch(4)
+    emb, lm = torch.randn(V, H), torch.randn(V, H)
+    taps = torch.randn(R, S, TAPS * H)
+    labels, lv = build_block_labels(ids, doc, loss, anchors, valid, B)
+    prev = previous_tokens(ids, anchors, labels, lv).view(R, -1)
+
+    def logits(m):
+        masks = build_layer_masks(m.config, doc, pos, anchors, valid, backend="dense")
+        h = m(taps, pos, emb[block_input_ids(ids, anchors, B, m.config.mask_token_id)],
+              block_positions(pos, anchors, B), masks)
+        return h @ lm.T + m.markov_head.bias(prev, h.dtype)
+
+    with torch.no_grad():
+        assert torch.equal(logits(model), logits(loaded))
+
+
+def test_a_dspark_checkpoint_that_drafts_from_the_anchor_is_refused(tmp_path):
+    out = save_drafter(_dspark_model(0), tmp_path / "d")
+    data = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**data, "sample_from_anchor": True}))
+    with pytest.raises(ModelError, match="sample_from_anchor"):
+        load_drafter(out)
