@@ -19,7 +19,8 @@ under torch.profiler. Reported per step:
   device waits for the host (launches, the read-back, Python bookkeeping);
 * the split of the wall time by kernel name: attention, matmuls, sampling (argmax, top-k/p,
   noise), other (norms, RoPE, copies, cache writes), host gap;
-* bytes read from memory: every weight once, plus the K/V the attention reads (dense: every
+* bytes read from memory: every weight once (an untied input embedding only by its gathered rows,
+  left out), plus the K/V the attention reads (dense: every
   slot up to the length bucket; flex: each slot's own 128-key blocks); over the wall time, the
   achieved GB/s; against `--peak-gbs`, the bound on ms per step and new tok/s.
 Weights are random (time depends on shapes only).
@@ -124,6 +125,16 @@ def profiled_kernels(prof, cuda: bool) -> list[tuple[str, float, float]]:
     return out
 
 
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once (tied ones once), except an
+    input embedding that is not also the LM head: a step gathers only one row of it per slot."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is not None and head.weight is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
 def fill(engine: BuiltinEngine, prompt_len: int, max_new: int, vocab: int) -> None:
     """Every slot admitted with a random prompt of `prompt_len` tokens (greedy, EOS ignored)."""
     g = torch.Generator().manual_seed(0)
@@ -224,7 +235,7 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
     bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
     per_position = 2 * len(dec.layers) * dec.n_kv * dec.head_dim * dec.k_cache.element_size()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied ones once
+    weights = weight_bytes(engine.model)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
                        kv_read_bytes(mid, engine.attention, bucket, per_position), peak)

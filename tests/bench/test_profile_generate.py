@@ -67,3 +67,16 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
     assert t["bytes_per_step"]["kv"] == 4 * 64 * 2 * 6 * 2 * 16 * 4
     assert t["context_positions_mid"] == 24 + 2 + 3 + 1  # prompt, warm-up, timed run, half the profiled
     assert "bound" not in t and t["new_tok_per_s"] > 0
+
+
+def test_weight_bytes_leave_out_an_untied_input_embedding():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8)
+    tied = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=True))
+    untied = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
+    every = sum(p.numel() * 4 for p in tied.parameters())  # fp32; the tied matrix counted once
+    assert profile_generate.weight_bytes(tied) == every
+    assert profile_generate.weight_bytes(untied) == every  # + the LM head, - the embedding: the same size
+    assert sum(p.numel() * 4 for p in untied.parameters()) == every + 100 * 16 * 4
