@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the per-layer functions")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
                    help="the engine's cache attention (generate/attention.py; auto: flex when compiled on CUDA)")
+    p.add_argument("--draft-window", type=int, default=0, help="decode the drafter's full-attention layers with this "
+                   "sliding window (0: its own attention; speculative/static_drafter.py)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -198,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
               "compile": not args.no_compile and device.type == "cuda", "stop_ids": sorted(stop)}
     say(f"bench_spec_decode: {args.target} + {config['drafter']} drafter (B = {B}), {len(prompts)} prompts x "
         f"{args.max_new_tokens} new tokens, {device} {config['dtype']}")
-    engine_kw = dict(cuda_graphs=not args.no_cuda_graphs, compile=config["compile"], attention=args.attention)
+    engine_kw = dict(cuda_graphs=not args.no_cuda_graphs, compile=config["compile"], attention=args.attention,
+                     draft_window=args.draft_window or None)
+    config["draft_window"] = args.draft_window or None
     say("building the batch-1 engine (compiling, capturing CUDA graphs, warm-up runs) ...")
     one = make_spec_decoder(model, drafter, stop, slots=1, max_len=max_len, **engine_kw)
     config["engine"] = type(one).__name__

@@ -50,6 +50,26 @@ def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_pat
     assert "tau (tokens per target forward)" in printed and "speedup" in printed
 
 
+def test_eval_cli_draft_window(tiny_targets, loaded_targets, tmp_path, monkeypatch):
+    """--draft-window: the engines (batch 1 and batched) keep a ring of W + 2B drafter positions,
+    the outputs stay plain greedy's, and the report says which window it ran with."""
+    from dflash_train.speculative import evaluate
+
+    model, tok = loaded_targets["llama"]
+    drafter_dir = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    made = []
+    monkeypatch.setattr(evaluate, "make_spec_decoder",
+                        lambda *a, make=evaluate.make_spec_decoder, **k: made.append(make(*a, **k)) or made[-1])
+    out = tmp_path / "report"
+    rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir),
+                   "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "20",
+                   "--output", str(out), "--no-progress", "--strict", "--timing-repeats", "1", "--draft-window", "3",
+                   "--batch-size", "2"])
+    assert rc == 0 and [d.drafter.ring_len for d in made] == [3 + 2 * 4] * 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["draft_window"] == 3 and report["overall"]["matches_greedy"] == 3
+
+
 def test_an_existing_report_folder_is_replaced_only_with_overwrite(tiny_targets, loaded_targets, tmp_path, capsys,
                                                                    monkeypatch):
     model, tok = loaded_targets["llama"]

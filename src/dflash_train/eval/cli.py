@@ -61,6 +61,9 @@ class EvalJobConfig:
     (the outputs and tau come from the first)"""
     batch_size: int = 0
     """also measure batched decoding: this many prompts at once, committed tokens/s (0 = off)"""
+    draft_window: int = 0
+    """decode the drafter's full-attention layers with this sliding window, so that drafting cost stays
+    flat on long contexts (drafts change, outputs never do; 0 = the drafter's own attention: docs/eval.md)"""
     compile: bool = True
     """torch.compile the engine's per-layer functions (GPU only; slower start, faster decoding)"""
     output: str | None = field(default=None, metadata=cli(aliases=("-o",)))
@@ -85,8 +88,8 @@ class EvalJobConfig:
             raise ValueError("max_new_tokens and max_prompt_tokens must be >= 1, num_prompts and threads >= 0")
         if self.timing_repeats < 1:
             raise ValueError("timing_repeats must be >= 1")
-        if self.near_tie_ulps < 0 or self.batch_size < 0:
-            raise ValueError("near_tie_ulps and batch_size must be >= 0")
+        if self.near_tie_ulps < 0 or self.batch_size < 0 or self.draft_window < 0:
+            raise ValueError("near_tie_ulps, batch_size and draft_window must be >= 0")
 
 
 CONFIG = EvalJobConfig
@@ -115,15 +118,18 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     compile = cfg.compile and device.type == "cuda"
     results = evaluate_prompts(target, tokenizer, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                                greedy=cfg.greedy, max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress,
-                               near_tie_ulps=cfg.near_tie_ulps, compile=compile, timing_repeats=cfg.timing_repeats)
+                               near_tie_ulps=cfg.near_tie_ulps, compile=compile, timing_repeats=cfg.timing_repeats,
+                               draft_window=cfg.draft_window or None)
     report = build_report(results, drafter.config.block_size, target=source.describe(), drafter=str(drafter_dir),
                           prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), near_tie_ulps=cfg.near_tie_ulps,
+                          draft_window=cfg.draft_window or None,
                           torch=torch.__version__, transformers=transformers.__version__)
     if cfg.batch_size:
         log.info("batched decoding: %d prompts, %d at once ...", len(prompts), cfg.batch_size)
         report["batched"] = measure_batched(target, tokenizer, drafter, prompts, slots=cfg.batch_size,
-                                            max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, compile=compile)
+                                            max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, compile=compile,
+                                            draft_window=cfg.draft_window or None)
     write_marker(out, "eval")  # so that a later `eval --overwrite` may replace it
     json_path = write_json(report, out / "report.json")
     png_path = plot_report(report, out / "report.png", title=f"{drafter_dir.name} on {prompt_set_name(cfg.prompts)}")

@@ -42,7 +42,8 @@ class HFSpecDecoder:
     """The generic Hugging Face path (`SpeculativeDecoder` + `DFlashProposer`, batch 1) behind
     the engine's interface, for targets the static engine does not support."""
 
-    def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter | None, stop_ids: set[int] | Sequence[int]):
+    def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter | None, stop_ids: set[int] | Sequence[int],
+                 draft_window: int | None = None):
         # (plain greedy needs no taps, but SpeculativeDecoder always taps some layer)
         self.decoder = SpeculativeDecoder(target, drafter.config.target_layer_ids if drafter else [0], stop_ids)
         self.proposer = None
@@ -52,7 +53,8 @@ class HFSpecDecoder:
             head = target.get_output_embeddings()
             # a copy: DFlashProposer switches its module to eval mode, and the caller's stays as it is
             drafter = copy.deepcopy(drafter).to(device=embed.device, dtype=embed.dtype)
-            self.proposer = DFlashProposer(drafter, embed, head.weight if head is not None else embed)
+            self.proposer = DFlashProposer(drafter, embed, head.weight if head is not None else embed,
+                                           window=draft_window)
             self.block_size = drafter.config.block_size
 
     def warm_up(self, max_kv: int | None = None) -> None:
@@ -96,7 +98,7 @@ def make_spec_decoder(
         check_supported(target, -(-max_len // FLEX_BLOCK) * FLEX_BLOCK)
     except UnsupportedModelError as exc:
         log.warning("static speculative engine unavailable (%s); using the Hugging Face path, batch 1", exc)
-        return HFSpecDecoder(target, drafter, stop_ids)
+        return HFSpecDecoder(target, drafter, stop_ids, engine_kwargs.get("draft_window"))
     return SpecEngine(target, drafter, stop_ids, slots=slots, max_len=max_len, **engine_kwargs)
 
 

@@ -136,7 +136,10 @@ class SpecEngine:
 
     `drafter`: a DFlashDrafter (run in the target's device and dtype: `drafter_like`), any
     `DraftSource`, or None (plain greedy only).
-    `max_len`: cache positions per slot; a prompt needs len + max_new_tokens + B of them."""
+    `max_len`: cache positions per slot; a prompt needs len + max_new_tokens + B of them.
+    `draft_window`: decode the DFlashDrafter's full-attention layers with this sliding window
+    (speculative/static_drafter.py): its context is then a ring of ~W + 2B positions per slot and
+    a draft costs the same at any context length; the drafts change, the outputs never do."""
 
     def __init__(
         self,
@@ -151,6 +154,7 @@ class SpecEngine:
         refill_fraction: float = 0.125,
         prefill_tokens: int = 16384,
         attention: AttentionKind | Literal["auto"] = "auto",
+        draft_window: int | None = None,
     ) -> None:
         dev = target.get_input_embeddings().weight.device
         if attention == "auto":
@@ -167,7 +171,8 @@ class SpecEngine:
         self.stop_ids = {int(t) for t in stop_ids}
         if isinstance(drafter, DFlashDrafter):
             drafter = StaticDrafter(drafter_like(drafter, self.decoder.embed_w), self.decoder.embed_w,
-                                    self.decoder.lm_head_w, slots, max_len, attention=attention)
+                                    self.decoder.lm_head_w, slots, max_len, attention=attention,
+                                    window=draft_window)
         self.drafter = drafter
         self.block_size = drafter.block_size if drafter is not None else 1
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []

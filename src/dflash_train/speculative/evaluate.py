@@ -49,15 +49,16 @@ def check_compatible(drafter: DFlashDrafter, target: torch.nn.Module) -> None:
         raise ModelError("the drafter does not fit this target: " + "; ".join(problems))
 
 
-def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_drafter: bool = False) -> DFlashProposer:
+def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_drafter: bool = False,
+                  window: int | None = None) -> DFlashProposer:
     """The generic (Hugging Face path) proposer running `drafter` in the target's dtype and
-    device (a copy if asked, so a training drafter is left untouched)."""
+    device (a copy if asked, so a training drafter is left untouched); `window`: DFlashProposer's."""
     check_compatible(drafter, target)
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
     model = copy.deepcopy(drafter) if copy_drafter else drafter
     model = model.to(embed.device, embed.dtype).eval()
-    return DFlashProposer(model, embed, head.weight if head is not None else embed)
+    return DFlashProposer(model, embed, head.weight if head is not None else embed, window=window)
 
 
 def _cache_positions(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
@@ -79,13 +80,15 @@ def evaluate_prompts(
     compile: bool = False,
     on_prompt: Callable[[PromptResult], None] | None = None,
     timing_repeats: int = 1,
+    draft_window: int | None = None,
 ) -> list[PromptResult]:
     """Speculative (and, if `greedy`, plain greedy) decoding of every prompt, batch 1.
 
     All CUDA graphs are captured and the first prompt is decoded once untimed in both modes
     first, so one-time costs land on neither side of the comparison. With `greedy`, each prompt
     is decoded `timing_repeats` times in both modes, back to back (a load spike hits both), and
-    the speedup is reported per repeat (speculative/metrics.py: `_timed_speedup`)."""
+    the speedup is reported per repeat (speculative/metrics.py: `_timed_speedup`). `draft_window`:
+    SpecEngine's (a window for the drafter's full-attention layers)."""
     check_compatible(drafter, target)
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     if max_prompt_tokens:
@@ -94,7 +97,7 @@ def evaluate_prompts(
         raise EvalError("no prompt left to evaluate")
     max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)
     decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=1, max_len=max_len,
-                                cuda_graphs=cuda_graphs, compile=compile)
+                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window)
     results: list[PromptResult] = []
     try:
         decoder.warm_up(max_len)
@@ -137,13 +140,13 @@ def _batch_summary(results: list[DecodeResult], seconds: float, block_size: int)
 
 def measure_batched(target: torch.nn.Module, tokenizer, drafter: DFlashDrafter, prompts: list[Prompt], *,
                     slots: int, max_new_tokens: int, greedy: bool = True, cuda_graphs: bool = True,
-                    compile: bool = False) -> dict:
+                    compile: bool = False, draft_window: int | None = None) -> dict:
     """Committed tokens/s of `slots` sequences decoded at once (slots refilled as they finish),
     speculative and, if `greedy`, plain greedy; after an untimed warm-up of every graph."""
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     max_len = _cache_positions(ids, max_new_tokens, drafter.config.block_size)
     decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
-                                cuda_graphs=cuda_graphs, compile=compile)
+                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window)
     out = {"slots": slots}
     try:
         decoder.warm_up(max_len)

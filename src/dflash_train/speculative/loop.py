@@ -73,16 +73,26 @@ class Proposer(Protocol):
         `sequence` is prompt + output so far."""
 
 
+def layer_windows(cfg, window: int | None) -> list[int | None]:
+    """Each drafter layer's window when decoding: its own sliding window, else `window` (a
+    decode-time window for full-attention layers; None keeps them full)."""
+    return [cfg.window_of(i) if cfg.window_of(i) is not None else window for i in range(cfg.num_hidden_layers)]
+
+
 class DFlashProposer:
     """A DFlash drafter as a proposer, caching each layer's context K/V between rounds.
 
     Context K/V depend only on the projected taps and their positions (never on the
     block), so a round computes them only for the tokens committed since the last one.
+    The reference: it keeps every position's K/V. `window`: full-attention layers decode with
+    this sliding window (StaticDrafter's option, the same masks).
     """
 
-    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 window: int | None = None):
         self.drafter = drafter.eval()
         self.cfg = drafter.config
+        self.windows = layer_windows(self.cfg, window)
         self.block_size = self.cfg.block_size
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
@@ -119,11 +129,11 @@ class DFlashProposer:
         anchors = torch.tensor([[S]], device=device)
         valid = torch.ones((1, 1), dtype=torch.bool, device=device)
         by_variant = {}
-        for window, causal in self.cfg.mask_variants():
+        variants = [(w, self.cfg.causal_in_block_of(i)) for i, w in enumerate(self.windows)]
+        for window, causal in dict.fromkeys(variants):
             m = dense_attention_mask(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal)
             by_variant[(window, causal)] = torch.cat([m[..., :S], m[..., S + 1:]], dim=-1)
-        return [by_variant[(self.cfg.window_of(i), self.cfg.causal_in_block_of(i))]
-                for i in range(self.cfg.num_hidden_layers)]
+        return [by_variant[v] for v in variants]
 
     @torch.no_grad()
     def block_hidden(self, last_token: int, position: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 It reads the weights of a `DFlashDrafter` (nothing is copied) and repeats its op sequence
 (drafter/model.py), with the context K/V of every layer kept in a static cache:
 
-    k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim]
+    k_cache, v_cache: [layers, slots, kv_heads, cache_len, head_dim]   (cache_len: max_len, or a ring's)
 
 Position p of a slot holds the context K/V of the token committed at p (its projected target
 taps). A round of the engine, for a slot whose last committed token t sits at position p:
@@ -19,6 +19,20 @@ taps). A round of the engine, for a slot whose last committed token t sits at po
                             context key l: l < p, and (p + k) - l < W on a sliding-window layer
                             block key l = p + k': k' <= k on a layer causal within the block
                           drafts = argmax of the target's LM head over slots 1..B-1.
+
+Bounded context (a ring). When every layer attends through a sliding window (the drafter's
+own `sliding_window`, or `window`: a decode-time window for its full-attention layers), no
+query ever sees a context key more than W-1 positions back. The cache then holds only a ring
+of `ring_len` = W + 2B positions (rounded up to whole blocks for FlexAttention) per slot: position
+x lives at ring slot x mod ring_len, and the mask reads ring slot j as the latest position
+x = p + B - 1 - ((p + B - 1 - j) mod ring_len) at or before the block's last one (keys with
+x < 0 were never written: hidden). Every write is at a position <= p + B - 1, so a ring slot
+holds exactly that x whenever the rule can see it; the writes of one call (B positions, or the
+prompt's last W) never collide. A proposal then reads at most ring_len keys per layer, and the
+prompt's context projection covers only its last W taps, whatever the context's length: the
+drafts are those of the full cache (the rule hides the same keys), up to the order of float
+sums in the softmax. With a full-attention layer (and no `window`) the cache keeps every
+position, and drafting cost grows with the context.
 
 Fixed shapes for a given `kv_len`, no host synchronisation: both calls can be captured in one
 CUDA graph. One exception to "nothing is copied": the context K/V of all layers come from one
@@ -38,7 +52,16 @@ from torch import Tensor
 
 from dflash_train.drafter.markov import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, flat, write_cache
+from dflash_train.generate.attention import (
+    FLEX_BLOCK,
+    AttentionKind,
+    CacheAttention,
+    Rule,
+    cache_index,
+    flat,
+    write_cache,
+)
+from dflash_train.speculative.loop import layer_windows
 from dflash_train.target.ops import apply_rope, rms_norm
 
 
@@ -75,6 +98,30 @@ def block_rule(block_size: int, window: int | None, causal: bool):
         return context | in_block
 
     return visible
+
+
+def ring_rule(rule: Rule, ring_len: int, block_size: int) -> Rule:
+    """`rule` over a ring cache (module doc): ring slot j holds the latest position at or before
+    the block's last one that is j modulo `ring_len`; a slot never written (negative) is hidden."""
+
+    def visible(p: Tensor, q: Tensor, slot: Tensor) -> Tensor:
+        last = p + (block_size - 1)
+        key = last - torch.remainder(last - slot, ring_len)
+        return (key >= 0) & rule(p, q, key)
+
+    return visible
+
+
+def ring_length(windows: list[int | None], block_size: int, max_len: int, attention: AttentionKind) -> int | None:
+    """Cache positions per slot that a drafter with these layer windows needs (module doc): W + 2B,
+    in whole blocks for FlexAttention; None when it needs them all (a full-attention layer) or
+    the ring would be no shorter than `max_len`."""
+    if not windows or any(w is None for w in windows):
+        return None
+    ring = max(windows) + 2 * block_size  # type: ignore[type-var]
+    if attention == "flex":
+        ring = -(-ring // FLEX_BLOCK) * FLEX_BLOCK
+    return ring if ring < max_len else None
 
 
 def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
@@ -169,11 +216,15 @@ def _draft_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, *, eps: float) -> 
 class StaticDrafter:
     """DFlash proposals for `slots` sequences of at most `max_len` positions (see module doc).
 
-    `drafter` must already be on the target's device, in the dtype it should run in."""
+    `drafter` must already be on the target's device, in the dtype it should run in. `window`:
+    decode its full-attention layers with this sliding window (drafts change; a speculative
+    output never does), so that the context is bounded by a ring (module doc)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_w: Tensor, lm_head_w: Tensor, slots: int, max_len: int,
-                 attention: AttentionKind = "dense") -> None:
+                 attention: AttentionKind = "dense", window: int | None = None) -> None:
         cfg = drafter.config
+        if window is not None and window < 1:
+            raise ValueError(f"the drafting window must be >= 1, got {window}")
         self.config = cfg
         self.module = drafter
         self.block_size = cfg.block_size
@@ -193,8 +244,11 @@ class StaticDrafter:
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.fc_w.dtype, self.fc_w.device
         self.mask_token_id = cfg.mask_token_id
+        self.windows = layer_windows(cfg, window)
+        self.ring_len = ring_length(self.windows, self.block_size, max_len, attention)  # None: all kept
+        self.cache_len = self.ring_len or max_len
 
-        shape = (len(self.layers), slots, self.n_kv, max_len, self.head_dim)
+        shape = (len(self.layers), slots, self.n_kv, self.cache_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_flat, self.v_flat = flat(self.k_cache), flat(self.v_cache)  # all layers (context writes)
@@ -206,7 +260,7 @@ class StaticDrafter:
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()  # [max_len, d]
         self.key_positions = positions
         self.rows = torch.arange(slots, device=self.device)
-        self.variants = [(cfg.window_of(i), cfg.causal_in_block_of(i)) for i in range(cfg.num_hidden_layers)]
+        self.variants = [(w, cfg.causal_in_block_of(i)) for i, w in enumerate(self.windows)]
         # The per-layer pieces; an engine may swap in torch.compile'd versions.
         self.block_q: Callable[..., Tensor] = _block_q
         self.context_kv: Callable[..., None] = _context_kv
@@ -232,12 +286,16 @@ class StaticDrafter:
     def kv_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
+    def _slots_of(self, grid: Tensor) -> Tensor:
+        """Cache positions of the sequence positions `grid`: themselves, or their ring slots."""
+        return grid if self.ring_len is None else torch.remainder(grid, self.ring_len)
+
     def _write_context(self, taps: Tensor, start: Tensor, rows: Tensor, context_kv: Callable[..., tuple]) -> None:
         """Context K/V of taps [R, T, n*H] at positions start[r] + 0..T-1 of cache rows `rows` [R]."""
         t = taps.shape[1]
         grid = start[:, None] + self.key_positions[None, :t]  # [R, T]
         cos, sin = self.cos[grid][:, :, None, None, :], self.sin[grid][:, :, None, None, :]  # [R, T, 1, 1, d]
-        index = cache_index(rows, grid, self.n_kv, self.max_len, len(self.layers), self.slots)
+        index = cache_index(rows, self._slots_of(grid), self.n_kv, self.cache_len, len(self.layers), self.slots)
         context_kv(taps, cos, sin, self.fc_w, self.hidden_norm_w, self.context_w, self.context_kn_w,
                    k_flat=self.k_flat, v_flat=self.v_flat, index=index, hn_eps=self.hidden_norm_eps,
                    qk_eps=self.context_eps, n_layers=len(self.layers), n_kv=self.n_kv, head_dim=self.head_dim)
@@ -245,9 +303,18 @@ class StaticDrafter:
     def start(self, ids: Tensor, lengths: Tensor, slot_ids: Tensor, taps: Tensor) -> None:
         """After a prefill: the prompts' taps [n, T, n*H] (right padded) become the context of
         cache rows `slot_ids` [n] at positions 0..T-1 (padding rows: garbage past the length,
-        never read). `ids`/`lengths` are unused here (test doubles read them). Eager and
-        uncompiled: prompt widths vary, and a compiled function would recompile for each."""
-        self._write_context(taps, torch.zeros_like(slot_ids), slot_ids, _context_kv)
+        never read). With a ring, only each prompt's last W positions (W the widest window: all
+        any query can see) are projected and written. `ids` is unused here (test doubles read
+        it). Eager and uncompiled: prompt widths vary, and a compiled function would recompile
+        for each."""
+        keep = taps.shape[1] if self.ring_len is None else min(taps.shape[1], max(self.windows))
+        if keep == taps.shape[1]:
+            self._write_context(taps, torch.zeros_like(slot_ids), slot_ids, _context_kv)
+            return
+        first = (lengths.to(self.device) - keep).clamp(min=0)  # [n]: a prompt's first position kept
+        grid = first[:, None] + self.key_positions[None, :keep]  # [n, keep], all < T
+        kept = taps.gather(1, grid[:, :, None].expand(-1, -1, taps.shape[-1]))
+        self._write_context(kept, first, slot_ids, _context_kv)
 
     def extend(self, taps: Tensor, start: Tensor) -> None:
         """Taps [S, B, n*H] of the block verified last, at positions start[s] + 0..B-1 of every slot."""
@@ -257,9 +324,12 @@ class StaticDrafter:
         """The cache attention of one (window, causal_in_block) layer variant (made on first use:
         a warm-up, never inside a CUDA-graph capture)."""
         if (window, causal) not in self._attentions:
+            rule = block_rule(self.block_size, window, causal)
+            if self.ring_len is not None:
+                rule = ring_rule(rule, self.ring_len, self.block_size)
             self._attentions[window, causal] = CacheAttention(
-                block_rule(self.block_size, window, causal), self.attention_kind, slots=self.slots,
-                q_len=self.block_size, max_len=self.max_len, n_heads=self.n_heads, n_kv=self.n_kv,
+                rule, self.attention_kind, slots=self.slots,
+                q_len=self.block_size, max_len=self.cache_len, n_heads=self.n_heads, n_kv=self.n_kv,
                 head_dim=self.head_dim, scale=None, dtype=self.dtype, device=self.device)
         return self._attentions[window, causal]
 
@@ -276,8 +346,8 @@ class StaticDrafter:
         cos, sin = self.cos[grid][:, :, None, :], self.sin[grid][:, :, None, :]  # [S, B, 1, d]
         attentions = [self._attention(*variant) for variant in self.variants]
         for att in dict.fromkeys(attentions):  # once per distinct variant, for all its layers
-            att.prepare(positions, kv_len)
-        index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)
+            att.prepare(positions, min(kv_len, self.cache_len))  # a ring: at most its length
+        index = cache_index(self.rows[:s], self._slots_of(grid), self.n_kv, self.cache_len)
         for i, lay in enumerate(self.layers):
             q = self.block_q(x, cos, sin, *lay.qkv, k_flat=self.layer_k_flat[i], v_flat=self.layer_v_flat[i],
                              index=index, eps=lay.eps, qk_eps=lay.qk_eps, n_heads=self.n_heads, n_kv=self.n_kv,

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Decoding speed, seen from the inside (random weights: time depends on shapes only):
+#   generate   bench/profile_generate.py on the generate target's shape (SmolLM2-135M) at SLOTS
+#              (default 1536) and at 256 slots: kernels and device ms per decode step, achieved HBM
+#              GB/s, the split attention / matmuls / sampling / other / host gap; ~3 min
+#   qwen3      the same on Qwen3-8B's shape at 256 slots against the H200's 4.8 TB/s: the key
+#              generate.qwen3_8b.new_tok_per_s (steady decoding, every slot busy); ~4 min
+#   draft      bench/draft_context_cost.py: the batch-1 draft step's ms per round at contexts of
+#              256, 1K, 4K and 16K tokens, SmolLM2's 5-layer full-attention drafter as it is and
+#              decoded with a 2,048-token window (--draft-window): eval.draft_ms_per_round_by_context; ~3 min
+#     bash bench/device/decode_profile.sh            # all three; results in $OUT: gen_smollm2_<slots>.json,
+#                                                    # gen_qwen3_8b_256.json, draft_context_cost.json, decode_profile.log
+#     PART=draft bash bench/device/decode_profile.sh # one part
+# DRY=1: the plumbing on CPU with the tiny preset (~1 min).
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/decode_profile.log; mkdir -p $OUT
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+PART=${PART:-all}
+if [ "${DRY:-0}" = 1 ]; then
+  SMOL=tiny; QWEN=tiny; SLOTS=4; CPU="--device cpu --threads 1"; GEN="--prompt-len 24 --warmup 2 --steps 3"
+  DRAFT="--sliding-window 0 --draft-windows 0 64 --contexts 256 1024 4096 --iters 5"
+  export OMP_NUM_THREADS=1
+else
+  SMOL=smollm2-135m; QWEN=qwen3-8b; SLOTS=${SLOTS:-1536}; CPU=""; GEN="--prompt-len ${PROMPT_LEN:-256} --warmup 8 --steps 20"
+  DRAFT="--draft-windows 0 2048 --contexts 256 1024 4096 16384 --iters 50"
+fi
+source bench/device/lib.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >> $LOG 2>&1
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> $LOG 2>&1
+
+if [ "$PART" = all ] || [ "$PART" = generate ]; then
+  for n in $SLOTS 256; do
+    stage gen_${SMOL}_$n 200 $PY bench/profile_generate.py preset:$SMOL --slots $n $GEN $CPU \
+      --out $OUT/gen_${SMOL//-/_}_$n.json
+  done
+fi
+if [ "$PART" = all ] || [ "$PART" = qwen3 ]; then
+  stage gen_${QWEN}_256 300 $PY bench/profile_generate.py preset:$QWEN --slots 256 $GEN --peak-gbs 4800 $CPU \
+    --out $OUT/gen_${QWEN//-/_}_256.json
+fi
+if [ "$PART" = all ] || [ "$PART" = draft ]; then
+  stage draft_context_cost 240 $PY bench/draft_context_cost.py preset:$SMOL --layers 5 $DRAFT $CPU \
+    --out $OUT/draft_context_cost.json
+fi
+grep -E "^===|^profile_generate|^new tok/s|^ms / step|^kernels|^share|^bytes|^HBM|^bound|^draft window|rror|Traceback" $LOG \
+  | cut -c1-220 | tail -60

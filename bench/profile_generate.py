@@ -1,0 +1,294 @@
+"""Where a decode step of `generate` goes: kernels, device time, HBM bandwidth, host gaps.
+
+    # on a GPU: the generate target's shape (SmolLM2-135M, random weights) at 1,536 slots
+    python bench/profile_generate.py preset:smollm2-135m --slots 1536 --prompt-len 256 --out gen_smollm2.json
+    # Qwen3-8B's shape at 256 slots, against the H200's HBM bandwidth (4.8 TB/s)
+    python bench/profile_generate.py preset:qwen3-8b --slots 256 --prompt-len 512 --peak-gbs 4800 --out gen_qwen3_8b.json
+    # CPU smoke check of the script itself (the table's plumbing, not a speed):
+    python bench/profile_generate.py preset:tiny --slots 4 --prompt-len 24 --steps 4 --device cpu --out /tmp/p.json
+
+The built-in engine (generate/builtin.py) exactly as `generate` runs it (CUDA graphs, compiled
+layer functions and FlexAttention on a GPU; greedy, every slot busy) is filled with `--slots`
+random prompts of `--prompt-len` tokens, decodes `--warmup` steps, then `--steps` more in its
+own loop (one step launched ahead of the read-back), timed by the wall clock and then again
+under torch.profiler. Reported per step:
+
+* kernels and device time: CUDA kernels on a GPU; on CPU every aten op with its self time
+  stands in for them (a smoke check of the table, not a profile);
+* busy (the union of the kernels' intervals) and the host gap: wall time minus busy, what the
+  device waits for the host (launches, the read-back, Python bookkeeping);
+* the split of the wall time by kernel name: attention, matmuls, sampling (argmax, top-k/p,
+  noise), other (norms, RoPE, copies, cache writes), host gap;
+* bytes read from memory: every weight once (an untied input embedding only by its gathered rows,
+  left out), plus the K/V the attention reads (dense: every
+  slot up to the length bucket; flex: each slot's own 128-key blocks); over the wall time, the
+  achieved GB/s; against `--peak-gbs`, the bound on ms per step and new tok/s.
+Weights are random (time depends on shapes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dflash_train.generate.attention import FLEX_BLOCK
+from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.engine import Request
+from dflash_train.target.loading import load_target_model
+
+CATEGORIES = ("attention", "matmul", "sampling", "other")
+_ATTENTION = ("attention", "flash", "fmha", "flex", "sdpa", "softmax")
+_MATMUL = ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma", "nvjet", "cublas", "splitk")
+_SAMPLING = ("argmax", "topk", "sort", "gumbel", "multinomial", "cumsum")
+
+
+def classify(name: str) -> str:
+    """A kernel's (or CPU op's) category, by its name."""
+    low = name.lower()
+    if any(k in low for k in _SAMPLING):
+        return "sampling"
+    if any(k in low for k in _ATTENTION):
+        return "attention"
+    if any(k in low for k in _MATMUL):
+        return "matmul"
+    return "other"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def kv_read_bytes(positions: list[int], attention: str, bucket: int, per_position: int) -> int:
+    """K and V bytes one decode step's attention reads: `per_position` bytes (all layers, K and V)
+    per cache position; dense reads every slot up to `bucket`, flex each slot's own blocks."""
+    if attention == "flex":
+        return sum((p // FLEX_BLOCK + 1) * FLEX_BLOCK for p in positions) * per_position
+    return len(positions) * bucket * per_position
+
+
+def step_table(kernels: list[tuple[str, float, float]], steps: int, wall_s: float, timed_s: float, slots: int,
+               weight_bytes: int, kv_bytes: int, peak_gbs: float | None) -> dict:
+    """The per-step table from `kernels` (name, start us, duration us) of `steps` steps that took
+    `wall_s` seconds (the split of the wall time) and `timed_s` without the profiler (speed and
+    bandwidth); bytes read per step; the bound at `peak_gbs` (GB/s) if given."""
+    wall_ms, timed_ms = 1000 * wall_s / steps, 1000 * timed_s / steps
+    by_cat = {c: 0.0 for c in CATEGORIES}
+    for name, _, dur in kernels:
+        by_cat[classify(name)] += dur
+    busy_ms = busy_us([(s, s + d) for _, s, d in kernels]) / 1000 / steps
+    gap_ms = max(wall_ms - busy_ms, 0.0)
+    ms = {c: v / 1000 / steps for c, v in by_cat.items()}
+    step_bytes = weight_bytes + kv_bytes
+    out = {
+        "steps": steps, "slots": slots, "kernels_per_step": len(kernels) / steps,
+        "device_ms_per_step": sum(ms.values()), "busy_ms_per_step": busy_ms, "wall_ms_per_step": wall_ms,
+        "host_gap_ms_per_step": gap_ms, "ms_per_step": ms,
+        "share_of_wall": {**{c: v / wall_ms for c, v in ms.items()}, "host_gap": gap_ms / wall_ms},
+        "timed_ms_per_step": timed_ms, "new_tok_per_s": slots / (timed_ms / 1000),
+        "bytes_per_step": {"weights": weight_bytes, "kv": kv_bytes, "total": step_bytes},
+        "hbm_gb_per_s": step_bytes / (timed_ms / 1000) / 1e9,
+        "hbm_gb_per_s_busy": step_bytes / (busy_ms / 1000) / 1e9 if busy_ms else None,
+    }  # fmt: skip
+    if peak_gbs:
+        bound_ms = step_bytes / (peak_gbs * 1e9) * 1000
+        out["bound"] = {"peak_gb_per_s": peak_gbs, "ms_per_step": bound_ms, "new_tok_per_s": slots / (bound_ms / 1000),
+                        "fraction_of_bound": bound_ms / timed_ms}
+    return out
+
+
+def profiled_kernels(prof, cuda: bool) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every CUDA kernel; on CPU of every aten op with its self
+    time (the time not spent in the aten ops it calls), laid end to end: on one thread the self
+    times never overlap, so their union is their sum."""
+    out, clock = [], 0.0
+    for e in prof.events():
+        if cuda:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                out.append((e.name, e.time_range.start, e.time_range.elapsed_us()))
+        elif e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"):
+            out.append((e.name, clock, e.self_cpu_time_total))
+            clock += e.self_cpu_time_total
+    return out
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once (tied ones once), except an
+    input embedding that is not also the LM head: a step gathers only one row of it per slot."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is not None and head.weight is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def fill(engine: BuiltinEngine, prompt_len: int, max_new: int, vocab: int) -> None:
+    """Every slot admitted with a random prompt of `prompt_len` tokens (greedy, EOS ignored)."""
+    g = torch.Generator().manual_seed(0)
+    queue = [Request(prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), max_new_tokens=max_new)
+             for _ in range(engine.slots)]
+    engine._admit(lambda: queue.pop() if queue else None, _never_completes)
+    if engine._n_active() != engine.slots:
+        raise RuntimeError("not every slot took a prompt")
+
+
+def _never_completes(request, completion) -> None:
+    raise RuntimeError(f"a row finished during the profile ({completion.finish_reason}): raise --max-new-tokens")
+
+
+def decode(engine: BuiltinEngine, steps: int) -> None:
+    """`steps` decode steps in the engine's own order (BuiltinEngine.run): launch t, read t-1."""
+    pending = None
+    for _ in range(steps):
+        launched = engine._launch()
+        if pending is not None:
+            engine._collect(pending, _never_completes)
+        pending = launched
+    engine._collect(pending, _never_completes)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("target", help="preset:NAME (random weights) or a Hugging Face model directory")
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens of every slot's prompt")
+    p.add_argument("--warmup", type=int, default=8, help="decode steps before the measured ones")
+    p.add_argument("--steps", type=int, default=20, help="measured (and profiled) decode steps")
+    p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--peak-gbs", type=float, default=None,
+                   help="the device's memory bandwidth in GB/s for the bound (default: 4800 on CUDA, the H200's)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def build(args, device: torch.device) -> BuiltinEngine:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_target_model(args.target, dtype=dtype, device=device)
+    max_new = args.warmup + 3 * args.steps + 8  # warm-up, timed run, profile and maybe its eager rerun
+    return BuiltinEngine(model, None, slots=args.slots, max_prompt_tokens=args.prompt_len, max_new_tokens=max_new,
+                         stop_ids=set(), ignore_eos=True, cuda_graphs=not args.no_cuda_graphs,
+                         compile=not args.no_compile and device.type == "cuda", attention=args.attention)
+
+
+def timed(engine: BuiltinEngine, steps: int, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    decode(engine, steps)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def profile_steps(engine: BuiltinEngine, steps: int, device: torch.device) -> tuple[list, float, str]:
+    """(kernels, seconds, how) of `steps` profiled decode steps. Where the profiler sees no
+    kernels inside the CUDA graph replays, the steps are profiled again without the graph
+    (the same compiled kernels, each launched): their names and times are what the graph
+    replays, only the host gaps of that run are not."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds = timed(engine, steps, device)
+    kernels, how = profiled_kernels(prof, cuda), "as run"
+    if cuda and engine.step.use_graphs and len(kernels) < 10 * steps:
+        engine.step.use_graphs = False
+        try:
+            with profile(activities=activities) as prof:
+                seconds = timed(engine, steps, device)
+        finally:
+            engine.step.use_graphs = True
+        kernels, how = profiled_kernels(prof, cuda), "without the CUDA graph (its kernels were not visible)"
+    return kernels, seconds, how
+
+
+def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
+    """Fill, warm up, time, profile; the table of the profiled steps."""
+    dec = engine.decoder
+    fill(engine, args.prompt_len, engine.max_new_tokens, dec.embed_w.shape[0])
+    decode(engine, args.warmup)
+    start = [row.next_pos for row in engine._rows if row is not None]
+    timed_s = timed(engine, args.steps, device)
+    kernels, profiled_s, how = profile_steps(engine, args.steps, device)
+    # The split uses the profiled run's own wall time on CPU (the profiler slows every op there);
+    # on a GPU kernel times are the device's, so the clean run's wall time is the reference.
+    wall_s = timed_s if device.type == "cuda" else profiled_s
+    mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
+    bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
+    per_position = 2 * len(dec.layers) * dec.n_kv * dec.head_dim * dec.k_cache.element_size()
+    weights = weight_bytes(engine.model)
+    peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
+    table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
+                       kv_read_bytes(mid, engine.attention, bucket, per_position), peak)
+    names: dict[str, list[float]] = {}
+    for name, _, dur in kernels:
+        names.setdefault(name, []).append(dur)
+    table["top_kernels"] = [(n[:100], classify(n), round(len(d) / args.steps, 1), round(sum(d) / args.steps, 1))
+                            for n, d in sorted(names.items(), key=lambda kv: -sum(kv[1]))[:15]]
+    table["context_positions_mid"] = round(sum(mid) / len(mid), 1)
+    table["profiled"] = how
+    return table
+
+
+def report(t: dict) -> None:
+    rows = [("new tok/s", f"{t['new_tok_per_s']:.1f}"),
+            ("ms / step", f"{t['timed_ms_per_step']:.3f}; profiled {t['wall_ms_per_step']:.3f} (busy "
+                          f"{t['busy_ms_per_step']:.3f}, host gap {t['host_gap_ms_per_step']:.3f}; {t['profiled']})"),
+            ("kernels / step", f"{t['kernels_per_step']:.1f}, {t['device_ms_per_step']:.3f} ms of device time"),
+            ("share of wall", ", ".join(f"{k} {v:.1%}" for k, v in t["share_of_wall"].items())),
+            ("bytes / step", f"weights {t['bytes_per_step']['weights'] / 1e9:.3f} GB + "
+                             f"KV {t['bytes_per_step']['kv'] / 1e9:.3f} GB"),
+            ("HBM", f"{t['hbm_gb_per_s']:.1f} GB/s over the wall time")]
+    if "bound" in t:
+        b = t["bound"]
+        rows.append(("bound", f"{b['ms_per_step']:.3f} ms/step = {b['new_tok_per_s']:.0f} new tok/s at "
+                              f"{b['peak_gb_per_s']:.0f} GB/s; measured {b['fraction_of_bound']:.1%} of it"))
+    width = max(len(a) for a, _ in rows)
+    print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
+    for name, cat, count, us in t["top_kernels"][:8]:
+        print(f"  {us:10.1f} us  {count:6.1f} x  {cat:<9}  {name}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = build(args, device)
+    print(f"profile_generate: {args.target}, {args.slots} slots, prompts of {args.prompt_len} tokens, "
+          f"{engine.attention} attention, {'CUDA graphs' if engine.step.use_graphs else 'eager'}, {device}", flush=True)
+    table = measure(engine, args, device)
+    table["config"] = {"target": args.target, "slots": args.slots, "prompt_len": args.prompt_len, "steps": args.steps,
+                       "attention": engine.attention, "cuda_graphs": engine.step.use_graphs, "device": str(device),
+                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                       "torch": torch.__version__}
+    report(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(table, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

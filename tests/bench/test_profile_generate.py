@@ -1,0 +1,82 @@
+"""bench/profile_generate.py: the decode-step table's fields and arithmetic (not its timings)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "bench" / "profile_generate.py"
+_spec = importlib.util.spec_from_file_location("profile_generate", SCRIPT)
+profile_generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile_generate)
+
+
+def test_kernel_names_fall_into_their_categories():
+    classify = profile_generate.classify
+    assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert classify("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "matmul"
+    assert classify("aten::mm") == "matmul" and classify("aten::addmm") == "matmul"
+    assert classify("triton_tem_fused_flex_attention_0") == "attention"
+    assert classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert classify("void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>") == "sampling"
+    assert classify("aten::argmax") == "sampling"
+    assert classify("triton_poi_fused_add_mul_rsqrt_0") == "other" and classify("aten::index_put_") == "other"
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert profile_generate.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert profile_generate.busy_us([]) == 0
+
+
+def test_kv_bytes_read_by_each_attention_kind():
+    kv = profile_generate.kv_read_bytes
+    assert kv([10, 130, 300], "dense", 512, 7) == 3 * 512 * 7  # every slot up to the bucket
+    assert kv([10, 130, 300], "flex", 512, 7) == (128 + 256 + 384) * 7  # each slot's own 128-key blocks
+
+
+def test_step_table_arithmetic():
+    """Two steps of four kernels (one idle microsecond stretch each), 1 ms of wall time a step."""
+    step = [("gemm_a", 0, 300), ("flash_fwd", 300, 200), ("ArgMaxOps", 500, 100), ("triton_poi_fused", 600, 100)]
+    kernels = step + [(n, s + 1000, d) for n, s, d in step]
+    t = profile_generate.step_table(kernels, 2, wall_s=0.002, timed_s=0.004, slots=64, weight_bytes=3 * 10**9,
+                                    kv_bytes=10**9, peak_gbs=4000)
+    assert t["kernels_per_step"] == 4 and t["steps"] == 2
+    assert t["ms_per_step"] == pytest.approx({"attention": 0.2, "matmul": 0.3, "sampling": 0.1, "other": 0.1})
+    assert t["device_ms_per_step"] == pytest.approx(0.7) and t["busy_ms_per_step"] == pytest.approx(0.7)
+    assert t["wall_ms_per_step"] == pytest.approx(1.0) and t["host_gap_ms_per_step"] == pytest.approx(0.3)
+    assert sum(t["share_of_wall"].values()) == pytest.approx(1.0) and t["share_of_wall"]["host_gap"] == pytest.approx(0.3)
+    assert t["timed_ms_per_step"] == pytest.approx(2.0) and t["new_tok_per_s"] == pytest.approx(32000)
+    assert t["bytes_per_step"]["total"] == 4 * 10**9 and t["hbm_gb_per_s"] == pytest.approx(2000)  # 4 GB / 2 ms
+    assert t["bound"]["ms_per_step"] == pytest.approx(1.0) and t["bound"]["fraction_of_bound"] == pytest.approx(0.5)
+    assert t["bound"]["new_tok_per_s"] == pytest.approx(64000)
+
+
+def test_cpu_smoke_run_fills_the_table(tmp_path):
+    """The tiny preset on CPU (dense attention): every field present, the split of the profiled
+    wall time adds up, and the K/V read is 4 slots x the 64-position cache (24 prompt + 19 new
+    tokens, in 64s) x 2 (K, V) x 6 layers x 2 kv heads x 16 dims x 4 bytes."""
+    out = tmp_path / "p.json"
+    t = profile_generate.main(["preset:tiny", "--slots", "4", "--prompt-len", "24", "--warmup", "2", "--steps", "3",
+                               "--device", "cpu", "--threads", "1", "--out", str(out)])
+    assert out.exists() and t["config"]["attention"] == "dense" and t["profiled"] == "as run"
+    assert t["kernels_per_step"] > 100 and t["busy_ms_per_step"] == pytest.approx(t["device_ms_per_step"])
+    assert set(t["share_of_wall"]) == {"attention", "matmul", "sampling", "other", "host_gap"}
+    assert sum(t["share_of_wall"].values()) == pytest.approx(1.0)
+    assert all(t["ms_per_step"][c] > 0 for c in ("attention", "matmul", "sampling", "other"))
+    assert t["bytes_per_step"]["kv"] == 4 * 64 * 2 * 6 * 2 * 16 * 4
+    assert t["context_positions_mid"] == 24 + 2 + 3 + 1  # prompt, warm-up, timed run, half the profiled
+    assert "bound" not in t and t["new_tok_per_s"] > 0
+
+
+def test_weight_bytes_leave_out_an_untied_input_embedding():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8)
+    tied = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=True))
+    untied = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
+    every = sum(p.numel() * 4 for p in tied.parameters())  # fp32; the tied matrix counted once
+    assert profile_generate.weight_bytes(tied) == every
+    assert profile_generate.weight_bytes(untied) == every  # + the LM head, - the embedding: the same size
+    assert sum(p.numel() * 4 for p in untied.parameters()) == every + 100 * 16 * 4
