@@ -13,7 +13,7 @@
 #   PART=data   carry .smol2 [.recipe]  convert; with .recipe (filled by `bash scripts/recipe_data.sh
 #                                       restore .recipe`) the kept conversations first; generate
 #                                       GEN_SECONDS (default 320; 0 with .recipe unless set), the
-#                                       new rows back as $OUT/recipe/new-rows.jsonl.xz*
+#                                       new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
 #                                       (OURS_NAME, OURS_ARGS: a lever run under its own name)
@@ -31,7 +31,7 @@
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
 # GREEDY=1 also decodes plain greedy (speedups; twice the time); SOURCE_SETS=0 leaves out the
-# source sets. Raw results: $OUT.
+# source sets; GEN_BACKGROUND=S generates more conversations while the evals run. Raw results: $OUT.
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
@@ -81,6 +81,34 @@ eval_sets() {
   python3 scripts/recipe_eval_summary.py "$dir" | tee -a "$LOG"; cp "$dir/eval-summary.json" "$OUT/$name-summary.json"
 }
 
+# ship_new_rows: the conversations generated since the last shipment (the kept ones came in
+# .recipe) back in $OUT/recipe/new-rows-N.jsonl.xz.part_*, 15 MB parts; keep them with
+# `cat PARTS | xz -dc > rows.jsonl && bash scripts/recipe_data.sh store NAME rows.jsonl`.
+ship_new_rows() {
+  local shipped total; shipped=$(cat $W/gen/shipped 2>/dev/null || echo 0); total=$(wc -l < $W/gen/gen-0.jsonl)
+  [ "$total" -gt "$shipped" ] || return 0
+  mkdir -p "$OUT/recipe"
+  head -n "$total" $W/gen/gen-0.jsonl | tail -n +$((shipped + 1)) | xz -T0 -6 \
+    | split -b 15000000 - "$OUT/recipe/new-rows-$shipped.jsonl.xz.part_"
+  echo "$total" > $W/gen/shipped
+  echo "new rows $shipped..$total back in \$OUT/recipe" | tee -a "$LOG"
+}
+
+# GEN_BACKGROUND=S: while a part's evals run (batch-1 decoding leaves the GPU mostly idle), the
+# target writes more conversations for up to S seconds; their rows come back as ship_new_rows
+# says. Off with GREEDY=1, whose speedups need the GPU to themselves. A call brings back at most
+# 8 files: with SOURCE_SETS=0 a part writes 5, which leaves room for the rows' parts.
+bg_generate_start() {
+  BG=; [ "${GEN_BACKGROUND:-0}" -gt 0 ] && [ "$GREEDY" != 1 ] && [ -f $W/gen/shipped ] || return 0
+  env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_BACKGROUND bash scripts/smollm2_recipe_x2.sh >> "$LOG" 2>&1 &
+  BG=$!; echo "=== generating in the background for up to ${GEN_BACKGROUND}s $(date +%T)" | tee -a "$LOG"
+}
+bg_generate_stop() {  # a clean stop: the rows in flight are finished and written
+  [ -n "${BG:-}" ] || return 0
+  pkill -TERM -f "^python3 -m dflash_train generate" ; wait "$BG"  # the job, not its timeout
+  echo "=== background generation stopped $(date +%T)" | tee -a "$LOG"; ship_new_rows
+}
+
 # train_ours NAME MINUTES [ARGS...]: the recipe's config on the prepared data, into $W/NAME.
 train_ours() {
   local name=$1 minutes=$2; shift 2
@@ -121,15 +149,12 @@ data)
     mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
   fi
-  kept=$(cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l)
+  [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
   if [ "$GEN_SECONDS" -gt 0 ]; then
     stage generate $((GEN_SECONDS + 120)) env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_SECONDS \
       bash scripts/smollm2_recipe_x2.sh
     tail -c 4000 $W/gen/gen-0.log > "$OUT/generate.log"
-    # only the rows this run added (the kept ones came in .recipe), in 15 MB parts
-    mkdir -p "$OUT/recipe"
-    tail -n +$((kept + 1)) $W/gen/gen-0.jsonl | xz -T0 -6 | split -b 15000000 - "$OUT/recipe/new-rows.jsonl.xz.part_"
-    ls -la "$OUT/recipe" | tee -a "$LOG"
+    ship_new_rows
   fi
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
   stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
@@ -142,7 +167,7 @@ ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS=
   need $W/data/manifest.json
   name=${OURS_NAME:-ours}
   train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
-  eval_sets $name $W/$name/final ;;
+  bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
 peer)
   need $W/data/manifest.json
   need "$OURS_METRICS"
@@ -151,7 +176,7 @@ peer)
   TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes TRAIN_ARGS="$PEER_ARGS" \
     STAGES="train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
   need $W/peer/drafter/model.safetensors
-  eval_sets peer $W/peer/drafter ;;
+  bg_generate_start; eval_sets peer $W/peer/drafter; bg_generate_stop ;;
 tokens)
   # PEER_SUMMARY: the peer run's summary (its tokens), this machine's or a kept one
   # (bench/results/2026-12-02-quality-side-by-side/peer-run-summary.json: no peer run needed)
@@ -172,6 +197,6 @@ PY
   echo "ours at the peer's tokens: $steps steps, $warmup of warm-up" | tee -a "$LOG"
   name=${TOKENS_NAME:-ours-tokens}
   train_ours $name 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup" ${TOKENS_ARGS:-}
-  eval_sets $name $W/$name/final ;;
+  bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
 *) echo "PART=setup|data|ours|peer|tokens" >&2; exit 2 ;;
 esac
