@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from dflash_train.drafter import loss as loss_module
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
@@ -104,9 +105,13 @@ def step_ref(model, heads, fwd, ids, gamma):
     return total
 
 
-@pytest.mark.parametrize("label_source", ["data", "target"])
+@pytest.mark.parametrize("label_source,fixed_shape", [("data", False), ("target", False), ("target", True)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_source):
+def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_source, fixed_shape, monkeypatch):
+    """fixed_shape: compiled mode's step (fixed-shape anchors, padding blocks, the head's chunk
+    math through `compiled_once`, here the identity: compiling on a CPU costs tens of seconds)."""
+    wrapped = []
+    monkeypatch.setattr(loss_module, "compiled_once", lambda fn: wrapped.append(fn.__name__) or fn)
     model = _dspark_model(seed)
     ids, pos, doc, loss, _, _ = _batch(seed + 10)
     g = torch.Generator().manual_seed(seed)
@@ -115,13 +120,18 @@ def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_sou
     batch = dict(input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss,
                  taps=torch.randn(R, S, TAPS * H, generator=g, dtype=torch.float64),
                  final_hidden=torch.randn(R, S, H, generator=g, dtype=torch.float64))
-    step_cfg, loss_cfg = StepConfig(num_anchors=5, label_source=label_source), LossConfig(gamma=3.0)
+    # fixed shape: more anchors than a row has candidates, so some blocks are padding
+    step_cfg = StepConfig(num_anchors=16 if fixed_shape else 5, label_source=label_source, fixed_shape=fixed_shape)
+    loss_cfg = LossConfig(gamma=3.0)
     stats = drafter_step(model, heads, step_cfg=step_cfg, loss_cfg=loss_cfg,
                          generator=torch.Generator().manual_seed(7), **batch)
+    assert bool(wrapped) == fixed_shape
     stats.loss_sum.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     fwd = drafter_forward(model, heads, step_cfg=step_cfg, generator=torch.Generator().manual_seed(7), **batch)
+    if fixed_shape:  # a fixed number of blocks, some of them padding (no valid anchor there)
+        assert fwd.anchors.shape[1] == 16 and not fwd.valid.all()
     if label_source == "target":  # the teacher-forced tokens are then the target's, not the data's
         data_labels, _ = build_block_labels(ids, doc, loss, fwd.anchors, fwd.valid, B)
         assert (fwd.labels != data_labels)[fwd.label_valid].any()
