@@ -28,6 +28,7 @@ class SlotTable:
         self.limit = np.zeros(slots, dtype=np.int64)
         self.count = np.zeros(slots, dtype=np.int64)  # tokens each row has written
         self.tokens = np.zeros((slots, max_new_tokens), dtype=np.int32)  # token ids < 2**31
+        self._flat = self.tokens.reshape(-1)  # a view: row s, token i at s * max_new_tokens + i
         self.stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
         self.free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._rows = 0
@@ -59,13 +60,21 @@ class SlotTable:
         slots whose rows end (ascending) and, for each, whether it was a stop token."""
         live = np.flatnonzero((owners == self.row) & (owners >= 0))
         tok = tokens[live]
-        stop = np.isin(tok, self.stop_ids)
+        stop = self._is_stop(tok)
         n = self.count[live]
-        self.tokens[live, n] = tok  # a stop token lands past the row's end: never read
+        self._flat[live * self.tokens.shape[1] + n] = tok  # a stop token lands past the row's end: never read
         n += ~stop
         self.count[live] = n
         done = stop | (n >= self.limit[live])
         return live[done], stop[done]
+
+    def _is_stop(self, tok: np.ndarray) -> np.ndarray:
+        if len(self.stop_ids) > 4:
+            return np.isin(tok, self.stop_ids)
+        stop = np.zeros(len(tok), dtype=bool)  # a few stop ids: comparisons beat isin's sort
+        for s in self.stop_ids.tolist():
+            stop |= tok == s
+        return stop
 
     def release(self, slot: int) -> list[int]:
         """Free `slot`; returns its row's tokens."""
