@@ -205,7 +205,8 @@ def test_first_token_stops_limits_and_slots_refilled_under_a_step_in_flight(slot
     model = make_model("llama", vocab=256, seed=1)
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 24, (12,), generator=gen)]
+    lengths = torch.randint(1, 24, (12,), generator=gen).tolist()
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
     full = [hf_greedy(model, p, None) for p in prompts]
     stops = {full[1][0], full[2][0]}  # rows 1 and 2 (and any other starting so) stop at once
     limits = [1, 2, 3, NEW, 1, 5, NEW, 2, NEW, 4, NEW, 7]
@@ -232,4 +233,5 @@ def test_first_token_stops_limits_and_slots_refilled_under_a_step_in_flight(slot
     assert [results[i].new_tokens for i in range(len(prompts))] == [len(t) + (r == "stop") for t, r in expected]
     assert sum(stale) >= 3  # refilled slots had a step of their previous row in flight
     assert engine.table.n_active == 0 and sorted(engine.table.free) == list(range(slots))
-    assert engine.stats.completed == len(prompts) and engine.stats.new_tokens == sum(r.new_tokens for r in results.values())
+    assert engine.stats.completed == len(prompts)
+    assert engine.stats.new_tokens == sum(r.new_tokens for r in results.values())

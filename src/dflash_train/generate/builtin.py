@@ -265,13 +265,17 @@ class BuiltinEngine:
         for slot, (req, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(req, len(prompt))
             self._count_sampling(req, 1)
-        slot_idx = self._to_device(slots, torch.long)
-        lengths = self._to_device([len(ids) for _, ids in chunk], torch.long)
-        ids = self._to_device([ids + [0] * (width - len(ids)) for _, ids in chunk], torch.long)
-        self.temperature[slot_idx] = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
-        self.top_p[slot_idx] = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
-        self.top_k[slot_idx] = self._to_device([r.sampling.top_k for r in reqs], torch.long)
-        self.keys[slot_idx] = self._to_device([r.key & 0xFFFFFFFF for r in reqs], torch.long)
+        # two host-to-device copies per chunk (integers, floats) rather than one per field
+        n = len(chunk)
+        ints = self._to_device(slots + [len(p) for _, p in chunk] + [r.sampling.top_k for r in reqs]
+                               + [r.key & 0xFFFFFFFF for r in reqs]
+                               + [t for _, p in chunk for t in p + [0] * (width - len(p))], torch.long)
+        slot_idx, lengths, top_k, keys = ints[: 4 * n].view(4, n)
+        ids = ints[4 * n :].view(n, width)
+        floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
+                                 torch.float32)
+        self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]
+        self.top_k[slot_idx], self.keys[slot_idx] = top_k, keys
         self.steps[slot_idx] = 0
 
         logits = self.decoder.prefill(ids, lengths, slot_idx)
