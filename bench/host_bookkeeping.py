@@ -9,8 +9,8 @@ On a GPU that host work overlaps the step in flight; once it takes longer than t
 the GPU waits. This times that work alone (no model: a simulated device), two ways:
 
 * per-slot: the engine's earlier code, transcribed: a Python object per row, a loop over
-  every slot at launch (positions) and at read-back (`tolist()`, one append per slot), and
-  each prefill's first tokens read at once;
+  every slot at launch (positions; the sampling flags whenever a row came or went) and at
+  read-back (`tolist()`, one append per slot), and each prefill's first tokens read at once;
 * arrays: generate/slots.py as the engine uses it now (numpy over `[slots]`, Python only
   for finishing rows; first tokens read with the next step).
 
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_train.generate.sampling import Sampling
 from dflash_train.generate.slots import SlotTable
 
 STOP = 2
@@ -44,6 +45,7 @@ class _Row:
     limit: int
     next_pos: int
     out: list[int] = field(default_factory=list)
+    sampling: Sampling = Sampling()
 
 
 class PerSlot:
@@ -52,15 +54,22 @@ class PerSlot:
     def __init__(self, slots: int, max_new: int) -> None:
         self.rows: list[_Row | None] = [None] * slots
         self.free = list(range(slots - 1, -1, -1))
+        self.dirty, self.flags = False, (False, False)
 
     def admit(self, tags: list[int], prompt_lens: list[int], limit: int, firsts: list[int], done: dict) -> None:
         slots = [self.free.pop() for _ in tags]
         for slot, tag, prompt_len in zip(slots, tags, prompt_lens):
             self.rows[slot] = _Row(tag, limit, prompt_len)
+        self.dirty = True
         for slot, first in zip(slots, firsts):  # the first tokens were read at the prefill (a sync)
             self._append(slot, first, done)
 
     def launch(self) -> tuple:
+        if self.dirty:  # the sampling flags, recomputed before the step's token selection
+            self.dirty = False
+            samplings = [row.sampling for row in self.rows if row is not None]
+            self.flags = (any(not x.greedy for x in samplings),
+                          any(not x.greedy and (x.top_k > 0 or x.top_p < 1.0) for x in samplings))
         rows = list(self.rows)
         active = [s for s, row in enumerate(rows) if row is not None]
         kv_needed = 1 + max(rows[s].next_pos for s in active)  # type: ignore[union-attr]
@@ -83,6 +92,7 @@ class PerSlot:
         if stop or len(row.out) >= row.limit:
             self.rows[slot] = None
             self.free.append(slot)
+            self.dirty = True
             done[row.tag] = (row.out, "stop" if stop else "length")
 
 
@@ -94,12 +104,18 @@ class Arrays:
         self.free = self.table.free
         self.tags: list[int | None] = [None] * slots
         self.fresh: list[int] = []
+        self.n_sampled = self.n_filtered = 0
+
+    def _count(self, s: Sampling, sign: int) -> None:  # BuiltinEngine._count_sampling
+        self.n_sampled += sign * (not s.greedy)
+        self.n_filtered += sign * (not s.greedy and (s.top_k > 0 or s.top_p < 1.0))
 
     def admit(self, tags: list[int], prompt_lens: list[int], limit: int, firsts: list[int], done: dict) -> None:
         for tag, prompt_len in zip(tags, prompt_lens):
             slot = self.table.occupy(prompt_len, limit)
             self.tags[slot] = tag
             self.fresh.append(slot)
+            self._count(Sampling(), 1)
 
     def launch(self) -> tuple:
         kv_needed, owners = self.table.launch()
@@ -120,6 +136,7 @@ class Arrays:
         ended, stopped = self.table.take(tokens, owners)
         for slot, stop in zip(ended.tolist(), stopped.tolist()):
             done[self.tags[slot]] = (self.table.release(slot), "stop" if stop else "length")
+            self._count(Sampling(), -1)
             self.tags[slot] = None
 
 
