@@ -226,7 +226,7 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     dec = engine.decoder
     fill(engine, args.prompt_len, engine.max_new_tokens, dec.embed_w.shape[0])
     decode(engine, args.warmup)
-    start = [row.next_pos for row in engine._rows if row is not None]
+    start = engine.table.next_pos[engine.table.row >= 0].tolist()
     timed_s = timed(engine, args.steps, device)
     kernels, profiled_s, how = profile_steps(engine, args.steps, device)
     # The split uses the profiled run's own wall time on CPU (the profiler slows every op there);

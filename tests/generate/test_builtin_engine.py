@@ -194,3 +194,44 @@ def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():
     assert engine.attention == engine.decoder.attention_kind == "dense"
     assert engine.decoder.q_writing_kv is _q_writing_kv
     assert run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids == want
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_first_token_stops_limits_and_slots_refilled_under_a_step_in_flight(slots):
+    """Rows that stop on their very first token, rows whose limit is 1, 2, ... and rows that
+    run on, with every freed slot refilled at once (refill_min 1): the step launched before a
+    row was seen to stop still carries a token for its slot, which must not reach the new row
+    in that slot. Every row equals Hugging Face greedy up to its stop token or limit."""
+    model = make_model("llama", vocab=256, seed=1)
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 24, (12,), generator=gen).tolist()
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+    full = [hf_greedy(model, p, None) for p in prompts]
+    stops = {full[1][0], full[2][0]}  # rows 1 and 2 (and any other starting so) stop at once
+    limits = [1, 2, 3, NEW, 1, 5, NEW, 2, NEW, 4, NEW, 7]
+    expected = []
+    for f, limit in zip(full, limits):
+        cut = next((i for i, t in enumerate(f) if t in stops), NEW)
+        expected.append((f[:cut], "stop") if cut < limit else (f[:limit], "length"))
+    assert sum(e == ([], "stop") for e in expected) >= 2, "the test needs rows that stop at their first token"
+    assert any(e[1] == "length" and len(e[0]) == 1 for e in expected)
+
+    engine = BuiltinEngine(model, None, slots=slots, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids=stops)
+    assert engine.refill_min == 1
+    stale, collect = [], engine._collect
+
+    def spy(launched, on_complete):  # slots whose row changed since the step was launched
+        row = engine.table.row
+        stale.append(int(((launched.owners >= 0) & (launched.owners != row) & (row >= 0)).sum()))
+        collect(launched, on_complete)
+
+    engine._collect = spy
+    results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=n, tag=i)
+                                  for i, (p, n) in enumerate(zip(prompts, limits))])
+    assert [(results[i].token_ids, results[i].finish_reason) for i in range(len(prompts))] == expected
+    assert [results[i].new_tokens for i in range(len(prompts))] == [len(t) + (r == "stop") for t, r in expected]
+    assert sum(stale) >= 3  # refilled slots had a step of their previous row in flight
+    assert engine.table.n_active == 0 and sorted(engine.table.free) == list(range(slots))
+    assert engine.stats.completed == len(prompts)
+    assert engine.stats.new_tokens == sum(r.new_tokens for r in results.values())

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,6 +28,7 @@ from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.sampling import select_tokens
+from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -45,21 +47,22 @@ class EngineStats:
         return dict(self.__dict__)
 
 
-@dataclass(eq=False)
+@dataclass
 class _Row:
     request: Request
     prompt_len: int
-    limit: int
-    next_pos: int = 0  # position of the next decode input of this row (launched, not yet read)
-    out: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _Launched:
-    rows: list[_Row | None]  # each slot's row when the step was launched
-    active: list[int]
-    host: Tensor  # the step's tokens [slots]: a pinned host buffer on CUDA
-    event: Any  # CUDA event after the copy into `host`; None on CPU
+    owners: np.ndarray  # the row in each slot when the step was launched (SlotTable.take)
+    tokens: np.ndarray  # the step's tokens [slots]: a view of a pinned host buffer on CUDA
+    # The first tokens of the rows prefilled since the previous launch (their slots' step
+    # inputs [slots]) and those rows as `owners`; None when there were none.
+    first: np.ndarray | None
+    first_owners: np.ndarray | None
+    prefills: list[tuple[Any, Any]]  # CUDA timing events around those prefills
+    event: Any  # CUDA event after the copies into the host buffer; None on CPU
 
 
 class BuiltinEngine:
@@ -124,13 +127,16 @@ class BuiltinEngine:
         self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
                                 use_graphs=cuda_graphs and dev.type == "cuda", name="decode")
         self._rows: list[_Row | None] = [None] * slots
-        # two pinned buffers: one for the step in flight, one for the step being read
+        self.table = SlotTable(slots, max_new_tokens, () if ignore_eos else self.stop_ids)
+        # two pinned buffers [2, slots] (a step's inputs, its tokens): one for the step in
+        # flight, one for the step being read
         self._host_buffers = (
-            [torch.empty(slots, dtype=torch.long, pin_memory=True) for _ in range(2)] if dev.type == "cuda" else []
+            [torch.empty(2, slots, dtype=torch.long, pin_memory=True) for _ in range(2)] if dev.type == "cuda" else []
         )
         self._launches = 0
-        self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._any_sampled = self._any_filtered = self._flags_dirty = False
+        self._fresh: list[int] = []  # slots prefilled since the last launch: their first token is read with it
+        self._prefill_events: list[tuple[Any, Any]] = []
+        self._n_sampled = self._n_filtered = 0  # rows in slots that sample / that filter (top-k, top-p)
         log.info(
             "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s",
             slots, max_len, self.decoder.kv_bytes() / 2**30, self.attention,
@@ -194,15 +200,17 @@ class BuiltinEngine:
         that stops at t-1 was therefore also stepped at t; that token is discarded (the
         slot's row is compared with the one it held at launch). Prompts are admitted only
         into slots known to be free, and their prefill is queued after the in-flight step,
-        so stream order keeps every slot's cache and inputs consistent."""
+        so stream order keeps every slot's cache and inputs consistent. A prefill's first
+        tokens are not read on their own (that would drain the pipeline): they are the next
+        step's inputs and come back with that step's tokens."""
         pending: _Launched | None = None
         while True:
             pulled = 0
-            if len(self._free) >= self.refill_min or (self._n_active() == 0 and pending is None):
+            if len(self.table.free) >= self.refill_min or (self._n_active() == 0 and pending is None):
                 pulled = self._admit(next_request, on_complete)
             if self._n_active() == 0 and pending is None:
                 if pulled:
-                    continue  # everything pulled finished at once (errors, 1-token rows)
+                    continue  # everything pulled failed at once (bad prompts)
                 return
             launched = self._launch() if self._n_active() else None
             if pending is not None:
@@ -210,13 +218,13 @@ class BuiltinEngine:
             pending = launched
 
     def _n_active(self) -> int:
-        return self.slots - len(self._free)
+        return self.table.n_active
 
     def _admit(self, next_request: NextRequest, on_complete: OnComplete) -> int:
         """Pull requests into the free slots and prefill them; returns how many were pulled."""
         batch: list[tuple[Request, list[int]]] = []
         pulled = 0
-        while len(batch) < len(self._free):
+        while len(batch) < len(self.table.free):
             req = next_request()
             if req is None:
                 break
@@ -233,7 +241,7 @@ class BuiltinEngine:
             end = start + 1
             while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
                 end += 1
-            self._prefill(batch[start:end], on_complete)
+            self._prefill(batch[start:end])
             start = end
         return pulled
 
@@ -243,112 +251,123 @@ class BuiltinEngine:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _prefill(self, chunk: list[tuple[Request, list[int]]], on_complete: OnComplete) -> None:
+    def _prefill(self, chunk: list[tuple[Request, list[int]]]) -> None:
+        """Prefill `chunk` into free slots and choose each row's first token, without waiting
+        for the device: the first tokens are read back with the next step (`_launch`)."""
         t0 = time.perf_counter()
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.device.type == "cuda" else None
+        if timing is not None:  # pragma: no cover - CUDA only
+            timing[0].record()
         width = max(len(ids) for _, ids in chunk)
-        slots = [self._free.pop() for _ in chunk]
-        slot_idx = self._to_device(slots, torch.long)
-        lengths = self._to_device([len(ids) for _, ids in chunk], torch.long)
-        ids = self._to_device([ids + [0] * (width - len(ids)) for _, ids in chunk], torch.long)
         reqs = [req for req, _ in chunk]
-        self.temperature[slot_idx] = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
-        self.top_p[slot_idx] = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
-        self.top_k[slot_idx] = self._to_device([r.sampling.top_k for r in reqs], torch.long)
-        self.keys[slot_idx] = self._to_device([r.key & 0xFFFFFFFF for r in reqs], torch.long)
-        self.steps[slot_idx] = 0
+        slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):
-            limit = min(req.max_new_tokens, self.max_new_tokens)
-            self._rows[slot] = _Row(req, len(prompt), limit, next_pos=len(prompt))
-        self._flags_dirty = True
+            self._rows[slot] = _Row(req, len(prompt))
+            self._count_sampling(req, 1)
+        # two host-to-device copies per chunk (integers, floats) rather than one per field
+        n = len(chunk)
+        ints = self._to_device(slots + [len(p) for _, p in chunk] + [r.sampling.top_k for r in reqs]
+                               + [r.key & 0xFFFFFFFF for r in reqs]
+                               + [t for _, p in chunk for t in p + [0] * (width - len(p))], torch.long)
+        slot_idx, lengths, top_k, keys = ints[: 4 * n].view(4, n)
+        ids = ints[4 * n :].view(n, width)
+        floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
+                                 torch.float32)
+        self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]
+        self.top_k[slot_idx], self.keys[slot_idx] = top_k, keys
+        self.steps[slot_idx] = 0
 
         logits = self.decoder.prefill(ids, lengths, slot_idx)
-        first = self._select(logits, slot_idx)
-        self.tokens[slot_idx] = first
+        self.tokens[slot_idx] = self._select(logits, slot_idx)
         self.positions[slot_idx] = lengths
         self.steps[slot_idx] = 1
-        first_host = first.tolist()  # also waits for the GPU, so the timing below is real
-        self.stats.prefill_seconds += time.perf_counter() - t0
+        self._fresh.extend(slots)
         self.stats.prompt_tokens += sum(len(p) for _, p in chunk)
-        for slot, token in zip(slots, first_host):
-            self._append(slot, token, on_complete)
+        if timing is not None:  # pragma: no cover - the device time is read when the next step is
+            timing[1].record()
+            self._prefill_events.append(timing)
+        else:  # eager on CPU: the host time is the prefill's
+            self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _count_sampling(self, request: Request, sign: int) -> None:
+        """Keep count of the rows in slots that sample, and that filter: an all-greedy batch
+        skips the sampling work, one without top-k/top-p the sort."""
+        s = request.sampling
+        self._n_sampled += sign * (not s.greedy)
+        self._n_filtered += sign * (not s.greedy and (s.top_k > 0 or s.top_p < 1.0))
 
     def _select(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
-        if self._flags_dirty:
-            self._update_flags()
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         return select_tokens(
             logits, pick(self.temperature), pick(self.top_p), pick(self.top_k), pick(self.keys), pick(self.steps),
-            any_sampled=self._any_sampled, any_filtered=self._any_filtered,
+            any_sampled=self._n_sampled > 0, any_filtered=self._n_filtered > 0,
         )  # fmt: skip
-
-    def _update_flags(self) -> None:
-        self._flags_dirty = False
-        samplings = [row.request.sampling for row in self._rows if row is not None]
-        self._any_sampled = any(not s.greedy for s in samplings)
-        self._any_filtered = any(not s.greedy and (s.top_k > 0 or s.top_p < 1.0) for s in samplings)
 
     def _launch(self) -> "_Launched":
         """Queue one decode step for every slot; returns what `_collect` needs to read it."""
         t0 = time.perf_counter()
-        rows = list(self._rows)
-        active = [s for s, row in enumerate(rows) if row is not None]
-        kv_needed = 1 + max(rows[s].next_pos for s in active)  # type: ignore[union-attr]
-        for s in active:
-            rows[s].next_pos += 1  # type: ignore[union-attr]
+        kv_needed, owners = self.table.launch()
+        fresh, self._fresh = self._fresh, []
+        prefills, self._prefill_events = self._prefill_events, []
+        cuda = self.device.type == "cuda"
+        host = self._host_buffers[self._launches % 2] if cuda else torch.empty(2, self.slots, dtype=torch.long)
+        if fresh:  # the prefilled rows' first tokens are this step's inputs
+            host[0].copy_(self.tokens, non_blocking=True)
         logits = self.step(next(b for b in self.buckets if b >= kv_needed))
         nxt = self._select(logits)
         self.tokens.copy_(nxt)
         # Idle slots keep stepping on stale input; clamping keeps their positions in range.
         self.positions.add_(1).clamp_(max=self.decoder.max_len - 1)
         self.steps.add_(1)
+        host[1].copy_(nxt, non_blocking=True)  # async into pinned memory on CUDA
         event = None
-        if self.device.type == "cuda":  # pragma: no cover - async copy into pinned memory
-            host = self._host_buffers[self._launches % 2]
-            host.copy_(nxt, non_blocking=True)
+        if cuda:  # pragma: no cover - CUDA only
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = nxt
         self._launches += 1
         self.stats.decode_steps += 1
-        self.stats.slot_steps_active += len(active)
+        self.stats.slot_steps_active += self.table.n_active
+        first_owners = None
+        if fresh:
+            first_owners = np.full(self.slots, -1, dtype=np.int64)
+            first_owners[fresh] = owners[fresh]
+        view = host.numpy()
         self.stats.decode_seconds += time.perf_counter() - t0
-        return _Launched(rows, active, host, event)
+        return _Launched(owners, view[1], view[0] if fresh else None, first_owners, prefills, event)
 
     def _collect(self, launched: "_Launched", on_complete: OnComplete) -> None:
-        """Read a launched step's tokens back and hand them to the rows still in their slots."""
+        """Read a launched step's tokens back (after the first tokens of the rows prefilled
+        before it) and hand them to the rows still in their slots."""
         t0 = time.perf_counter()
         if launched.event is not None:  # pragma: no cover - CUDA only
             launched.event.synchronize()
-        tokens = launched.host.tolist()
-        self.stats.decode_seconds += time.perf_counter() - t0
-        for slot in launched.active:
-            row = launched.rows[slot]
-            if self._rows[slot] is row:  # else the row stopped at the previous step
-                self._append(slot, tokens[slot], on_complete)
+        # The wait covers the prefills queued before the step: their device time is prefill's.
+        prefill_s = sum(start.elapsed_time(end) for start, end in launched.prefills) / 1000
+        self.stats.prefill_seconds += prefill_s
+        self.stats.decode_seconds += max(time.perf_counter() - t0 - prefill_s, 0.0)
+        if launched.first is not None:
+            self._deliver(launched.first, launched.first_owners, on_complete)
+        self._deliver(launched.tokens, launched.owners, on_complete)
 
-    def _append(self, slot: int, token: int, on_complete: OnComplete) -> None:
-        row = self._rows[slot]
-        assert row is not None
-        stop = token in self.stop_ids and not self.ignore_eos
-        if not stop:
-            row.out.append(token)
-        if stop or len(row.out) >= row.limit:
+    def _deliver(self, tokens: np.ndarray, owners: np.ndarray, on_complete: OnComplete) -> None:
+        ended, stopped = self.table.take(tokens, owners)
+        for slot, stop in zip(ended.tolist(), stopped.tolist()):
             self._finish(slot, "stop" if stop else "length", on_complete)
 
     def _finish(self, slot: int, reason: str, on_complete: OnComplete) -> None:
         row = self._rows[slot]
         assert row is not None
         self._rows[slot] = None
-        self._free.append(slot)
-        self._flags_dirty = True  # recomputed once before the next token selection
-        new_tokens = len(row.out) + (reason == "stop")
+        out = self.table.release(slot)
+        self._count_sampling(row.request, -1)
+        new_tokens = len(out) + (reason == "stop")
         self.stats.new_tokens += new_tokens
         self.stats.completed += 1
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(row.out, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text = self.tokenizer.decode(out, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         on_complete(
             row.request,
-            Completion(text, reason, new_tokens=new_tokens, prompt_tokens=row.prompt_len, token_ids=row.out),
+            Completion(text, reason, new_tokens=new_tokens, prompt_tokens=row.prompt_len, token_ids=out),
         )
