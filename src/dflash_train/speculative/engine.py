@@ -380,7 +380,9 @@ class SpecEngine:
         on_result: Callable[[int, DecodeResult], None] | None = None,
     ) -> list[DecodeResult]:
         """Decode every prompt (in order, refilling slots as sequences finish); results in
-        prompt order. Per prompt, `seconds` runs from its prefill to its last round."""
+        prompt order. Per prompt, `seconds` runs from its prefill to the host's read of its
+        last round (a round launched behind it is not counted; the run waits for it before
+        returning), `prefill_seconds` is the prefill's device time."""
         if speculative and self.drafter is None:
             raise ValueError("this engine has no drafter: use speculative=False")
         if max_new_tokens < 1:
