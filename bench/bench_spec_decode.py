@@ -20,6 +20,12 @@ the timed runs):
   target's top-1 minus top-2 margin there, classified near-tie / mismatch (speculative/decoders.py).
 * batched: `--batch-prompts` prompts through `--batch-slots` slots, refilled as sequences
   finish; committed tok/s over the wall clock of the whole run, greedy and speculative.
+* `--overlap-rounds both`: all of it with the engine's pipelined rounds (round r+1 launched
+  before round r is read, the default) and one round at a time, on the same engine and graphs:
+  keys `batch1` / `batched` and `batch1_sequential` / `batched_sequential`.
+
+Times at batch 1 are the wall clock of each call (a run ends when its last round is read; with
+pipelined rounds that can be one round launched behind the row's end, and it counts).
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's cache attention (generate/attention.py; auto: flex when compiled on CUDA)")
     p.add_argument("--draft-window", type=int, default=0, help="decode the drafter's full-attention layers with this "
                    "sliding window (0: its own attention; speculative/static_drafter.py)")
+    p.add_argument("--overlap-rounds", choices=["on", "off", "both"], default="on",
+                   help="launch round r+1 before reading round r (on), one round at a time (off), or both (A/B)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -106,9 +114,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def totals(results: list[DecodeResult]) -> dict:
+def totals(results: list[DecodeResult], walls: list[float]) -> dict:
+    """`walls`: each call's wall clock (its result's `seconds` ends at its last token's read)."""
     tokens = sum(len(r.tokens) for r in results)
-    seconds = sum(r.seconds for r in results)
+    seconds = sum(walls)
     prefill = sum(r.prefill_seconds for r in results)
     rounds = sum(len(r.rounds) for r in results)
     draft, verify = sum(r.draft_seconds for r in results), sum(r.verify_seconds for r in results)
@@ -125,10 +134,18 @@ def totals(results: list[DecodeResult]) -> dict:
 
 def batch_one(engine, prompts, max_new: int) -> tuple[dict, list[DecodeResult]]:
     greedy, spec, per_prompt = [], [], []
+    walls: dict[str, list[float]] = {"greedy": [], "spec": []}
     counts = {"identical": 0, "near_tie": 0, "mismatch": 0}
+
+    def timed(ids, mode: str) -> DecodeResult:
+        t0 = time.perf_counter()
+        res = engine.generate(ids, max_new, speculative=mode == "spec")
+        walls[mode].append(time.perf_counter() - t0)  # the engine waits for its last round
+        return res
+
     for i, (pid, ids) in enumerate(prompts):
-        g = engine.generate(ids, max_new, speculative=False)
-        s = engine.generate(ids, max_new)
+        g = timed(ids, "greedy")
+        s = timed(ids, "spec")
         greedy.append(g)
         spec.append(s)
         div = first_divergence(s.tokens, g)
@@ -139,7 +156,8 @@ def batch_one(engine, prompts, max_new: int) -> tuple[dict, list[DecodeResult]]:
         say(f"  [{i + 1}/{len(prompts)}] {pid}: {len(ids)} prompt tokens, {len(s.tokens)} new, tau {s.tau:.2f}, "
             f"greedy {len(g.tokens) / g.seconds:.0f} tok/s, spec {len(s.tokens) / s.seconds:.0f} tok/s, {div.kind}"
             + (f" at {div.position} (margin {div.margin})" if div.position is not None else ""))
-    out = {"greedy": totals(greedy), "spec": totals(spec), "lossless": counts, "per_prompt": per_prompt}
+    out = {"greedy": totals(greedy, walls["greedy"]), "spec": totals(spec, walls["spec"]), "lossless": counts,
+           "per_prompt": per_prompt}
     out["speedup"] = round(out["spec"]["tok_s"] / out["greedy"]["tok_s"], 3)
     tau = out["spec"]["tau"]
     out["speedup_over_tau"] = round(out["speedup"] / tau, 3) if tau else None
@@ -211,8 +229,15 @@ def main(argv: list[str] | None = None) -> dict:
     sync(device)
     config["cuda_graphs"] = getattr(one, "use_graphs", False)  # False too where a capture failed
     results = {"config": config, "setup_seconds": round(time.perf_counter() - t_setup, 2)}
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.overlap_rounds]
+    config["overlap_rounds"] = args.overlap_rounds
     say(f"setup (load, compile, graph capture, warm-up) {results['setup_seconds']:.1f} s; batch 1:")
-    results["batch1"], greedy = batch_one(one, prompts, args.max_new_tokens)
+    for overlap in modes:
+        if isinstance(one, SpecEngine):
+            one.overlap_rounds = overlap
+        key = "batch1" if overlap == modes[0] else "batch1_sequential"
+        say(f"batch 1, {'pipelined rounds' if overlap else 'one round at a time'}:")
+        results[key], greedy = batch_one(one, prompts, args.max_new_tokens)
     getattr(one, "close", lambda: None)()  # the Hugging Face fallback's hooks
     del one
     gc.collect()  # the engine's graphs and caches (lambdas hold reference cycles)
@@ -226,8 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
         warm(many, batch_prompts, max_len, args.batch_slots)
         say(f"batched: {args.batch_slots} slots, warm-up {time.perf_counter() - t0:.1f} s")
         reference = {tuple(p): g.tokens for (_, p), g in zip(prompts, greedy)}
-        results["batched"] = {"slots": args.batch_slots,
-                              **batched(many, batch_prompts, args.max_new_tokens, device, reference)}
+        for overlap in modes:
+            many.overlap_rounds = overlap
+            key = "batched" if overlap == modes[0] else "batched_sequential"
+            results[key] = {"slots": args.batch_slots,
+                            **batched(many, batch_prompts, args.max_new_tokens, device, reference)}
     report(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,22 +275,27 @@ def static_engine_supported(model, max_len: int) -> bool:
 
 
 def report(results: dict) -> None:
-    b1 = results["batch1"]
-    g, s = b1["greedy"], b1["spec"]
-    rows = [
-        ("batch 1 greedy", f"{g['tok_s']:.1f} tok/s", f"{g['ms_per_round']['total']:.3f} ms/token"),
-        ("batch 1 speculative", f"{s['tok_s']:.1f} tok/s", f"tau {s['tau']}"),
-        ("speedup (wall clock)", f"{b1['speedup']:.3f}x", f"{b1['speedup_over_tau']} x tau"),
-        ("ms per spec round", f"draft {s['ms_per_round']['draft']}", f"verify {s['ms_per_round']['verify']}, "
-                                                                     f"host {s['ms_per_round']['host']}"),
-        ("lossless", f"{b1['lossless']['identical']} identical", f"{b1['lossless']['near_tie']} near-tie, "
-                                                                 f"{b1['lossless']['mismatch']} mismatch"),
-    ]
-    if "batched" in results:
-        bt = results["batched"]
-        rows += [(f"batched greedy ({bt['slots']} slots)", f"{bt['greedy']['committed_tok_s']:.1f} tok/s", ""),
-                 (f"batched speculative ({bt['slots']} slots)", f"{bt['spec']['committed_tok_s']:.1f} tok/s",
-                  f"tau {bt['spec']['tau']}, speedup {bt['speedup']}x")]
+    rows = []
+    for suffix in ("", "_sequential"):
+        if "batch1" + suffix not in results:
+            continue
+        b1, tag = results["batch1" + suffix], suffix.replace("_", " ")
+        g, s = b1["greedy"], b1["spec"]
+        rows += [
+            (f"batch 1 greedy{tag}", f"{g['tok_s']:.1f} tok/s", f"{g['ms_per_round']['total']:.3f} ms/token"),
+            (f"batch 1 speculative{tag}", f"{s['tok_s']:.1f} tok/s", f"tau {s['tau']}"),
+            (f"speedup (wall clock){tag}", f"{b1['speedup']:.3f}x", f"{b1['speedup_over_tau']} x tau"),
+            (f"ms per spec round{tag}", f"draft {s['ms_per_round']['draft']}",
+             f"verify {s['ms_per_round']['verify']}, host {s['ms_per_round']['host']}"),
+            (f"lossless{tag}", f"{b1['lossless']['identical']} identical",
+             f"{b1['lossless']['near_tie']} near-tie, {b1['lossless']['mismatch']} mismatch"),
+        ]
+    for suffix in ("", "_sequential"):
+        if "batched" + suffix in results:
+            bt, tag = results["batched" + suffix], suffix.replace("_", " ")
+            rows += [(f"batched greedy ({bt['slots']} slots){tag}", f"{bt['greedy']['committed_tok_s']:.1f} tok/s", ""),
+                     (f"batched speculative ({bt['slots']} slots){tag}", f"{bt['spec']['committed_tok_s']:.1f} tok/s",
+                      f"tau {bt['spec']['tau']}, speedup {bt['speedup']}x")]
     width = max(len(r[0]) for r in rows)
     say("\n" + "\n".join(f"{a:<{width}}  {b:<22}  {c}" for a, b, c in rows))
 

@@ -12,7 +12,17 @@ Every slot holds one sequence; all per-slot state lives in static device buffers
         greedy acceptance on device: a = longest prefix of drafts equal to the target's argmax
         (capped so the output never passes max_new_tokens), commit a + 1 tokens, cut after a
         stop token; update position / last token / count / active flag in place
-    one host synchronisation: the committed tokens and counts come back (one small copy)
+    one small copy to the host: the committed tokens and counts (the round's report)
+
+Pipelined rounds (`overlap_rounds`, on by default). Every input of a round is already on the
+device, so round r+1 is launched before the host reads round r's report, as the generate
+engine does with its decode steps: the GPU never idles through the host's wake-up, copy,
+bookkeeping and the next launches. The kv bucket of round r+1 allows for round r committing
+a whole block; a row that finished in round r (the device already stopped committing for it)
+took part in round r+1, whose report for it is discarded; refills land a round later. A
+prompt costs no host synchronisation either: its ids, length and limit go to the device in
+one copy, its active flag is computed there, and its first token comes back with the report
+of its first round.
 
 Plain greedy decoding is the same verify step with T = 1 and no drafter; it also returns
 each token's top-1 logit and top-1 minus top-2 margin, for the lossless check in
@@ -54,14 +64,15 @@ from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, 
 log = logging.getLogger(__name__)
 
 
-class _RoundTimer:
-    """Draft and verify time of a round: CUDA events on a GPU, read after the round's one
-    synchronisation (no extra wait); the wall clock on CPU, where every op is synchronous."""
+class _Marks:
+    """Device time between marks (a round's draft and verify, a prefill): CUDA events on a GPU,
+    read once the work is known to be done (no extra wait); the wall clock on CPU, where every
+    op is synchronous."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n: int) -> None:
         self.cuda = device.type == "cuda"
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else []
-        self.marks = [0.0, 0.0, 0.0]
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if self.cuda else []
+        self.marks = [0.0] * n
 
     def mark(self, i: int) -> None:
         if self.cuda:  # pragma: no cover
@@ -69,13 +80,11 @@ class _RoundTimer:
         else:
             self.marks[i] = time.perf_counter()
 
-    def seconds(self) -> tuple[float, float]:
-        """(draft, verify) of the last round; call after the round's synchronisation."""
+    def seconds(self, i: int, j: int) -> float:
+        """Seconds from mark i to mark j; call after the work behind mark j has completed."""
         if self.cuda:  # pragma: no cover
-            e = self.events
-            return e[0].elapsed_time(e[1]) / 1000, e[1].elapsed_time(e[2]) / 1000
-        m = self.marks
-        return m[1] - m[0], m[2] - m[1]
+            return self.events[i].elapsed_time(self.events[j]) / 1000
+        return self.marks[j] - self.marks[i]
 
 
 @dataclass(eq=False)
@@ -85,16 +94,44 @@ class _Row:
     index: int  # in the caller's prompt list
     prompt_len: int
     limit: int  # max_new_tokens
-    position: int  # of the last committed token
+    position: int  # of the last committed token (as read back so far)
     t_start: float
-    prefill_seconds: float
+    prefill: _Marks  # its device time, read with the first round
     greedy: bool
+    first_pending: bool = True  # the prefill's token is read back with the row's first round
+    in_flight: int = 0  # rounds launched for this row and not read back yet
+    prefill_seconds: float = 0.0
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     top_logits: list[float] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+
+    def needs_round(self) -> bool:
+        """Whether a new round can still commit for this row. Each round in flight commits at
+        least one token while the row is active, so once the tokens known plus the rounds in
+        flight reach the limit, those rounds finish it. A row whose first token is unread
+        needs one round to bring it back."""
+        if self.first_pending and not self.in_flight:
+            return True
+        return len(self.out) + self.first_pending + self.in_flight < self.limit
+
+
+@dataclass
+class _Launched:
+    """A round on its way: the rows it reports for, and where its report lands."""
+
+    rows: list[tuple[int, _Row]]  # (slot, row) as at the launch
+    report: Tensor  # host copy of the report [slots, B + 4] (pinned on CUDA)
+    top2: Tensor | None  # host copy of top2 [slots, 4] (plain greedy only)
+    event: object | None  # CUDA event after the copies; None on CPU
+    marks: _Marks
+
+    def read(self) -> tuple[list[list[int]], list[list[float]] | None]:
+        if self.event is not None:  # pragma: no cover - CUDA only: wait for this round alone
+            self.event.synchronize()
+        return self.report.tolist(), (self.top2.tolist() if self.top2 is not None else None)
 
 
 def commit_round(
@@ -103,8 +140,12 @@ def commit_round(
 ) -> None:  # fmt: skip
     """Greedy acceptance of a verified block and the commit, in place on the engine's state
     (module doc). logits [S, T, V] of the block [last token, drafts[:, :T-1]] (T = `width`).
-    One function so that torch.compile fuses its few dozen tiny ops into a few kernels."""
+    One function so that torch.compile fuses its few dozen tiny ops into a few kernels.
+    report [S, B + 4]: the target's choices, the round's input token (a new row's first
+    token comes back this way), committed, accepted, drafted; top2 [S, 4]: this token's top-1
+    logit and margin (plain greedy), then the prefill's (written there)."""
     greedy = logits.argmax(-1)  # [S, T]: greedy[:, k] is the target's choice after input k
+    report[:, -4].copy_(tokens)
     if width > 1:
         block_start.copy_(positions)  # the taps just written start here: the drafter's next context
         drafted = (limit - n_out - 1).clamp(0, width - 1)  # never draft past max_new_tokens
@@ -113,7 +154,7 @@ def commit_round(
     else:
         drafted = accepted = torch.zeros_like(n_out)
         top = logits[:, 0].float().topk(2, dim=-1).values  # [S, 2]
-        top2.copy_(torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
+        top2[:, :2].copy_(torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
     # The accepted drafts equal greedy[:, :a], so the commit is greedy[:, :a + 1], cut after a stop token.
     candidate = accepted + 1
     is_stop = (greedy[..., None] == stop_table).any(-1) & (columns[None, :width] < candidate[:, None])
@@ -139,7 +180,9 @@ class SpecEngine:
     `max_len`: cache positions per slot; a prompt needs len + max_new_tokens + B of them.
     `draft_window`: decode the DFlashDrafter's full-attention layers with this sliding window
     (speculative/static_drafter.py): its context is then a ring of ~W + 2B positions per slot and
-    a draft costs the same at any context length; the drafts change, the outputs never do."""
+    a draft costs the same at any context length; the drafts change, the outputs never do.
+    `overlap_rounds`: launch round r+1 before reading round r (module doc); outputs and rounds
+    are the same either way. A plain attribute: it may change between runs."""
 
     def __init__(
         self,
@@ -155,6 +198,7 @@ class SpecEngine:
         prefill_tokens: int = 16384,
         attention: AttentionKind | Literal["auto"] = "auto",
         draft_window: int | None = None,
+        overlap_rounds: bool = True,
     ) -> None:
         dev = target.get_input_embeddings().weight.device
         if attention == "auto":
@@ -178,7 +222,8 @@ class SpecEngine:
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []
         self.refill_min = max(1, int(slots * refill_fraction))
         self.prefill_tokens = prefill_tokens
-        B, long = self.block_size, dict(dtype=torch.long, device=dev)
+        self.overlap_rounds = overlap_rounds
+        B = self.block_size
 
         self._allocate_slot_state(slots, dev)
 
@@ -193,14 +238,17 @@ class SpecEngine:
             self._draft = GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
         # Batch 1 (latency): the prefill too is a captured step, one per prompt-width bucket (the
         # prompt right-padded: causal attention never lets it see the padding), so a prompt
-        # costs a graph replay, not ~1,000 eager launches (~20 ms for SmolLM2 on an H200).
+        # costs a graph replay, not ~1,000 eager launches (~20 ms for SmolLM2 on an H200). Its
+        # inputs, [length, limit, ids...], arrive in `prefill_stage` by one copy.
         self.prefill_widths = kv_buckets(max_len, smallest=32)
-        self.prefill_ids = torch.zeros(1, max_len, **long)
-        self.prefill_length = torch.ones(1, **long)
+        self.prefill_stage = torch.zeros(max_len + 2, dtype=torch.long, device=dev)
+        self.prefill_length, self.prefill_limit = self.prefill_stage[0:1], self.prefill_stage[1:2]
+        self.prefill_ids = self.prefill_stage[2:][None]  # [1, max_len]
         self._prefill_steps = {mode: GraphedStep(lambda w, mode=mode: self._prefill_step(w, mode), [],
                                                  use_graphs=graphs, name=f"prefill ({'speculative' if mode else 'greedy'})")
                                for mode in ((False, True) if drafter is not None else (False,))}
-        self.timer = _RoundTimer(dev)
+        self._marks = [_Marks(dev, 3), _Marks(dev, 3)]  # by launch parity: two rounds in flight
+        self._launches = 0
         self._rows: list[_Row | None] = [None] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         if compile and dev.type == "cuda":
@@ -223,12 +271,13 @@ class SpecEngine:
         self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
         self.rows = torch.arange(slots, **long)
         self.columns = torch.arange(B, **long)
-        # What a round reports to the host: greedy tokens [B], committed, accepted, drafted.
-        self.report = torch.zeros(slots, B + 3, **long)
-        self.top2 = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # greedy: top-1 logit, margin
-        pinned = dev.type == "cuda"
-        self._report_host = torch.zeros(slots, B + 3, dtype=torch.long, pin_memory=pinned)
-        self._top2_host = torch.zeros(slots, 2, dtype=torch.float32, pin_memory=pinned)
+        # What a round reports to the host: greedy tokens [B], input token, committed, accepted, drafted.
+        self.report = torch.zeros(slots, B + 4, **long)
+        # greedy: top-1 logit and margin of the round's token, then of the prefill's
+        self.top2 = torch.zeros(slots, 4, dtype=torch.float32, device=dev)
+        pinned = dev.type == "cuda"  # two of each: one for the round in flight, one being read
+        self._report_host = [torch.zeros(slots, B + 4, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._top2_host = [torch.zeros(slots, 4, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
 
     def refresh_drafter(self, source: DFlashDrafter) -> None:
         """Decode with the current weights of `source` (see StaticDrafter.refresh)."""
@@ -305,6 +354,7 @@ class SpecEngine:
             for width in [w for w in self.prefill_widths if w <= widest]:
                 for step in self._prefill_steps.values():
                     step(width)
+            self.active.zero_()  # the prefill step set slot 0's flag from a stale limit
         self._sync()
 
     def _sync(self) -> None:
@@ -330,7 +380,9 @@ class SpecEngine:
         on_result: Callable[[int, DecodeResult], None] | None = None,
     ) -> list[DecodeResult]:
         """Decode every prompt (in order, refilling slots as sequences finish); results in
-        prompt order. Per prompt, `seconds` runs from its prefill to its last round."""
+        prompt order. Per prompt, `seconds` runs from its prefill to the host's read of its
+        last round (a round launched behind it is not counted; the run waits for it before
+        returning), `prefill_seconds` is the prefill's device time."""
         if speculative and self.drafter is None:
             raise ValueError("this engine has no drafter: use speculative=False")
         if max_new_tokens < 1:
@@ -358,92 +410,132 @@ class SpecEngine:
                 on_result(row.index, res)
 
         self._sync()
-        while pending or self._n_active():
+        unread: _Launched | None = None  # the round launched last, not read back yet
+        while pending or self._n_active() or unread is not None:
             free = len(self._free)
             if pending and free and (free >= min(self.refill_min, len(pending)) or not self._n_active()):
-                self._admit([pending.popleft() for _ in range(min(free, len(pending)))], max_new_tokens, speculative,
-                            finish)
-                continue
-            self._round(width, speculative, finish)
+                self._admit([pending.popleft() for _ in range(min(free, len(pending)))], max_new_tokens, speculative)
+            launched = self._launch(width, speculative)
+            if unread is not None:
+                self._collect(unread, finish)
+            unread = launched
+            if unread is not None and not self.overlap_rounds:
+                self._collect(unread, finish)
+                unread = None
         return results  # type: ignore[return-value]
 
-    def _admit(self, batch: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool, finish) -> None:
+    def _admit(self, batch: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool) -> None:
         batch = sorted(batch, key=lambda item: len(item[1]))
         start = 0
         while start < len(batch):  # length-sorted chunks within the prefill token budget
             end = start + 1
             while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
                 end += 1
-            self._prefill(batch[start:end], max_new, speculative, finish)
+            self._prefill(batch[start:end], max_new, speculative)
             start = end
 
-    def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool, finish) -> None:
-        """Prefill of a chunk of prompts into free slots (eager; one captured step at batch 1);
-        commits each one's first token."""
+    def _to_device(self, values: list[int]) -> Tensor:
+        """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":  # pragma: no cover - CUDA only
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool) -> None:
+        """Prefill of a chunk of prompts into free slots (eager; one captured step at batch 1),
+        queued behind the rounds in flight; no host synchronisation (module doc)."""
         t0 = time.perf_counter()
-        dev = self.device
+        marks = _Marks(self.device, 2)
         slots = [self._free.pop() for _ in chunk]
-        slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        lengths = torch.tensor([len(p) for _, p in chunk], dtype=torch.long, device=dev)
+        marks.mark(0)
         if self.slots == 1:
-            prompt = chunk[0][1]
+            prompt = list(chunk[0][1])
             width = next(w for w in self.prefill_widths if w >= len(prompt))
-            self.prefill_ids[0, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
-            self.prefill_length.copy_(lengths)
+            self.prefill_stage[: len(prompt) + 2].copy_(self._to_device([len(prompt), max_new] + prompt),
+                                                        non_blocking=True)
             self._prefill_steps[speculative](width)
         else:
-            width = max(len(p) for _, p in chunk)
-            ids = torch.tensor([list(p) + [0] * (width - len(p)) for _, p in chunk], dtype=torch.long, device=dev)
-            self._prefill_into(ids, lengths, slot_idx, speculative)
-        first_host = self.tokens[slot_idx].tolist()  # waits for the device: the timing is real
-        top_host = self.top2[slot_idx].tolist()
-        done = [t in self.stop_ids or max_new == 1 for t in first_host]
-        self.positions[slot_idx] = lengths
-        self.block_start[slot_idx] = lengths  # stale taps land where this slot's first block goes: overwritten
-        self.n_out[slot_idx] = 1
-        self.limit[slot_idx] = max_new
-        self.active[slot_idx] = torch.tensor([not d for d in done], device=dev)
-        seconds = time.perf_counter() - t0
-        for slot, (index, prompt), token, (top1, margin), d in zip(slots, chunk, first_host, top_host, done):
-            row = _Row(index, len(prompt), max_new, len(prompt), t0, seconds, greedy=not speculative, out=[token])
-            if not speculative:
-                row.top_logits.append(top1)
-                row.margins.append(margin)
-            self._rows[slot] = row
-            if d:
-                finish(slot, "stop" if token in self.stop_ids else "length")
+            n, width = len(chunk), max(len(p) for _, p in chunk)
+            ids = [t for _, p in chunk for t in list(p) + [0] * (width - len(p))]
+            staged = self._to_device(slots + [len(p) for _, p in chunk] + [max_new] * n + ids)
+            self._prefill_into(staged[3 * n:].view(n, width), staged[n:2 * n], staged[2 * n:3 * n], staged[:n],
+                               speculative)
+        marks.mark(1)
+        for slot, (index, prompt) in zip(slots, chunk):
+            self._rows[slot] = _Row(index, len(prompt), max_new, len(prompt), t0, marks, greedy=not speculative)
 
     @torch.no_grad()
     def _prefill_step(self, width: int, speculative: bool) -> None:
         """Batch 1: the prompt in prefill_ids[:, :width] (right padded) into slot 0."""
-        self._prefill_into(self.prefill_ids[:, :width], self.prefill_length, self.rows, speculative)
+        self._prefill_into(self.prefill_ids[:, :width], self.prefill_length, self.prefill_limit, self.rows,
+                           speculative)
 
-    def _prefill_into(self, ids: Tensor, lengths: Tensor, slot_idx: Tensor, speculative: bool) -> None:
-        """Prompts ids [n, T] (right padded to T, `lengths` [n]) into cache rows `slot_idx` [n]
-        (the target's and, speculative, the drafter's context); each one's first token goes to
-        `tokens`, its top-1 logit and top-1 minus top-2 margin to `top2`. No host sync."""
+    def _prefill_into(self, ids: Tensor, lengths: Tensor, limits: Tensor, slot_idx: Tensor, speculative: bool) -> None:
+        """Prompts ids [n, T] (right padded to T, `lengths` [n], max_new_tokens `limits` [n]) into
+        cache rows `slot_idx` [n] (the target's and, speculative, the drafter's context); each
+        one's first token goes to `tokens`, its top-1 logit and margin to `top2`, and the slot's
+        state starts there: active unless that token stops it or the limit is 1. No host sync."""
         if speculative:
             logits, taps = self.decoder.prefill_with_taps(ids, lengths, slot_idx, self.tap_layers)
             self.drafter.start(ids, lengths, slot_idx, taps)
         else:
             logits = self.decoder.prefill(ids, lengths, slot_idx)
         top = logits.float().topk(2, dim=-1).values  # [n, 2]
-        self.tokens.index_copy_(0, slot_idx, logits.argmax(-1))
-        self.top2.index_copy_(0, slot_idx, torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
+        first = logits.argmax(-1)
+        self.tokens.index_copy_(0, slot_idx, first)
+        self.top2[:, 2:].index_copy_(0, slot_idx, torch.stack([top[:, 0], top[:, 0] - top[:, 1]], 1))
+        self.positions.index_copy_(0, slot_idx, lengths)
+        self.block_start.index_copy_(0, slot_idx, lengths)  # stale taps land where the first block goes: overwritten
+        self.n_out.index_fill_(0, slot_idx, 1)
+        self.limit.index_copy_(0, slot_idx, limits)
+        stopped = (first[:, None] == self.stop_table).any(-1)
+        self.active.index_copy_(0, slot_idx, ~stopped & (limits > 1))
 
-    def _round(self, width: int, speculative: bool, finish) -> None:
-        active = [s for s, row in enumerate(self._rows) if row is not None]
-        kv_len = next(b for b in self.buckets if b >= max(self._rows[s].position for s in active) + width)
-        self.timer.mark(0)
+    def _launch(self, width: int, speculative: bool) -> _Launched | None:
+        """Queue one round for every slot and the copy of its report; None when no row needs it."""
+        rows = [(s, row) for s, row in enumerate(self._rows) if row is not None and row.needs_round()]
+        if not rows:
+            return None
+        # Each round in flight may commit a whole block before this one starts.
+        need = max(row.position + row.in_flight * width for _, row in rows) + width
+        kv_len = next(b for b in self.buckets if b >= min(need, self.max_len))
+        marks = self._marks[self._launches % 2]
+        marks.mark(0)
         if speculative:
             self._draft(kv_len)
-        self.timer.mark(1)
+        marks.mark(1)
         self._verify[width](kv_len)
-        self.timer.mark(2)
-        report, top2 = self._read(not speculative)  # the round's one host synchronisation
-        draft_s, verify_s = self.timer.seconds()
-        for s in active:
-            row = self._rows[s]
+        marks.mark(2)
+        for _, row in rows:
+            row.in_flight += 1
+        return _Launched(rows, *self._copy_report(not speculative), marks)
+
+    def _copy_report(self, with_top2: bool) -> tuple[Tensor, Tensor | None, object | None]:
+        """The report (and top2) on their way to the host: pinned buffers by launch parity and
+        an event on CUDA; copies on CPU, as the next round overwrites the device's."""
+        parity = self._launches % 2
+        self._launches += 1
+        if self.device.type != "cuda":
+            return self.report.clone(), (self.top2.clone() if with_top2 else None), None
+        report, top2 = self._report_host[parity], self._top2_host[parity]  # pragma: no cover - CUDA only
+        report.copy_(self.report, non_blocking=True)
+        if with_top2:
+            top2.copy_(self.top2, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return report, (top2 if with_top2 else None), event
+
+    def _collect(self, launched: _Launched, finish) -> None:
+        """Read a round back and hand it to the rows still in their slots: a row that finished
+        in an earlier round was stepped once more (committing nothing), and that is dropped."""
+        report, top2 = launched.read()
+        draft_s, verify_s = launched.marks.seconds(0, 1), launched.marks.seconds(1, 2)
+        for s, row in launched.rows:
+            row.in_flight -= 1
+            if self._rows[s] is not row:
+                continue
+            if row.first_pending and self._first_token(s, row, report[s][-4], top2[s][2:] if top2 else None, finish):
+                continue
             committed, accepted, drafted = report[s][-3:]
             tokens = report[s][:committed]
             row.out.extend(tokens)
@@ -459,14 +551,16 @@ class SpecEngine:
             elif len(row.out) >= row.limit:
                 finish(s, "length")
 
-    def _read(self, with_top2: bool) -> tuple[list[list[int]], list[list[float]] | None]:
-        if self.device.type != "cuda":
-            return self.report.tolist(), (self.top2.tolist() if with_top2 else None)
-        self._report_host.copy_(self.report, non_blocking=True)  # pragma: no cover - CUDA only
-        if with_top2:
-            self._top2_host.copy_(self.top2, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        event.synchronize()
-        return self._report_host.tolist(), (self._top2_host.tolist() if with_top2 else None)
-
+    def _first_token(self, slot: int, row: _Row, token: int, top2: list[float] | None, finish) -> bool:
+        """The prefill's token, read with the row's first round; True if it ended the row (the
+        device then kept it inactive: that round committed nothing for it)."""
+        row.first_pending = False
+        row.prefill_seconds = row.prefill.seconds(0, 1)
+        row.out.append(token)
+        if top2 is not None:
+            row.top_logits.append(top2[0])
+            row.margins.append(top2[1])
+        if token in self.stop_ids or row.limit == 1:
+            finish(slot, "stop" if token in self.stop_ids else "length")
+            return True
+        return False
