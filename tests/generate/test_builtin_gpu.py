@@ -1,0 +1,49 @@
+"""The built-in engine's CUDA path, which the CPU tests cannot reach: pinned host buffers read
+one step late, CUDA events, CUDA-graphed decode steps per bucket, compiled flex decoding. Token
+for token Hugging Face greedy on the same GPU, in fp32, with rows that stop on their first
+token, short limits and slots refilled under a step in flight. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.engine import Request
+
+from .test_builtin_engine import NEW, run_engine
+from .tiny import make_model
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def hf_greedy_on_device(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@needs_gpu
+@pytest.mark.parametrize("slots", [1, 4])
+@pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
+def test_gpu_engine_equals_hf_greedy_with_stops_limits_and_refills(attention, compile, slots):
+    model = make_model("llama", vocab=256, seed=1).cuda()
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in torch.randint(1, 24, (12,), generator=gen)]
+    full = [hf_greedy_on_device(model, p) for p in prompts]
+    stops = {full[1][0], full[2][0]}
+    limits = [1, 2, 3, NEW, 1, 5, NEW, 2, NEW, 4, NEW, 7]
+    expected = []
+    for f, limit in zip(full, limits):
+        cut = next((i for i, t in enumerate(f) if t in stops), NEW)
+        expected.append((f[:cut], "stop") if cut < limit else (f[:limit], "length"))
+    engine = BuiltinEngine(model, None, slots=slots, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids=stops,
+                           attention=attention, compile=compile, cuda_graphs=True)
+    for _ in range(2):  # the second run replays the graphs captured by the first
+        results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=n, tag=i)
+                                      for i, (p, n) in enumerate(zip(prompts, limits))])
+        assert [(results[i].token_ids, results[i].finish_reason) for i in range(len(prompts))] == expected
+        assert engine.table.n_active == 0 and engine.stats.decode_steps > 0
+    assert engine.stats.prefill_seconds > 0  # CUDA events timed the prefills
