@@ -32,7 +32,9 @@
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
 # GREEDY=1 also decodes plain greedy (speedups; twice the time); SOURCE_SETS=0 leaves out the
-# source sets; GEN_BACKGROUND=S generates more conversations while the evals run. Raw results: $OUT.
+# source sets; EVAL_SLOTS=N decodes N prompts at once in the tau-only evals (a fraction of the time,
+# tau as at batch 1 up to bf16 near-ties); GEN_BACKGROUND=S generates more conversations while the
+# evals run. Raw results: $OUT.
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
@@ -45,6 +47,7 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-3}
 GEN_SECONDS_SET=${GEN_SECONDS:-}; GEN_SECONDS=${GEN_SECONDS:-320}  # with .recipe: 0 unless set
 EVAL_SOURCES=${EVAL_SOURCES:-stdlib-code package-code python-docs package-docs math}
 GREEDY=${GREEDY:-0}
+EVAL_SLOTS=${EVAL_SLOTS:-1}  # prompts decoded at once by a tau-only eval (eval --slots): 16 for lever screens
 OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is matched to (time, tokens)
 # the peer's rows: one conversation each, padded to 1,536 (the recipe's longest row is 1,449
 # tokens), 8 a step: 34K tok/s and 61 GiB on a random SmolLM2-shaped target (smoke_gpu.sh)
@@ -66,8 +69,9 @@ eval_sets() {
   local name=$1 drafter=$2 dir=$W/eval-$1 greedy=--no-greedy; mkdir -p "$dir"
   [ "$GREEDY" = 1 ] && greedy=--greedy
   one() {  # SET PROMPTS NEW GREEDY
+    local slots=(); [ "$4" = --no-greedy ] && slots=(--slots "$EVAL_SLOTS")
     timeout 300 python3 -m dflash_train eval --target $T --drafter "$drafter" --prompts "$2" \
-      --max-new-tokens "$3" --output "$dir/eval-$1" --no-progress "$4" > "$dir/$1.log" 2>&1
+      --max-new-tokens "$3" --output "$dir/eval-$1" --no-progress "$4" "${slots[@]}" > "$dir/$1.log" 2>&1
     echo "   eval $name/$1 rc=$? $(date +%T)" | tee -a "$LOG"
     cp "$dir/eval-$1/report.json" "$OUT/$name-$1.json" 2>/dev/null
   }

@@ -89,6 +89,37 @@ def test_an_existing_report_folder_is_replaced_only_with_overwrite(tiny_targets,
     assert cli_main([*argv, "--overwrite"]) == 0 and json.loads((out / "report.json").read_text())["overall"]
 
 
+def test_eval_cli_slots_give_batch_1s_outputs_and_rounds(tiny_targets, loaded_targets, tmp_path, capsys):
+    """--slots 3: the prompts decoded 3 at once (refills included) give every prompt's outputs and
+    rounds, so tau, of the batch-1 eval (fp32: exactly); with greedy on it is refused at start."""
+    from ..speculative.test_dspark_engine import bigram_drafter
+    from .conftest import plain_greedy
+
+    model, tok = loaded_targets["llama"]
+    prompts = tmp_path / "p.jsonl"
+    words = "one two three cat dog sun moon red green blue".split()
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i:] + words[:i])}) + "\n" for i in range(7)))
+    ids = [encode_prompt(tok, p) for p in load_prompts(str(prompts))]
+    outputs = [p[-1:] + plain_greedy(model, [0], set(), p, 24).tokens for p in ids]
+    # drafts that follow the target for a few slots: rounds accept several tokens, so they can differ
+    drafter_dir = save_drafter(bigram_drafter(model, tok, 4, outputs), tmp_path / "drafter")
+    reports = {}
+    for slots in (1, 3):
+        out = tmp_path / f"report-{slots}"
+        rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--prompts",
+                       str(prompts), "--max-new-tokens", "24", "--output", str(out), "--no-progress", "--no-greedy",
+                       "--slots", str(slots)])
+        assert rc == 0
+        reports[slots] = json.loads((out / "report.json").read_text())
+    keys = ("id", "new_tokens", "rounds", "committed", "tau", "accept_hist")
+    one, three = ([{k: p[k] for k in keys} for p in reports[s]["per_prompt"]] for s in (1, 3))
+    assert one == three and len(one) == 7 and reports[3]["slots"] == 3
+    assert reports[3]["overall"]["tau"] == reports[1]["overall"]["tau"] > 1.0
+    rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--slots", "3",
+                   "--output", str(tmp_path / "refused")])
+    assert rc == 2 and "--no-greedy" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
 def test_eval_cli_errors(tiny_targets, tmp_path, capsys):
     rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(tmp_path / "nothing")])
     assert rc == 2 and "no drafter" in capsys.readouterr().err

@@ -61,6 +61,10 @@ class EvalJobConfig:
     (the outputs and tau come from the first)"""
     batch_size: int = 0
     """also measure batched decoding: this many prompts at once, committed tokens/s (0 = off)"""
+    slots: int = 1
+    """decode this many prompts at once for the report itself: tau and the outputs in a fraction of the
+    time, for comparing drafters (needs --no-greedy: a shared batch's timings are no batch-1 speedups;
+    tau equals batch 1's, in bf16 up to near-ties)"""
     draft_window: int = 0
     """decode the drafter's full-attention layers with this sliding window, so that drafting cost stays
     flat on long contexts (drafts change, outputs never do; 0 = the drafter's own attention: docs/eval.md)"""
@@ -90,6 +94,10 @@ class EvalJobConfig:
             raise ValueError("timing_repeats must be >= 1")
         if self.near_tie_ulps < 0 or self.batch_size < 0 or self.draft_window < 0:
             raise ValueError("near_tie_ulps, batch_size and draft_window must be >= 0")
+        if self.slots < 1:
+            raise ValueError("slots must be >= 1")
+        if self.slots > 1 and self.greedy:
+            raise ValueError("--slots N measures tau and the outputs only: add --no-greedy (speedups are batch 1's)")
 
 
 CONFIG = EvalJobConfig
@@ -119,11 +127,11 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     results = evaluate_prompts(target, tokenizer, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                                greedy=cfg.greedy, max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress,
                                near_tie_ulps=cfg.near_tie_ulps, compile=compile, timing_repeats=cfg.timing_repeats,
-                               draft_window=cfg.draft_window or None)
+                               draft_window=cfg.draft_window or None, slots=cfg.slots)
     report = build_report(results, drafter.config.block_size, target=source.describe(), drafter=str(drafter_dir),
                           prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), near_tie_ulps=cfg.near_tie_ulps,
-                          draft_window=cfg.draft_window or None,
+                          draft_window=cfg.draft_window or None, slots=cfg.slots,
                           torch=torch.__version__, transformers=transformers.__version__)
     if cfg.batch_size:
         log.info("batched decoding: %d prompts, %d at once ...", len(prompts), cfg.batch_size)

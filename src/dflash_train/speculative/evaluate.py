@@ -81,8 +81,11 @@ def evaluate_prompts(
     on_prompt: Callable[[PromptResult], None] | None = None,
     timing_repeats: int = 1,
     draft_window: int | None = None,
+    slots: int = 1,
 ) -> list[PromptResult]:
-    """Speculative (and, if `greedy`, plain greedy) decoding of every prompt, batch 1.
+    """Speculative (and, if `greedy`, plain greedy) decoding of every prompt, batch 1; with
+    `slots` > 1 (speculative only) `slots` prompts at once, for tau and the outputs (see
+    `_evaluate_batched`).
 
     All CUDA graphs are captured and the first prompt is decoded once untimed in both modes
     first, so one-time costs land on neither side of the comparison. With `greedy`, each prompt
@@ -96,8 +99,12 @@ def evaluate_prompts(
     if not encoded:
         raise EvalError("no prompt left to evaluate")
     max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)
-    decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=1, max_len=max_len,
+    decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
                                 cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window)
+    if slots > 1:
+        if greedy:
+            raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
+        return _evaluate_batched(decoder, encoded, max_new_tokens, max_len, slots)
     results: list[PromptResult] = []
     try:
         decoder.warm_up(max_len)
@@ -122,6 +129,22 @@ def evaluate_prompts(
     finally:
         _close(decoder)
     return results
+
+
+def _evaluate_batched(decoder, encoded: list[tuple[Prompt, list[int]]], max_new_tokens: int, max_len: int,
+                      slots: int) -> list[PromptResult]:
+    """Every prompt through the decoder's slots at once (refilled as rows finish). Each prompt's
+    drafts and verification are the same computation as at batch 1, so its outputs and rounds
+    are batch 1's (exactly in fp32; in bf16 up to near-ties of the target's top two logits,
+    where batched kernels round differently): tau in a fraction of the time. Its `seconds` are
+    a shared batch's, not a batch-1 decode's."""
+    try:
+        decoder.warm_up(max_len)
+        decoder.generate_batch([ids for _, ids in encoded[:slots]], min(16, max_new_tokens))  # untimed warm-up
+        decoded = decoder.generate_batch([ids for _, ids in encoded], max_new_tokens)
+    finally:
+        _close(decoder)
+    return [PromptResult(prompt.id, len(ids), spec) for (prompt, ids), spec in zip(encoded, decoded)]
 
 
 def _close(decoder) -> None:
