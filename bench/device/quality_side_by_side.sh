@@ -99,19 +99,18 @@ ship_new_rows() {
   echo "new rows $shipped..$total back in \$OUT/recipe" | tee -a "$LOG"
 }
 
-# GEN_BACKGROUND=S: while a part's evals run (batch-1 decoding leaves the GPU mostly idle), the
-# target writes more conversations for up to S seconds; their rows come back as ship_new_rows
-# says. Off with GREEDY=1, whose speedups need the GPU to themselves. A call brings back at most
+# GEN_BACKGROUND=S: from the start of a part's evals (batch-1 decoding leaves the GPU mostly
+# idle), the target writes more conversations for S seconds (the part waits for it: size S to
+# the call's limit); their rows come back as ship_new_rows says. Off with GREEDY=1, whose speedups need the GPU to themselves. A call brings back at most
 # 8 files: with SOURCE_SETS=0 a part writes 5, which leaves room for the rows' parts.
 bg_generate_start() {
   BG=; [ "${GEN_BACKGROUND:-0}" -gt 0 ] && [ "$GREEDY" != 1 ] && [ -f $W/gen/shipped ] || return 0
   env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_BACKGROUND bash scripts/smollm2_recipe_x2.sh >> "$LOG" 2>&1 &
   BG=$!; echo "=== generating in the background for up to ${GEN_BACKGROUND}s $(date +%T)" | tee -a "$LOG"
 }
-bg_generate_stop() {  # a clean stop: the rows in flight are finished and written
+bg_generate_stop() {  # its time box ends it cleanly: the rows in flight are finished and written
   [ -n "${BG:-}" ] || return 0
-  pkill -TERM -f "^python3 -m dflash_train generate" ; wait "$BG"  # the job, not its timeout
-  echo "=== background generation stopped $(date +%T)" | tee -a "$LOG"; ship_new_rows
+  wait "$BG"; echo "=== background generation ended $(date +%T)" | tee -a "$LOG"; ship_new_rows
 }
 
 # train_ours NAME MINUTES [ARGS...]: the recipe's config on the prepared data, into $W/NAME.
