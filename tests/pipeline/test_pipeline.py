@@ -369,3 +369,19 @@ def test_gpu_two_drafters_on_one_gpu_are_refused_at_start(setup):
     assert proc.returncode != 0 and time.monotonic() - started < 120
     assert "drafter ranks 0, 1 would share cuda:0" in output and "--nproc-per-node 1" in output, output[-3000:]
     assert not (root / "gpu-colocated2" / "checkpoints").exists()
+
+
+@needs_gpu
+def test_gpu_visible_cpu_run_never_creates_a_cuda_context(setup):
+    """A CPU run on a GPU machine (these tests' runs) leaves the GPU alone, checkpoints included:
+    were each rank to create a CUDA context (seconds and ~0.5 GB each, all ranks at once on one
+    GPU), a CPU job would slow down or fail where the GPU is busy or exclusive."""
+    root, cfg = setup
+    out = root / "cpu-on-gpu-machine"
+    code = ("import sys, torch\nfrom dflash_train.cli import main\n"
+            f"rc = main(['train', '--config', {str(cfg)!r}, '--run.output_dir', {str(out)!r}])\n"
+            "print('CUDA initialised:', torch.cuda.is_initialized())\nsys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CUDA initialised: False" in proc.stdout and latest_checkpoint(out / "checkpoints") is not None
