@@ -121,6 +121,7 @@ train_ours() {
     --target.path $T --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir "$W/$name" \
     --run.progress false --run.max_minutes "$minutes" "$@"
   cp "$W/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
+  cp "$W/$name"/profile/steps-*.txt "$OUT/profile-$name.txt" 2>/dev/null  # with --run.profile_steps
   grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
 }
 
