@@ -89,11 +89,19 @@ def test_an_existing_report_folder_is_replaced_only_with_overwrite(tiny_targets,
     assert cli_main([*argv, "--overwrite"]) == 0 and json.loads((out / "report.json").read_text())["overall"]
 
 
-def test_eval_cli_slots_give_batch_1s_outputs_and_rounds(tiny_targets, loaded_targets, tmp_path, capsys):
-    """--slots 3: the prompts decoded 3 at once (refills included) give every prompt's outputs and
-    rounds, so tau, of the batch-1 eval (fp32: exactly); with greedy on it is refused at start."""
+def test_eval_cli_slots_and_unpipelined_rounds_give_batch_1s_outputs_and_rounds(tiny_targets, loaded_targets,
+                                                                              tmp_path, capsys, monkeypatch):
+    """--slots 3: the prompts decoded 3 at once (refills included), and --no-overlap-rounds (one
+    round at a time), give every prompt's outputs and rounds, so tau, of the default batch-1
+    eval (fp32: exactly); --slots with greedy on is refused at start."""
+    from dflash_train.speculative import evaluate
+
     from ..speculative.test_dspark_engine import bigram_drafter
     from .conftest import plain_greedy
+
+    made = []
+    monkeypatch.setattr(evaluate, "make_spec_decoder",
+                        lambda *a, make=evaluate.make_spec_decoder, **k: made.append(make(*a, **k)) or made[-1])
 
     model, tok = loaded_targets["llama"]
     prompts = tmp_path / "p.jsonl"
@@ -104,17 +112,18 @@ def test_eval_cli_slots_give_batch_1s_outputs_and_rounds(tiny_targets, loaded_ta
     # drafts that follow the target for a few slots: rounds accept several tokens, so they can differ
     drafter_dir = save_drafter(bigram_drafter(model, tok, 4, outputs), tmp_path / "drafter")
     reports = {}
-    for slots in (1, 3):
-        out = tmp_path / f"report-{slots}"
+    for name, extra in (("one", []), ("three", ["--slots", "3"]), ("unpipelined", ["--no-overlap-rounds"])):
         rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--prompts",
-                       str(prompts), "--max-new-tokens", "24", "--output", str(out), "--no-progress", "--no-greedy",
-                       "--slots", str(slots)])
+                       str(prompts), "--max-new-tokens", "24", "--output", str(tmp_path / name), "--no-progress",
+                       "--no-greedy", *extra])
         assert rc == 0
-        reports[slots] = json.loads((out / "report.json").read_text())
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())
+    assert [(d.slots, d.overlap_rounds) for d in made] == [(1, True), (3, True), (1, False)]
     keys = ("id", "new_tokens", "rounds", "committed", "tau", "accept_hist")
-    one, three = ([{k: p[k] for k in keys} for p in reports[s]["per_prompt"]] for s in (1, 3))
-    assert one == three and len(one) == 7 and reports[3]["slots"] == 3
-    assert reports[3]["overall"]["tau"] == reports[1]["overall"]["tau"] > 1.0
+    one, three, unpipelined = ([{k: p[k] for k in keys} for p in reports[n]["per_prompt"]] for n in reports)
+    assert one == three == unpipelined and len(one) == 7
+    assert reports["three"]["slots"] == 3 and reports["unpipelined"]["overlap_rounds"] is False
+    assert reports["three"]["overall"]["tau"] == reports["one"]["overall"]["tau"] > 1.0
     rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--slots", "3",
                    "--output", str(tmp_path / "refused")])
     assert rc == 2 and "--no-greedy" in capsys.readouterr().err and not (tmp_path / "refused").exists()

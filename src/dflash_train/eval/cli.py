@@ -70,6 +70,9 @@ class EvalJobConfig:
     flat on long contexts (drafts change, outputs never do; 0 = the drafter's own attention: docs/eval.md)"""
     compile: bool = True
     """torch.compile the engine's per-layer functions (GPU only; slower start, faster decoding)"""
+    overlap_rounds: bool = True
+    """launch each speculative round before the previous one is read back (docs/eval.md, "Pipelined
+    rounds"); --no-overlap-rounds: one round at a time, the same outputs and rounds"""
     output: str | None = field(default=None, metadata=cli(aliases=("-o",)))
     """report directory (default runs/eval/<drafter>-<prompts>)"""
     overwrite: bool = False
@@ -127,17 +130,19 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     results = evaluate_prompts(target, tokenizer, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                                greedy=cfg.greedy, max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress,
                                near_tie_ulps=cfg.near_tie_ulps, compile=compile, timing_repeats=cfg.timing_repeats,
-                               draft_window=cfg.draft_window or None, slots=cfg.slots)
+                               draft_window=cfg.draft_window or None, slots=cfg.slots,
+                               overlap_rounds=cfg.overlap_rounds)
     report = build_report(results, drafter.config.block_size, target=source.describe(), drafter=str(drafter_dir),
                           prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), near_tie_ulps=cfg.near_tie_ulps,
-                          draft_window=cfg.draft_window or None, slots=cfg.slots,
+                          draft_window=cfg.draft_window or None, slots=cfg.slots, overlap_rounds=cfg.overlap_rounds,
                           torch=torch.__version__, transformers=transformers.__version__)
     if cfg.batch_size:
         log.info("batched decoding: %d prompts, %d at once ...", len(prompts), cfg.batch_size)
         report["batched"] = measure_batched(target, tokenizer, drafter, prompts, slots=cfg.batch_size,
                                             max_new_tokens=cfg.max_new_tokens, greedy=cfg.greedy, compile=compile,
-                                            draft_window=cfg.draft_window or None)
+                                            draft_window=cfg.draft_window or None,
+                                            overlap_rounds=cfg.overlap_rounds)
     write_marker(out, "eval")  # so that a later `eval --overwrite` may replace it
     json_path = write_json(report, out / "report.json")
     png_path = plot_report(report, out / "report.png", title=f"{drafter_dir.name} on {prompt_set_name(cfg.prompts)}")

@@ -82,6 +82,7 @@ def evaluate_prompts(
     timing_repeats: int = 1,
     draft_window: int | None = None,
     slots: int = 1,
+    overlap_rounds: bool = True,
 ) -> list[PromptResult]:
     """Speculative (and, if `greedy`, plain greedy) decoding of every prompt, batch 1; with
     `slots` > 1 (speculative only) `slots` prompts at once, for tau and the outputs (see
@@ -90,8 +91,8 @@ def evaluate_prompts(
     All CUDA graphs are captured and the first prompt is decoded once untimed in both modes
     first, so one-time costs land on neither side of the comparison. With `greedy`, each prompt
     is decoded `timing_repeats` times in both modes, back to back (a load spike hits both), and
-    the speedup is reported per repeat (speculative/metrics.py: `_timed_speedup`). `draft_window`:
-    SpecEngine's (a window for the drafter's full-attention layers)."""
+    the speedup is reported per repeat (speculative/metrics.py: `_timed_speedup`). `draft_window`,
+    `overlap_rounds`: SpecEngine's (a window for the drafter's full-attention layers; pipelined rounds)."""
     check_compatible(drafter, target)
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     if max_prompt_tokens:
@@ -100,7 +101,8 @@ def evaluate_prompts(
         raise EvalError("no prompt left to evaluate")
     max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)
     decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
-                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window)
+                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window,
+                                overlap_rounds=overlap_rounds)
     if slots > 1:
         if greedy:
             raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
@@ -163,13 +165,14 @@ def _batch_summary(results: list[DecodeResult], seconds: float, block_size: int)
 
 def measure_batched(target: torch.nn.Module, tokenizer, drafter: DFlashDrafter, prompts: list[Prompt], *,
                     slots: int, max_new_tokens: int, greedy: bool = True, cuda_graphs: bool = True,
-                    compile: bool = False, draft_window: int | None = None) -> dict:
+                    compile: bool = False, draft_window: int | None = None, overlap_rounds: bool = True) -> dict:
     """Committed tokens/s of `slots` sequences decoded at once (slots refilled as they finish),
     speculative and, if `greedy`, plain greedy; after an untimed warm-up of every graph."""
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     max_len = _cache_positions(ids, max_new_tokens, drafter.config.block_size)
     decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
-                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window)
+                                cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window,
+                                overlap_rounds=overlap_rounds)
     out = {"slots": slots}
     try:
         decoder.warm_up(max_len)
