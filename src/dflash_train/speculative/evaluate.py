@@ -94,6 +94,8 @@ def evaluate_prompts(
     the speedup is reported per repeat (speculative/metrics.py: `_timed_speedup`). `draft_window`,
     `overlap_rounds`: SpecEngine's (a window for the drafter's full-attention layers; pipelined rounds)."""
     check_compatible(drafter, target)
+    if slots > 1 and greedy:
+        raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     if max_prompt_tokens:
         encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
@@ -104,8 +106,6 @@ def evaluate_prompts(
                                 cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window,
                                 overlap_rounds=overlap_rounds)
     if slots > 1:
-        if greedy:
-            raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
         return _evaluate_batched(decoder, encoded, max_new_tokens, max_len, slots)
     results: list[PromptResult] = []
     try:
