@@ -59,6 +59,28 @@ def test_attention_equals_loops(rule, kind):
     torch.testing.assert_close(got.double(), reference(RULES[rule], q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)
 
 
+def test_dense_attention_takes_sdpa_outputs_in_any_memory_layout(monkeypatch):
+    """CUDA's SDPA kernels may return [S, kv, rep*T, D] laid out as [S, rep*T, kv, D] in memory
+    (the GPU engine test caught a `view` that only CPU's layout allowed): same numbers either way."""
+    torch.manual_seed(0)
+    S, T, H, KV, D, L = 2, 4, 6, 2, 8, 32
+    positions = torch.tensor([3, 20])
+    q, k, v = torch.randn(S, T, H, D), torch.randn(S, KV, L, D), torch.randn(S, KV, L, D)
+    att = CacheAttention(RULES["block"], "dense", slots=S, q_len=T, max_len=L, n_heads=H, n_kv=KV, head_dim=D,
+                         scale=0.3, dtype=torch.float32, device=torch.device("cpu"))
+    att.prepare(positions, L)
+    plain = att.attend(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        o = sdpa(*args, **kwargs)
+        return o.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads innermost
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided_sdpa)
+    torch.testing.assert_close(att.attend(q, k, v), plain, atol=0, rtol=0)
+    torch.testing.assert_close(plain.double(), reference(RULES["block"], q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def test_block_counts_cover_every_visible_key_and_no_more():
     """Brute force over positions: the last visible key of every query lies in the counted
     blocks, and the last counted block holds one (so a slot never reads blocks it has not reached)."""

@@ -172,4 +172,5 @@ class CacheAttention:
         q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, d)
         o = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=self.bias,
                                            scale=self.scale)  # [S, kv, rep*T, D]
-        return o.view(s, h, t, d).transpose(1, 2).reshape(s, t, h * d)
+        # reshape, not view: CUDA's SDPA kernels may return o with strides that do not merge
+        return o.reshape(s, h, t, d).transpose(1, 2).reshape(s, t, h * d)
