@@ -11,11 +11,16 @@
 # warm machine (it keeps /tmp between calls):
 #   PART=setup  carry .smol1 .whl       GGUF part one, the prompt files, the engines' GPU
 #                                       tests (tests/*/test_*_gpu.py)                  (~2 min)
-#   PART=data   carry .smol2 [.recipe]  convert; with .recipe (filled by `bash scripts/recipe_data.sh
-#                                       restore .recipe`) the kept conversations first; generate
-#                                       GEN_SECONDS (default 320; 0 with .recipe unless set), the
-#                                       new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
+#   PART=stash  carry .recipe/FILES     only keeps the carried exports (below)          (~5 s)
+#   PART=data   carry .smol2            convert; the kept conversations first (below); generate
+#                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
+#                                       the new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
+# Kept conversations (`bash scripts/recipe_data.sh restore .recipe`: .recipe/NNN-NAME.jsonl.xz) travel
+# with any part: each part first keeps the .recipe files it carries in /tmp/recipe-kept, and data
+# restores them all in name order (EXPECT_ROWS=N: stop unless N rows came). A call carries 64 MiB in
+# all (the tracked tree, ~11 MB, included): name files one by one in carry, e.g. setup with .smol1,
+# two wheels and .recipe/001-*, one stash call per further export, data with .smol2.
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
 #                                       (OURS_NAME, OURS_ARGS: a lever run under its own name)
 #   PART=peer                           the peer for PEER_MINUTES of training (default: the
@@ -38,7 +43,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|data|ours|peer|tokens}
+PART=${PART:?PART=setup|stash|data|ours|peer|tokens}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -61,6 +66,13 @@ install_wheels() {
     --target /tmp/site .whl/${1:-*}.whl >> "$LOG" 2>&1
 }
 need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
+# keep_recipe: the exports this call carries, kept on the machine for the data part
+KEPT=/tmp/recipe-kept
+keep_recipe() {
+  compgen -G ".recipe/*.jsonl.xz" > /dev/null || return 0
+  mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
+}
+keep_recipe
 
 # eval_sets NAME DRAFTER: every eval set of one drafter, one after another (a batch-1 decode
 # leaves the GPU mostly idle, but parallel evals slowed each other as much as they overlapped).
@@ -156,8 +168,12 @@ PY
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
   need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors
-  if [ -d .recipe ]; then  # the kept conversations, in the order kept: generate resumes this file
-    mkdir -p $W/gen && xz -dc .recipe/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
+  if compgen -G "$KEPT/*.jsonl.xz" > /dev/null; then  # the kept conversations, in the order kept: generate resumes this file
+    mkdir -p $W/gen && xz -dc $KEPT/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
+    rows=$(wc -l < $W/gen/gen-0.jsonl)
+    if [ -n "${EXPECT_ROWS:-}" ] && [ "$rows" != "$EXPECT_ROWS" ]; then
+      echo "KEPT ROWS: $rows restored from $(ls $KEPT | tr '\n' ' '), EXPECT_ROWS=$EXPECT_ROWS: carry every export" | tee -a "$LOG"; exit 3
+    fi
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
   fi
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
@@ -209,5 +225,6 @@ PY
   name=${TOKENS_NAME:-ours-tokens}
   train_ours $name 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup" ${TOKENS_ARGS:-}
   bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
-*) echo "PART=setup|data|ours|peer|tokens" >&2; exit 2 ;;
+stash) ;;  # keep_recipe above did it
+*) echo "PART=setup|stash|data|ours|peer|tokens" >&2; exit 2 ;;
 esac
