@@ -22,13 +22,24 @@
 # all (the tracked tree, ~11 MB, included): name files one by one in carry, e.g. setup with .smol1,
 # two wheels and .recipe/001-*, one stash call per further export, data with .smol2.
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
-#                                       (OURS_NAME, OURS_ARGS: a lever run under its own name)
+#                                       (OURS_NAME, OURS_ARGS: a lever run under its own name;
+#                                       a run longer than one call, below: RESUME, EVAL, SHIP_DRAFTER)
 #   PART=peer                           the peer for PEER_MINUTES of training (default: the
 #                                       training seconds of OURS_METRICS, our matched run),
 #                                       convert, eval                                   (~8 min)
 #   PART=tokens                         ours for the peer's training tokens, eval         (~5 min)
 #                                       (TOKENS_NAME, TOKENS_ARGS, STEP_TOKENS: the tokens a
 #                                       step of those args takes, to size the run)
+# A run longer than one call (10 minutes): the first call trains with a fixed schedule that spans
+# the calls and EVAL=0 (`--run.fit_schedule false --run.max_steps N`); it stops at its box with a
+# checkpoint. The next call on the same machine continues it with RESUME=1 (and fit_schedule true:
+# the rest of the schedule fitted to this call's box), then evaluates. SHIP_DRAFTER=1 brings the
+# final drafter back as $OUT/drafter/final.tar.part_* (bf16, ~39 MB in 3 parts) and packs that
+# part's eval reports into $OUT/NAME-reports.tar.xz (a call returns 8 files). Keep the parts in a
+# git-ignored .drafter/; a later machine's call that carries them (with any part) unpacks them to
+# /tmp/drafter-kept/final, a start for the next stage: OURS_ARGS="--drafter.init_from
+# /tmp/drafter-kept/final ...". docs/recipe-smollm2.md "A run across machines" has the commands.
+#
 # The matched run of ours can be one of an earlier machine: OURS_METRICS=bench/results/
 # 2026-12-02-quality-side-by-side/metrics-ours.jsonl (its drafter's reports are there too), with
 # PROMPTS_LIKE=bench/results/2026-12-02-quality-side-by-side/prompts_manifest.json in setup to
@@ -69,8 +80,13 @@ need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier part
 # keep_recipe: the exports this call carries, kept on the machine for the data part
 KEPT=/tmp/recipe-kept
 keep_recipe() {
-  compgen -G ".recipe/*.jsonl.xz" > /dev/null || return 0
-  mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
+  if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
+    mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
+  fi
+  if compgen -G ".drafter/final.tar.part_*" > /dev/null; then  # a drafter shipped by SHIP_DRAFTER=1
+    rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
+    cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf - && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
+  fi
 }
 keep_recipe
 
@@ -128,13 +144,27 @@ bg_generate_stop() {  # its time box ends it cleanly: the rows in flight are fin
 # train_ours NAME MINUTES [ARGS...]: the recipe's config on the prepared data, into $W/NAME.
 train_ours() {
   local name=$1 minutes=$2; shift 2
-  rm -rf "$W/$name"
+  if [ "${RESUME:-0}" = 1 ]; then  # the same run, continued from its last checkpoint on this machine
+    need "$W/$name/checkpoints"; set -- "$@" --resume
+  else
+    rm -rf "$W/$name"
+  fi
   stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") python3 -m dflash_train train --config "$CONFIG" \
     --target.path $T --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir "$W/$name" \
     --run.progress false --run.max_minutes "$minutes" "$@"
   cp "$W/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
   cp "$W/$name"/profile/steps-*.txt "$OUT/profile-$name.txt" 2>/dev/null  # with --run.profile_steps
   grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
+}
+
+# ship_drafter NAME: the final drafter back in 15 MB parts, the eval reports in one file
+ship_drafter() {
+  local name=$1
+  need "$W/$name/final/model.safetensors"
+  (cd "$OUT" && ls $name-*.json | grep -v -- -summary.json | tar -cJf $name-reports.tar.xz -T - \
+     && ls $name-*.json | grep -v -- -summary.json | xargs rm -f)
+  mkdir -p "$OUT/drafter" && tar -C "$W/$name" -cf - final | split -b 15000000 - "$OUT/drafter/final.tar.part_"
+  echo "drafter $W/$name/final back in \$OUT/drafter ($(ls $OUT/drafter | wc -l) parts)" | tee -a "$LOG"
 }
 
 # ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
@@ -194,7 +224,9 @@ ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS=
   need $W/data/manifest.json
   name=${OURS_NAME:-ours}
   train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
-  bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
+  [ "${EVAL:-1}" = 1 ] || exit 0  # a first call of a longer run: the next one resumes it
+  bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name ;;
 peer)
   need $W/data/manifest.json
   need "$OURS_METRICS"
