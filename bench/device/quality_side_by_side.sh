@@ -49,7 +49,7 @@
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
 # GREEDY=1 also decodes plain greedy (speedups; twice the time); SOURCE_SETS=0 leaves out the
 # source sets; EVAL_SLOTS=N decodes N prompts at once in the tau-only evals (a fraction of the time,
-# tau as at batch 1 up to bf16 near-ties); GEN_BACKGROUND=S generates more conversations while the
+# tau as at batch 1 up to bf16 near-ties; SLOTS_CHECK=1 repeats HumanEval at 1 slot); GEN_BACKGROUND=S generates more conversations while the
 # evals run. Raw results: $OUT.
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
@@ -111,6 +111,9 @@ eval_sets() {
     one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
   fi
   [ "${LONG:-0}" = 1 ] && one humaneval-2048 humaneval 2048 --no-greedy
+  # SLOTS_CHECK=1: HumanEval once more one prompt at a time, the check that EVAL_SLOTS's batched
+  # decoding measures the tau a batch-1 eval does (bf16 near-ties may differ)
+  [ "${SLOTS_CHECK:-0}" = 1 ] && EVAL_SLOTS=1 one humaneval-slots1 humaneval 256 --no-greedy
   python3 scripts/recipe_eval_summary.py "$dir" | tee -a "$LOG"; cp "$dir/eval-summary.json" "$OUT/$name-summary.json"
 }
 
