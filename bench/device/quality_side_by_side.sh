@@ -9,7 +9,7 @@
 #
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
-#   PART=setup  carry .smol1 .whl       GGUF part one, the prompt files, the engines' GPU
+#   PART=setup  carry .smol1 .whl/...   GGUF part one, the prompt files, the engines' GPU
 #                                       tests (tests/*/test_*_gpu.py)                  (~2 min)
 #   PART=stash  carry .recipe/FILES     only keeps the carried exports (below)          (~5 s)
 #   PART=data   carry .smol2            convert; the kept conversations first (below); generate
@@ -77,9 +77,9 @@ install_wheels() {
     --target /tmp/site .whl/${1:-*}.whl >> "$LOG" 2>&1
 }
 need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
-# keep_recipe: the exports this call carries, kept on the machine for the data part
+# keep_carried: the exports (and a shipped drafter) this call carries, kept on the machine for later parts
 KEPT=/tmp/recipe-kept
-keep_recipe() {
+keep_carried() {
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
     mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
   fi
@@ -88,7 +88,7 @@ keep_recipe() {
     cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf - && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
   fi
 }
-keep_recipe
+keep_carried
 
 # eval_sets NAME DRAFTER: every eval set of one drafter, one after another (a batch-1 decode
 # leaves the GPU mostly idle, but parallel evals slowed each other as much as they overlapped).
@@ -260,6 +260,6 @@ PY
   name=${TOKENS_NAME:-ours-tokens}
   train_ours $name 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup" ${TOKENS_ARGS:-}
   bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
-stash) ;;  # keep_recipe above did it
+stash) ;;  # keep_carried above did it
 *) echo "PART=setup|stash|data|ours|peer|tokens" >&2; exit 2 ;;
 esac
