@@ -235,6 +235,7 @@ peer)
   need "$OURS_METRICS"
   minutes=${PEER_MINUTES:-$(python3 -c "print(round($(ours_train_seconds "$OURS_METRICS") / 60, 2))")}
   echo "the peer for $minutes minutes of training, as $OURS_METRICS" | tee -a "$LOG"
+  install_wheels  # the peer and its dependencies: carry .whl in this call
   TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes TRAIN_ARGS="$PEER_ARGS" \
     STAGES="train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
   need $W/peer/drafter/model.safetensors
