@@ -19,7 +19,8 @@ NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}; [ "$NGPU" -ge 1 ]
 STEPS=${STEPS:-prompts generate prepare train eval}
 PER_SOURCE=${PER_SOURCE:-0}        # training prompts kept per source (0 = all)
 N_MATH=${N_MATH:-20000}            # math problems generated
-N_SYNTH=${N_SYNTH:-30000}          # self-instructed conversations (split over the GPUs)
+N_SYNTH=${N_SYNTH:-100000}         # self-instructed conversations (split over the GPUs): chats lift the chat set, and
+                                   # once the prompt files are answered, synthesis is what adds conversations
 MAX_NEW=${MAX_NEW:-512}            # answer length limit (tokens)
 # generation slots per GPU: 1536 where the GPU has >= 120 GB (the KV cache takes 84 GiB; H200: 31.6K new tok/s
 # against 25.0K at 768 in one 70-s probe each), else 768 (42 GiB)

@@ -23,7 +23,7 @@ source bench/device/lib.sh
 gen() {  # SECONDS ATTENTION SLOTS: generation (resumes the same files), then its summary's rates
   echo "=== generate ${1}s, $2 attention, $3 slots $(date +%T)" | tee -a $LOG
   TARGET=$TARGET WORK=$W NGPU=$NGPU STEPS=generate GEN_LIMIT=$1 GEN_ATTENTION=$2 SLOTS=$3 MAX_NEW=${MAX_NEW:-512} \
-    N_SYNTH=${N_SYNTH:-30000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
+    N_SYNTH=${N_SYNTH:-100000} bash scripts/smollm2_recipe_x2.sh >> $LOG 2>&1
   echo "=== generate rc=$? $(date +%T)" | tee -a $LOG
   python3 - $W/gen/gen-0.log "$2:$3" <<'PY' | tee -a $LOG
 import json, re, sys

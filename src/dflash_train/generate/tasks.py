@@ -133,6 +133,7 @@ class Driver:
         self.synth_generator = {**base, "prompt_sampling": {**cfg.prompt_sampling.to_dict(), "max_tokens": cfg.prompt_max_tokens}}
         # synthesis accounting: rows already written + attempts in flight must not pass the target
         self.synth_have, self.synth_inflight = synth_done, 0
+        self.synth_at_start = synth_done  # --mix paces what is left of each, from where a resume begins
         remaining = max(0, cfg.synthesize - synth_done)
         self.synth_max_attempts = math.ceil(remaining * cfg.max_attempts_factor) + (16 if remaining else 0)
         self._next_attempt = 0
@@ -164,11 +165,15 @@ class Driver:
         return self._start_synthetic()
 
     def _synthesis_behind(self) -> bool:
-        if self.header is None or self.cfg.synthesize <= 0:
+        # Both shares count this run's part of what was left when it started (records_total is the
+        # prompt rows not done yet): a resumed run interleaves from its first request, where shares of
+        # the whole would hold synthesis back until the files caught up with the rows already written.
+        left = self.cfg.synthesize - self.synth_at_start
+        if self.header is None or left <= 0:
             return False
         if self.records is None or self.records_total <= 0:
             return True
-        synth_share = (self.synth_have + self.synth_inflight) / self.cfg.synthesize
+        synth_share = (self.synth_have - self.synth_at_start + self.synth_inflight) / left
         return synth_share < self.records_started / self.records_total
 
     def _answer_request(self, conv: _Conversation) -> Request:
