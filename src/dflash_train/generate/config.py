@@ -20,8 +20,8 @@ class GenerateConfig:
     synthesize: int = field(default=0, metadata=_help("also write N new conversations, user turn written by the target"))
     skip_bad: bool = field(default=False, metadata=_help("skip malformed prompt rows instead of stopping"))
     mix: bool = field(default=False, metadata=_help(
-        "take the prompt files one row of each in turn and start synthesised conversations at their share, "
-        "so a run stopped early (a time limit) holds every source; default: the files in order, then synthesis"))
+        "take the prompt files one row of each in turn and start synthesised conversations at their share of what "
+        "is left, so a run stopped early (a time limit) holds every source; default: the files in order, then synthesis"))
 
     engine: Literal["builtin", "http"] = field(default="builtin", metadata=_help("builtin (in-process) or http (OpenAI-compatible server)"))
     # answers
