@@ -94,7 +94,8 @@ keep_carried
 # leaves the GPU mostly idle, but parallel evals slowed each other as much as they overlapped).
 # Reports land in $W/eval-NAME/eval-SET/report.json and $OUT/NAME-SET.json.
 eval_sets() {
-  local name=$1 drafter=$2 dir=$W/eval-$1 greedy=--no-greedy; mkdir -p "$dir"
+  local name=$1 drafter=$2 dir=$W/eval-$1 greedy=--no-greedy
+  rm -rf "$dir" && mkdir -p "$dir"  # a part rerun under the same name evaluates its new drafter afresh
   [ "$GREEDY" = 1 ] && greedy=--greedy
   one() {  # SET PROMPTS NEW GREEDY
     local slots=(); [ "$4" = --no-greedy ] && slots=(--slots "$EVAL_SLOTS")
@@ -160,14 +161,17 @@ train_ours() {
   grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
 }
 
-# ship_drafter NAME: the final drafter back in 15 MB parts, the eval reports in one file
+# ship_drafter NAME: the final drafter back in 15 MB parts, before the evals (a call that runs
+# past its limit still brings back what $OUT holds); pack_reports NAME: the eval reports in one file
 ship_drafter() {
   local name=$1
   need "$W/$name/final/model.safetensors"
-  (cd "$OUT" && ls $name-*.json | grep -v -- -summary.json | tar -cJf $name-reports.tar.xz -T - \
-     && ls $name-*.json | grep -v -- -summary.json | xargs rm -f)
   mkdir -p "$OUT/drafter" && tar -C "$W/$name" -cf - final | split -b 15000000 - "$OUT/drafter/final.tar.part_"
   echo "drafter $W/$name/final back in \$OUT/drafter ($(ls $OUT/drafter | wc -l) parts)" | tee -a "$LOG"
+}
+pack_reports() {
+  (cd "$OUT" && ls $1-*.json | grep -v -- -summary.json | tar -cJf $1-reports.tar.xz -T - \
+     && ls $1-*.json | grep -v -- -summary.json | xargs rm -f)
 }
 
 # ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
@@ -228,8 +232,9 @@ ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS=
   name=${OURS_NAME:-ours}
   train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
   [ "${EVAL:-1}" = 1 ] || exit 0  # a first call of a longer run: the next one resumes it
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name
   bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop
-  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name ;;
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && pack_reports $name ;;
 peer)
   need $W/data/manifest.json
   need "$OURS_METRICS"
