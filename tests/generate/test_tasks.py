@@ -21,15 +21,16 @@ class FakeEngine:
 
     name = "fake"
 
-    def __init__(self, user_turns: list[Completion] | None = None) -> None:
+    def __init__(self, user_turns: list[Completion] | None = None, limit: int | None = None) -> None:
         self.user_turns = list(user_turns or [])
         self.seen: list[Request] = []
+        self.limit = limit  # stop taking requests after this many (a run cut short)
 
     def describe(self) -> dict:
         return {"engine": self.name, "model": "fake-model"}
 
     def run(self, next_request, on_complete) -> None:
-        while (req := next_request()) is not None:
+        while (self.limit is None or len(self.seen) < self.limit) and (req := next_request()) is not None:
             self.seen.append(req)
             if req.text is not None:
                 done = self.user_turns.pop(0) if self.user_turns else Completion("", "length")
@@ -147,20 +148,6 @@ def test_mix_interleaves_files_and_synthesis_by_share(tmp_path, tokenizer, mix):
         assert _order(rows) == [("a", 1), "syn", ("b", 1), ("a", 2), "syn", ("b", 2), ("a", 3), "syn", ("a", 4)]
 
 
-class StoppingEngine(FakeEngine):
-    """FakeEngine that stops taking requests after `limit` completions (a run cut short)."""
-
-    def __init__(self, user_turns, limit: int) -> None:
-        super().__init__(user_turns)
-        self.limit = limit
-
-    def run(self, next_request, on_complete) -> None:
-        while len(self.seen) < self.limit and (req := next_request()) is not None:
-            self.seen.append(req)
-            done = self.user_turns.pop(0) if req.text is not None else Completion(f"A{len(self.seen)}", "stop")
-            on_complete(req, done)
-
-
 def test_a_resumed_mix_paces_what_is_left_from_its_first_request(tmp_path, tokenizer):
     """After a cut run (a1, syn, b1), 4 prompt rows and 2 synthetic conversations are left: the
     resumed run interleaves them at their shares of what is left (2/4), as a fresh run of those
@@ -170,7 +157,7 @@ def test_a_resumed_mix_paces_what_is_left_from_its_first_request(tmp_path, token
     b = write_prompts(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "response": "r"} for i in range(2)])
     turns = [Completion(f"Question number {w} about the weather?", "stop") for w in ("one", "two", "three")]
     cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[a, b], synthesize=3, mix=True, progress=False)
-    run_generate(cfg, engine=StoppingEngine(turns[:1], limit=4), tokenizer=tokenizer)  # user turn + answer = 2
+    run_generate(cfg, engine=FakeEngine(turns[:1], limit=4), tokenizer=tokenizer)  # user turn + answer = 2
     first = [json.loads(line) for line in open(cfg.output)]
     assert _order(first) == [("a", 1), "syn", ("b", 1)]
     summary = run_generate(cfg, engine=FakeEngine(turns[1:]), tokenizer=tokenizer)
