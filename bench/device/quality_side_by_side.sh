@@ -33,7 +33,9 @@
 # A run longer than one call (10 minutes): the first call trains with a fixed schedule that spans
 # the calls and EVAL=0 (`--run.fit_schedule false --run.max_steps N`); it stops at its box with a
 # checkpoint. The next call on the same machine continues it with RESUME=1 (and fit_schedule true:
-# the rest of the schedule fitted to this call's box), then evaluates. SHIP_DRAFTER=1 brings the
+# the rest of the schedule fitted to this call's box), then evaluates. A machine not called again
+# within seconds goes back with its /tmp, so give the first call SHIP_DRAFTER=1 too: if the
+# resume finds a fresh machine, the shipped drafter starts a new run instead. SHIP_DRAFTER=1 brings the
 # final drafter back as $OUT/drafter/final.tar.part_* (bf16, ~39 MB in 3 parts) and packs that
 # part's eval reports into $OUT/NAME-reports.tar.xz (a call returns 8 files). Keep the parts in a
 # git-ignored .drafter/; a later machine's call that carries them (with any part) unpacks them to
@@ -231,8 +233,8 @@ ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS=
   need $W/data/manifest.json
   name=${OURS_NAME:-ours}
   train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name  # also after EVAL=0: the machine may go back
   [ "${EVAL:-1}" = 1 ] || exit 0  # a first call of a longer run: the next one resumes it
-  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name
   bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop
   [ "${SHIP_DRAFTER:-0}" = 1 ] && pack_reports $name ;;
 peer)

@@ -21,7 +21,7 @@ from .test_model import tiny_config
 @pytest.mark.parametrize("labels", ["data", "target", "distill"])
 def test_step_under_bf16_autocast(backend, labels, monkeypatch):
     if backend == "flex":  # eager FlexAttention on CPU: forward only, no compilation
-        monkeypatch.setattr(masks, "_compiled_flex_attention", masks.flex_attention)
+        monkeypatch.setattr(masks, "compiled_once", lambda fn, **options: fn)
     torch.manual_seed(0)
     model = DFlashDrafter(tiny_config())
     ids, pos, doc, loss = random_packed_layout(random.Random(0), 2, 40)

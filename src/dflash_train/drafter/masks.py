@@ -24,6 +24,8 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
+from dflash_train.utils.compile import compiled_once
+
 try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
@@ -248,17 +250,12 @@ def build_layer_masks(
     return [by_variant[(cfg.window_of(i), cfg.causal_in_block_of(i))] for i in range(cfg.num_hidden_layers)]
 
 
-_compiled_flex_attention = None
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """q [R, h, Q, d], k/v [R, g, S+Q, d] (g divides h) -> [R, h, Q, d]."""
     if q.dtype != v.dtype or k.dtype != v.dtype:  # RoPE in float32 under autocast: match v
         q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        # Compiled once per process; eager FlexAttention materialises the full score matrix.
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    # compiled (eager FlexAttention materialises the full score matrix); shapes vary: dynamic
+    flex = compiled_once(flex_attention, dynamic=None, fullgraph=False)
+    return flex(q, k, v, block_mask=mask, enable_gqa=True)

@@ -39,19 +39,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_train.utils.compile import compiled_once
+
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
 AttentionKind = Literal["dense", "flex"]
 FLEX_BLOCK = 128  # keys per FlexAttention block; `max_len` must be a multiple of it
 
-_compiled_flex: Callable[..., Tensor] | None = None
-
-
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    return _compiled_flex
+    return compiled_once(flex_attention)
 
 
 def causal_rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:

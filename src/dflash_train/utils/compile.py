@@ -1,9 +1,9 @@
 """torch.compile'd functions shared across a process.
 
 Compiled mode wraps a few plain functions (the packed target's per-layer pieces, the LM
-head's per-chunk cross-entropy) with `torch.compile(dynamic=False, fullgraph=True)`. One
-wrapper per function and process, so a second user of the same function (another lever
-of the benchmark, the eval after training) reuses the graphs compiled for the first.
+head's per-chunk cross-entropy, FlexAttention) with `torch.compile`. One wrapper per function,
+options and process, so a second user of the same function (another lever of the benchmark,
+the eval after training) reuses the graphs compiled for the first.
 The plain functions are what the CPU tests run (compiling costs tens of seconds there).
 """
 
@@ -13,12 +13,20 @@ from collections.abc import Callable
 
 import torch
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, bool | None, bool], Callable] = {}
 
 
-def compiled_once(fn: Callable) -> Callable:
-    """The process's one torch.compile'd wrapper of `fn` (fixed shapes, one whole graph)."""
-    key = f"{fn.__module__}.{fn.__qualname__}"
+def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool = True) -> Callable:
+    """The process's one torch.compile'd wrapper of `fn` (by default fixed shapes, one graph).
+
+    Called while a graph is being traced, `fn` itself, and nothing is kept: the enclosing
+    graph compiles it, and torch.compile called during tracing hands back `fn` unchanged. Kept,
+    that plain `fn` would serve every later eager caller uncompiled (FlexAttention after a
+    compiled training step would then build the whole score matrix: terabytes at eval shapes).
+    """
+    if torch.compiler.is_compiling():
+        return fn
+    key = (f"{fn.__module__}.{fn.__qualname__}", dynamic, fullgraph)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _COMPILED[key] = torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph)
     return _COMPILED[key]
