@@ -9,6 +9,22 @@ import random
 
 import pytest
 
+
+def pytest_runtest_logreport(report):
+    """DFLASH_TEST_LOG=FILE: each test's time and outcome appended the moment it ends, with the
+    traceback of a failure, so a suite cut off by a time limit (a lent GPU machine's call) still
+    says where its time went and why a test failed."""
+    path = os.environ.get("DFLASH_TEST_LOG")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist the controller logs every report
+        return
+    if not path or (report.when != "call" and not report.failed):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.duration:7.2f}s {report.outcome:<7} {report.when:<8} {report.nodeid}\n")
+        if report.failed:
+            f.write("".join(f"    {line}\n" for line in report.longreprtext.splitlines()[-40:]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_cache_in_a_temp_dir(tmp_path_factory):
     """The suite never writes the user's cache; its own GGUF conversions (target/gguf_cache.py)

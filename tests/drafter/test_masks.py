@@ -7,7 +7,7 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.masks import dense_attention_mask, flex_block_mask, make_mask_mod
 
-from .reference import mask_ref, random_packed_layout
+from .reference import effective_mask, mask_ref, random_packed_layout
 
 B = 4
 
@@ -80,25 +80,6 @@ def test_mask_rules_by_hand():
     assert mw[0, 0, S:].tolist() == [True, True, False, False, False, False]
 
 
-def _effective_mask(bm, mask_mod, R, Q, KV):
-    """What FlexAttention computes with a BlockMask: full tiles all visible, partial tiles
-    through mask_mod, unlisted tiles invisible."""
-    tq, tk = bm.BLOCK_SIZE
-    grid = create_mask(mask_mod, R, 1, Q, KV, device="cpu")[:, 0]
-    out = torch.zeros(R, Q, KV, dtype=torch.bool)
-    for r in range(R):
-        for qb in range(bm.kv_num_blocks.shape[2]):
-            qs = slice(qb * tq, (qb + 1) * tq)
-            for i in range(int(bm.kv_num_blocks[r, 0, qb])):
-                kb = int(bm.kv_indices[r, 0, qb, i])
-                out[r, qs, kb * tk:(kb + 1) * tk] = grid[r, qs, kb * tk:(kb + 1) * tk]
-            for i in range(int(bm.full_kv_num_blocks[r, 0, qb])):
-                kb = int(bm.full_kv_indices[r, 0, qb, i])
-                assert not out[r, qs, kb * tk:(kb + 1) * tk].any(), "tile listed as partial and full"
-                out[r, qs, kb * tk:(kb + 1) * tk] = True
-    return out
-
-
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("window,causal", [(None, False), (None, True), (7, True), (20, False)])
 @pytest.mark.parametrize("tile,B,N", [(16, 4, 12), (8, 4, 6), (16, 5, 9)])
@@ -112,11 +93,11 @@ def test_analytic_block_mask_is_exact(seed, window, causal, tile, B, N):
     bm = flex_block_mask(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal, tile=tile)
     want = mask_ref(doc, pos, anchors, valid, B, window, causal)
     # what FlexAttention computes: the tiles with the BlockMask's own element-wise rule ...
-    assert torch.equal(_effective_mask(bm, bm.mask_mod, R, Q, S + Q), want)
+    assert torch.equal(effective_mask(bm, bm.mask_mod, R, Q, S + Q), want)
     # ... which is the rule itself on every element, not only inside the listed tiles
     assert torch.equal(create_mask(bm.mask_mod, R, 1, Q, S + Q, device="cpu")[:, 0], want)
     mm = make_mask_mod(doc, pos, anchors, valid, B, sliding_window=window, causal_in_block=causal)
-    assert torch.equal(_effective_mask(bm, mm, R, Q, S + Q), want)
+    assert torch.equal(effective_mask(bm, mm, R, Q, S + Q), want)
 
 
 def test_analytic_block_mask_is_sparse_and_uses_full_tiles():

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from dflash_train.data.batch import pack_documents
+import dflash_train.target.packed as packed_module
+from dflash_train.target.config import TargetConfig
 from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.packed import (
     PackedForward,
@@ -62,12 +64,17 @@ def _run(model, batch, need_final, **kw):
 @pytest.mark.parametrize("kind", ["tiny", "llama"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
-def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final):
+@pytest.mark.parametrize("documents", ["gather", "flex"])
+def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final, documents, monkeypatch):
+    """Both ways of keeping a row's documents apart (target.document_attention): each document
+    gathered for SDPA, or FlexAttention under the packed rows' block mask (here uncompiled:
+    compiling on a CPU costs tens of seconds; the GPU tests compile it)."""
+    monkeypatch.setattr(packed_module, "compiled_once", lambda fn, **options: fn)
     model = _target(kind)
     batch = _packed(*BATCHES[layout], vocab=model.config.vocab_size)
     assert rows_hold_one_document(batch.document_ids, batch.position_ids) == (layout == "one-document-rows")
     ref = _run(model, batch, need_final)
-    got = _run(model, batch, need_final, forward="packed")
+    got = _run(model, batch, need_final, forward="packed", document_attention=documents)
     assert got.taps.shape == ref.taps.shape and got.taps.abs().max() > 0
     torch.testing.assert_close(got.taps, ref.taps, atol=1e-6, rtol=1e-5)
     assert (got.taps[batch.document_ids < 0] == 0).all()
@@ -75,6 +82,14 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
         torch.testing.assert_close(got.final_hidden, ref.final_hidden, atol=1e-6, rtol=1e-5)
     else:
         assert got.final_hidden is None and ref.final_hidden is None
+
+
+def test_flex_document_attention_needs_the_packed_forward():
+    with pytest.raises(ValueError, match="flex"):
+        TargetRunner(_target("tiny"), TAPS, document_attention="flex")
+    with pytest.raises(ValueError, match="document_attention: flex needs target.forward: packed"):
+        TargetConfig(document_attention="flex")
+    assert TargetConfig(forward="packed", document_attention="flex").document_attention == "flex"
 
 
 def test_the_document_gather_is_what_keeps_documents_apart():

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.utils.compile import compiled_once
+from dflash_train.utils.flex_masks import document_starts, ordered_blocks, range_tiles
 
 try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -103,15 +104,6 @@ def dense_attention_mask(
     return mask_mod(b, None, q, kv).expand(R, Q, S + Q)
 
 
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """[R, S] -> index of the first token of each position's document (contiguous documents)."""
-    R, S = document_ids.shape
-    idx = torch.arange(S, device=document_ids.device).expand(R, S)
-    is_start = torch.ones_like(document_ids, dtype=torch.bool)
-    is_start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), dim=1).values
-
-
 def context_ranges(
     document_ids: torch.Tensor,
     anchors: torch.Tensor,
@@ -154,13 +146,6 @@ def range_mask_mod(lo: torch.Tensor, hi: torch.Tensor, S: int, block_size: int, 
     return mask_mod
 
 
-def _ordered_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, Qb, Kb] bool -> (counts [R, 1, Qb], indices [R, 1, Qb, Kb]) with selected blocks first."""
-    counts = selected.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return counts[:, None], order[:, None]
-
-
 def flex_block_mask(
     document_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -198,20 +183,10 @@ def flex_block_mask(
         raise ValueError(f"unknown block-mask builder {builder!r}")
     dev = document_ids.device
     Qb, Kb = -(-Q // tile), -(-(S + Q) // tile)
-    pad = Qb * tile - Q
     lo, hi = context_ranges(document_ids, anchors, valid, block_size, sliding_window)
-    nonempty = lo < hi
-    big = S + Q + tile
-    # union of the ranges of a query tile -> partial candidates; intersection -> full tiles
-    lo_u = torch.nn.functional.pad(torch.where(nonempty, lo, big), (0, pad), value=big).view(R, Qb, tile).amin(-1)
-    hi_u = torch.nn.functional.pad(torch.where(nonempty, hi, -1), (0, pad), value=-1).view(R, Qb, tile).amax(-1)
-    lo_i = torch.nn.functional.pad(lo, (0, pad), value=-big).view(R, Qb, tile).amax(-1)
-    hi_i = torch.nn.functional.pad(hi, (0, pad), value=big).view(R, Qb, tile).amin(-1)
-    all_nonempty = torch.nn.functional.pad(nonempty, (0, pad), value=True).view(R, Qb, tile).all(-1)
+    ctx_touch, full = range_tiles(lo, hi, S + Q, tile)
     t0 = torch.arange(Kb, device=dev) * tile  # first key of each key tile
     t1 = t0 + tile  # one past its last key
-    ctx_touch = (t0 < hi_u[..., None]) & (t1 > lo_u[..., None])
-    full = all_nonempty[..., None] & (t0 >= lo_i[..., None]) & (t1 <= hi_i[..., None])
     # block keys: the tile's queries belong to blocks q0 // B .. q1 // B
     q0 = torch.arange(Qb, device=dev) * tile
     q1 = torch.clamp(q0 + tile - 1, max=Q - 1)
@@ -219,8 +194,8 @@ def flex_block_mask(
     key_hi = S + (q1 // block_size + 1) * block_size
     blk_touch = (t0 < key_hi[:, None]) & (t1 > key_lo[:, None])
     partial = (ctx_touch | blk_touch) & ~full
-    kv_num, kv_idx = _ordered_blocks(partial)
-    full_num, full_idx = _ordered_blocks(full)
+    kv_num, kv_idx = ordered_blocks(partial)
+    full_num, full_idx = ordered_blocks(full)
     mask_mod = range_mask_mod(lo.to(torch.int32), hi.to(torch.int32), S, block_size, causal_in_block=causal_in_block)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(Q, S + Q)

@@ -31,12 +31,19 @@ class TargetConfig:
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """force one scaled_dot_product_attention kernel for the target (torch.nn.attention.sdpa_kernel);
     auto = PyTorch's choice. With forward: hf it needs attn_implementation: sdpa"""
+    document_attention: Literal["gather", "flex"] = "gather"
+    """how the packed forward keeps the documents of one row apart: gather = each document
+    gathered into a padded [D, L] batch for scaled_dot_product_attention and scattered back;
+    flex = FlexAttention on the packed rows themselves under a causal-within-document block
+    mask (no gathers; needs forward: packed; sdpa_backend does not apply)"""
     fp8: bool = False
     """float8 decoder matmuls in the frozen target (Hopper GPUs; see docs/performance.md)"""
 
     def __post_init__(self) -> None:
         if self.compile and self.forward != "packed":
             raise ValueError("target.compile needs target.forward: packed (the Hugging Face forward is not compiled)")
+        if self.document_attention == "flex" and self.forward != "packed":
+            raise ValueError("target.document_attention: flex needs target.forward: packed")
         if self.sdpa_backend != "auto" and self.forward == "hf" and self.attn_implementation != "sdpa":
             raise ValueError(f"target.sdpa_backend={self.sdpa_backend} needs target.attn_implementation: sdpa "
                              f"(got {self.attn_implementation}) or target.forward: packed")

@@ -6,7 +6,8 @@ One decoder layer is three calls:
 
     pre_attention    norm, q/k/v projections, Qwen3's q/k norms, RoPE, k/v repeated to the
                      query heads (per token: sees only the packed [R, S] shape)
-    attention        F.scaled_dot_product_attention under `target.sdpa_backend`, eager
+    attention        F.scaled_dot_product_attention under `target.sdpa_backend`, eager, or
+                     compiled FlexAttention (`target.document_attention: flex`)
     post_attention   output projection, residual, norm, gated MLP, residual (per token)
 
 With `target.compile` the two per-token functions are torch.compile'd once per process
@@ -21,6 +22,10 @@ column 0, padding after it) attention is plain causal attention over the whole r
 is exactly each document's own causal attention. Otherwise attention alone gathers every
 document into a right-padded [D, L] batch (the runner's index maps), runs causal attention
 there and scatters the result back; everything else is per token, so it never sees D or L.
+With `target.document_attention: flex` attention instead runs on the packed rows themselves
+under a block mask that lets each token see its own document's earlier tokens
+(utils/flex_masks.py): the tiles off the documents' diagonal blocks are skipped, and nothing is
+gathered or scattered.
 
 The forward stops after the last tapped layer when the final norm is not needed (`data`
 labels); with `target`/`distill` labels it ends with the final norm (no LM head).
@@ -37,6 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.ops import apply_rope, rms_norm
@@ -178,10 +184,15 @@ class PackedForward:
         """All layers with the final norm; otherwise up to the last tapped layer."""
         return len(self.layers) if need_final else max(self.layer_ids) + 1
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: tuple | None) -> Tensor:
-        """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None)
-        or over each document of the unpacking `layout` (runner.unpack_documents)."""
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: tuple | BlockMask | None) -> Tensor:
+        """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None),
+        over each document of the unpacking `layout` (runner.unpack_documents), or under the
+        causal-within-document BlockMask of the packed rows (document_attention flex)."""
         R, S, h, d = q.shape
+        if isinstance(layout, BlockMask):  # compiled: eager FlexAttention builds every score
+            flex = compiled_once(flex_attention, dynamic=None, fullgraph=False)
+            o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=layout, scale=self.scale)
+            return o.transpose(1, 2).reshape(R, S, h * d)
         with sdpa_backend(self.sdpa):
             if layout is None:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -26,6 +26,7 @@ from torch import nn
 from dflash_train.target.config import TargetConfig
 from dflash_train.target.packed import PackedForward, rows_hold_one_document
 from dflash_train.target.sdpa import sdpa_backend
+from dflash_train.utils.flex_masks import causal_document_block_mask
 
 
 class _StopForward(Exception):
@@ -80,7 +81,7 @@ class TargetRunner:
     """A frozen Hugging Face causal LM producing what the drafter needs, nothing more."""
 
     def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_final: bool = False,
-                 forward: str = "hf", sdpa: str = "auto", compile: bool = False):
+                 forward: str = "hf", sdpa: str = "auto", compile: bool = False, document_attention: str = "gather"):
         self.model = model.eval().requires_grad_(False)
         self.layers = find_decoder_layers(model)
         self.layer_ids = list(target_layer_ids)
@@ -102,6 +103,9 @@ class TargetRunner:
             raise ValueError(f"unknown target forward {forward!r}: use hf or packed")
         if compile and forward != "packed":
             raise ValueError("a compiled target forward needs forward='packed'")
+        if document_attention not in ("gather", "flex") or (document_attention == "flex" and forward != "packed"):
+            raise ValueError(f"document attention {document_attention!r}: use gather, or flex with forward='packed'")
+        self.document_attention = document_attention
         self.packed = PackedForward(model, self.layer_ids, sdpa=sdpa, compile=compile) if forward == "packed" else None
         if self.packed is not None:
             return  # no hooks: the packed forward stops after the last layer it needs by itself
@@ -116,7 +120,7 @@ class TargetRunner:
                     need_final: bool) -> TargetRunner:
         """The runner the `target:` section asks for."""
         return cls(model, target_layer_ids, need_final=need_final, forward=cfg.forward, sdpa=cfg.sdpa_backend,
-                   compile=cfg.compile)
+                   compile=cfg.compile, document_attention=cfg.document_attention)
 
     @property
     def hidden_size(self) -> int:
@@ -173,7 +177,7 @@ class TargetRunner:
     ) -> TargetOutput:
         """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0).
 
-        `layout` is `unpack_documents` and `one_document_rows` is `rows_hold_one_document`,
+        `layout` is `document_layout` and `one_document_rows` is `rows_hold_one_document`,
         both computed ahead (on the CPU copy of the batch, moved with non_blocking copies),
         which keeps their data-dependent shapes off the GPU's critical path: computed here
         from device tensors they cost host syncs.
@@ -184,7 +188,7 @@ class TargetRunner:
             if one_document_rows is None:
                 one_document_rows = rows_hold_one_document(document_ids, position_ids)
             if not one_document_rows and layout is None:
-                layout = unpack_documents(document_ids, position_ids)
+                layout = self.document_layout(document_ids, position_ids)
             taps, final = self.packed(input_ids, position_ids, document_ids, need_final=final_now,
                                       layout=None if one_document_rows else layout)
             return TargetOutput(taps, final)
@@ -204,6 +208,16 @@ class TargetRunner:
             final_packed = final_packed.view(R, S, H)
         return TargetOutput(packed.view(R, S, n * H), final_packed)
 
+    def document_layout(self, document_ids: torch.Tensor, position_ids: torch.Tensor,
+                        device: torch.device | None = None):
+        """What keeps a packed batch's documents apart, moved to `device`: the index maps of
+        `unpack_documents`, or with document_attention flex the causal-within-document
+        BlockMask of the packed rows."""
+        if self.document_attention == "flex":
+            return causal_document_block_mask(document_ids, device=device)
+        flat, doc, pos, D, L = unpack_documents(document_ids, position_ids)
+        return (*(x.to(device, non_blocking=True) if device is not None else x for x in (flat, doc, pos)), D, L)
+
     def run_batch(self, batch, device: torch.device, *, need_final: bool | None = None) -> TargetOutput:
         """A packed batch still on the CPU (`data.batch.PackedBatch`) -> TargetOutput on `device`.
 
@@ -212,8 +226,7 @@ class TargetRunner:
         one = rows_hold_one_document(batch.document_ids, batch.position_ids) if self.packed is not None else False
         layout = None
         if not one:  # the packed forward with one document per row needs no index maps
-            flat, doc, pos, D, L = unpack_documents(batch.document_ids, batch.position_ids)
-            layout = (*(x.to(device, non_blocking=True) for x in (flat, doc, pos)), D, L)
+            layout = self.document_layout(batch.document_ids, batch.position_ids, device)
         b = batch.to(device, non_blocking=True)
         return self(b.input_ids, b.position_ids, b.document_ids, need_final=need_final, layout=layout,
                     one_document_rows=one)

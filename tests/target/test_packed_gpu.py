@@ -1,0 +1,33 @@
+"""The packed target forward's FlexAttention path on a GPU, which the CPU tests run uncompiled:
+compiled FlexAttention under the packed rows' causal-within-document block mask gives the taps
+of the gathered-documents path, on rows whose documents cross the kernel's 128-token tiles,
+with and without the compiled per-token pieces. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.target.runner import TargetRunner
+
+from .test_packed import TAPS, _packed, _target
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_flex_document_attention_equals_the_gathered_documents_on_gpu(compile):
+    model = _target("tiny").cuda()  # head dim 16: FlexAttention's GPU kernels need at least 16
+    batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=512)
+    out = {}
+    for documents in ("gather", "flex"):
+        runner = TargetRunner(model, TAPS, need_final=True, forward="packed", compile=compile,
+                              document_attention=documents)
+        try:
+            out[documents] = runner.run_batch(batch, torch.device("cuda"))
+        finally:
+            runner.close()
+    torch.testing.assert_close(out["flex"].taps, out["gather"].taps, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out["flex"].final_hidden, out["gather"].final_hidden, atol=2e-5, rtol=1e-4)
+    assert out["flex"].taps.abs().max() > 0 and (out["flex"].taps[batch.document_ids.cuda() < 0] == 0).all()
