@@ -24,6 +24,11 @@
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
 #                                       (OURS_NAME, OURS_ARGS: a lever run under its own name;
 #                                       a run longer than one call, below: RESUME, EVAL, SHIP_DRAFTER)
+#   PART=wait                           a run started with DETACH=1 (PART=ours starts it in the
+#                                       background and returns): follow it up to WAIT_SECONDS,
+#                                       then, once it ended, results and evals as PART=ours. On a
+#                                       machine that keeps processes between calls, one run spans
+#                                       many calls: one schedule, no restart (see below)
 #   PART=peer                           the peer for PEER_MINUTES of training (default: the
 #                                       training seconds of OURS_METRICS, our matched run),
 #                                       convert, eval                                   (~8 min)
@@ -56,7 +61,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|stash|data|ours|peer|tokens}
+PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -91,6 +96,14 @@ keep_carried() {
   fi
 }
 keep_carried
+# whether this machine keeps a call's detached processes for the next call (DETACH=1 needs it):
+# setup leaves a sleeper behind, every later part says whether it is still there
+if [ "$PART" = setup ]; then
+  setsid nohup sleep 3600 > /dev/null 2>&1 < /dev/null & echo $! > /tmp/sleeper.pid
+elif [ -f /tmp/sleeper.pid ]; then
+  kill -0 "$(cat /tmp/sleeper.pid)" 2>/dev/null && kept=yes || kept=no
+  echo "detached processes outlive a call: $kept" | tee -a "$LOG"
+fi
 
 # eval_sets NAME DRAFTER: every eval set of one drafter, one after another (a batch-1 decode
 # leaves the GPU mostly idle, but parallel evals slowed each other as much as they overlapped).
@@ -153,11 +166,23 @@ train_ours() {
   if [ "${RESUME:-0}" = 1 ]; then  # the same run, continued from its last checkpoint on this machine
     need "$W/$name/checkpoints"; set -- "$@" --resume
   else
-    rm -rf "$W/$name"
+    rm -rf "$W/$name" "$W/$name.train.log"
   fi
-  stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") python3 -m dflash_train train --config "$CONFIG" \
-    --target.path $T --data.path $W/data --data.eval_path $W/data-heldout --run.output_dir "$W/$name" \
-    --run.progress false --run.max_minutes "$minutes" "$@"
+  local cmd=(python3 -m dflash_train train --config "$CONFIG" --target.path $T --data.path $W/data
+             --data.eval_path $W/data-heldout --run.output_dir "$W/$name" --run.progress false
+             --run.max_minutes "$minutes" "$@")
+  if [ "${DETACH:-0}" = 1 ]; then  # DETACH=1: the run outlives this call (PART=wait follows it)
+    echo "=== train $name detached, $minutes minutes $(date +%T)" | tee -a "$LOG"
+    rm -f "$W/$name.rc"
+    setsid nohup bash -c '"$@"; echo $? > "$0"' "$W/$name.rc" "${cmd[@]}" > "$W/$name.train.log" 2>&1 < /dev/null &
+    echo $! > "$W/$name.pid"; exit 0
+  fi
+  stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") "${cmd[@]}"
+  train_results $name
+}
+# train_results NAME: a finished run's metrics (and profile) into $OUT, its last lines
+train_results() {
+  local name=$1
   cp "$W/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
   cp "$W/$name"/profile/steps-*.txt "$OUT/profile-$name.txt" 2>/dev/null  # with --run.profile_steps
   grep -E "tok/s over|stopped at|held-out @|estimate" "$LOG" | tail -4
@@ -174,6 +199,15 @@ ship_drafter() {
 pack_reports() {
   (cd "$OUT" && ls $1-*.json | grep -v -- -summary.json | tar -cJf $1-reports.tar.xz -T - \
      && ls $1-*.json | grep -v -- -summary.json | xargs rm -f)
+}
+
+# after_training NAME: SHIP_DRAFTER=1 ships the drafter (also with EVAL=0: the machine may go back
+# before the next call), then the evals unless EVAL=0 (a first call of a longer run)
+after_training() {
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $1
+  [ "${EVAL:-1}" = 1 ] || exit 0
+  bg_generate_start; eval_sets $1 $W/$1/final; bg_generate_stop
+  [ "${SHIP_DRAFTER:-0}" = 1 ] && pack_reports $1
 }
 
 # ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
@@ -233,10 +267,7 @@ ours)  # OURS_NAME / OURS_ARGS: a lever run beside the recipe's (e.g. OURS_ARGS=
   need $W/data/manifest.json
   name=${OURS_NAME:-ours}
   train_ours $name "$TRAIN_MINUTES" ${OURS_ARGS:-}
-  [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $name  # also after EVAL=0: the machine may go back
-  [ "${EVAL:-1}" = 1 ] || exit 0  # a first call of a longer run: the next one resumes it
-  bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop
-  [ "${SHIP_DRAFTER:-0}" = 1 ] && pack_reports $name ;;
+  after_training $name ;;
 peer)
   need $W/data/manifest.json
   need "$OURS_METRICS"
@@ -268,6 +299,18 @@ PY
   name=${TOKENS_NAME:-ours-tokens}
   train_ours $name 10 --run.fit_schedule false --run.max_steps "$steps" --optim.warmup_steps "$warmup" ${TOKENS_ARGS:-}
   bg_generate_start; eval_sets $name $W/$name/final; bg_generate_stop ;;
+wait)  # a DETACH=1 run of OURS_NAME: follow it for up to WAIT_SECONDS (default 540), then, once
+  # it has ended, its results and (EVAL=1) the evals as PART=ours; still running: exit 0, call again
+  name=${OURS_NAME:-ours}; need "$W/$name.pid"
+  pid=$(cat "$W/$name.pid"); deadline=$((SECONDS + ${WAIT_SECONDS:-540}))
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    sleep 20; grep -E "^step|saved|held-out" "$W/$name.train.log" | tail -1 | cut -c1-160
+  done
+  if kill -0 "$pid" 2>/dev/null; then echo "=== train $name still running $(date +%T)" | tee -a "$LOG"; exit 0; fi
+  cat "$W/$name.train.log" >> "$LOG"
+  echo "=== train $name rc=$(cat "$W/$name.rc" 2>/dev/null || echo '?') $(date +%T)" | tee -a "$LOG"
+  train_results $name
+  after_training $name ;;
 stash) ;;  # keep_carried above did it
-*) echo "PART=setup|stash|data|ours|peer|tokens" >&2; exit 2 ;;
+*) echo "PART=setup|stash|data|ours|wait|peer|tokens" >&2; exit 2 ;;
 esac
