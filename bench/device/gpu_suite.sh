@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU machine (its own torch and Triton, not the CPU wheel CI uses), so
-# the tests that skip on a CPU run and CPU-only assumptions show up. One H200: two calls of a
-# few minutes each, one shard each (a call may run at most 10 minutes):
+# the tests that skip on a CPU run and CPU-only assumptions show up. In one process it does not
+# fit one call on one H200 (682 of ~1,100 tests in 450 s: the host runs them ~1.5x slower than
+# the 2-core CI machine); in four processes it should (WORKERS, below), or in two shards:
 #     SHARD=1/2 bash bench/device/gpu_suite.sh; SHARD=2/2 bash bench/device/gpu_suite.sh
 # Results in $OUT/gpu_suite.log: every test's outcome as it ends (-v), the 25 slowest, and a
 # traceback of every thread of pytest should one test run past FAULT_S seconds (a hang says where);
