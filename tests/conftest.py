@@ -15,9 +15,9 @@ def pytest_runtest_logreport(report):
     traceback of a failure, so a suite cut off by a time limit (a lent GPU machine's call) still
     says where its time went and why a test failed."""
     path = os.environ.get("DFLASH_TEST_LOG")
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist the controller logs every report
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist the controller logs them all
         return
-    if not path or (report.when != "call" and not report.failed):
+    if report.when != "call" and not report.failed:
         return
     with open(path, "a") as f:
         f.write(f"{report.duration:7.2f}s {report.outcome:<7} {report.when:<8} {report.nodeid}\n")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import document_starts, ordered_blocks, range_tiles
+from dflash_train.utils.flex_masks import TILE, document_starts, range_tiles, tiles_block_mask
 
 try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -157,7 +157,7 @@ def flex_block_mask(
     causal_in_block: bool = False,
     builder: str = "analytic",
     compile: bool = True,
-    tile: int = 128,
+    tile: int = TILE,
 ) -> "BlockMask":
     """FlexAttention BlockMask of the same rule. Sorted anchors make it block-sparse.
 
@@ -194,12 +194,8 @@ def flex_block_mask(
     key_hi = S + (q1 // block_size + 1) * block_size
     blk_touch = (t0 < key_hi[:, None]) & (t1 > key_lo[:, None])
     partial = (ctx_touch | blk_touch) & ~full
-    kv_num, kv_idx = ordered_blocks(partial)
-    full_num, full_idx = ordered_blocks(full)
     mask_mod = range_mask_mod(lo.to(torch.int32), hi.to(torch.int32), S, block_size, causal_in_block=causal_in_block)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(Q, S + Q)
-    )
+    return tiles_block_mask(partial, full, mask_mod, (Q, S + Q), tile=tile)
 
 
 def build_layer_masks(

@@ -56,11 +56,21 @@ def range_tiles(lo: torch.Tensor, hi: torch.Tensor, num_keys: int, tile: int) ->
     return touched, full
 
 
-def ordered_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ordered_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, Qb, Kb] bool -> (counts [R, 1, Qb], indices [R, 1, Qb, Kb]) with selected blocks first."""
     counts = selected.sum(-1, dtype=torch.int32)
     order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return counts[:, None], order[:, None]
+
+
+def tiles_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_lengths: tuple[int, int], *,
+                     tile: int = TILE, device: torch.device | None = None) -> "BlockMask":
+    """The BlockMask of query tiles x key tiles ([R, Qb, Kb] bool each): `partial` tiles through
+    `mask_mod`, `full` tiles whole, the rest skipped; its tile lists moved to `device`."""
+    lists = (*_ordered_blocks(partial), *_ordered_blocks(full))
+    if device is not None:
+        lists = tuple(t.to(device, non_blocking=True) for t in lists)
+    return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=seq_lengths)
 
 
 def causal_document_block_mask(document_ids: torch.Tensor, *, device: torch.device | None = None,
@@ -72,13 +82,11 @@ def causal_document_block_mask(document_ids: torch.Tensor, *, device: torch.devi
     R, S = document_ids.shape
     lo = document_starts(document_ids)
     touched, full = range_tiles(lo, torch.arange(1, S + 1).expand(R, S), S, tile)
-    kv_num, kv_idx = ordered_blocks(touched & ~full)
-    full_num, full_idx = ordered_blocks(full)
-    tensors = [t.to(device, non_blocking=True) if device is not None else t
-               for t in (lo.to(torch.int32), kv_num, kv_idx, full_num, full_idx)]
-    first_key = tensors[0]
+    first_key = lo.to(torch.int32)
+    if device is not None:
+        first_key = first_key.to(device, non_blocking=True)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= q_idx)
 
-    return BlockMask.from_kv_blocks(*tensors[1:], BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(S, S))
+    return tiles_block_mask(touched & ~full, full, mask_mod, (S, S), tile=tile, device=device)
