@@ -16,13 +16,15 @@ def test_every_registry_command_names_existing_paths():
     data = json.loads(update_summary.PATH.read_text())
     assert data and update_summary.check(data) == []
     # the check looks at real paths: each command names at least one script or raw result
-    assert all(update_summary.named_paths(e["command"]) for e in data.values())
+    assert [k for k, e in data.items() if not update_summary.named_paths(e["command"])] == []
 
 
 def test_named_paths_reads_paths_out_of_prose():
     cmd = ("ROWS=autotune bash bench/device/drafter_step.sh  # raw: bench/results/x/ (a.json), "
-           "configs/a.yaml; not drafter/row_stats.py nor /tmp/bench/out.json nor mybench/x")
-    assert update_summary.named_paths(cmd) == ["bench/device/drafter_step.sh", "bench/results/x/", "configs/a.yaml"]
+           "configs/a.yaml, then bash .ci/run; not drafter/row_stats.py nor /tmp/bench/out.json nor mybench/x "
+           "nor my.ci/run")
+    assert update_summary.named_paths(cmd) == ["bench/device/drafter_step.sh", "bench/results/x/", "configs/a.yaml",
+                                               ".ci/run"]
 
 
 def test_missing_paths_and_globs(tmp_path):
