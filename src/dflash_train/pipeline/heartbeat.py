@@ -38,9 +38,10 @@ class Heartbeat:
         self.rank, self.world = rank, world
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self.where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self.store_timeout_s = max(interval_s * 2, 5.0)  # the longest one store call can take
         if store is None:  # our own client of the job's store: used only by the thread
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timedelta(seconds=max(interval_s * 2, 5.0)))
+                                  timeout=timedelta(seconds=self.store_timeout_s))
         self.store = dist.PrefixStore("dflash-heartbeat", store)
         self.verdict: str | None = None  # why this rank is ending (set once, by the thread)
         self._decided = threading.Event()
@@ -54,7 +55,9 @@ class Heartbeat:
     def stop(self) -> None:
         """The job's work is done: stop beating and watching (a peer may now exit at any time)."""
         self._stop.set()
-        self._thread.join(timeout=self.interval_s * 4)
+        # wait out a store call in flight: a thread still inside one when the interpreter exits
+        # aborts the process ("terminate called without an active exception")
+        self._thread.join(timeout=self.store_timeout_s + 2 * self.interval_s)
 
     def wait_for_verdict(self) -> str | None:
         """After an error in the main thread: give the watchdog the time to name a dead peer

@@ -8,6 +8,7 @@ consumer, never swallowed, and the thread stops when the consumer closes the loa
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Iterator
@@ -15,6 +16,11 @@ from typing import Iterator
 from dflash_train.data.batch import PackedBatch
 
 _END = object()
+# How long close() waits for the batch being built. A thread still inside a C++ call (Arrow, torch)
+# when the interpreter exits aborts the process ("terminate called without an active
+# exception"), so the wait is long; a batch takes milliseconds to build.
+CLOSE_WAIT_S = 60.0
+log = logging.getLogger(__name__)
 
 
 class PrefetchLoader:
@@ -58,4 +64,7 @@ class PrefetchLoader:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("the batch reader thread did not stop within %.0f s (a stalled read?); the process may "
+                        "abort when it exits", CLOSE_WAIT_S)
