@@ -10,8 +10,9 @@
 # (tests/conftest.py, DFLASH_TEST_LOG), complete up to the last test even when a call is cut off.
 # SHARD=i/n takes every n-th test file from the i-th (sorted paths); SHARD=1/1 (default) all.
 # DRY=1: one test file on CPU.
-# WORKERS=N: N pytest processes side by side, one test file each at a time (pytest-xdist; carry
-# .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from bench/peer_modelopt/fetch_wheels.sh);
+# WORKERS=N: N pytest processes side by side, one test file each at a time (pytest-xdist: the lent
+# H200s have it; elsewhere carry .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from
+# bench/peer_modelopt/fetch_wheels.sh);
 # THREADS=N: each process's CPU threads (OMP_NUM_THREADS; torch's default is every core).
 #     WORKERS=4 THREADS=4 bash bench/device/gpu_suite.sh     # the whole suite in one call
 set -u
@@ -28,10 +29,13 @@ else
 fi
 echo "shard $SHARD: ${#TESTS[@]} test files" | tee -a $LOG
 XDIST=()
-if [ "${WORKERS:-0}" -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pytest_xdist-*.whl \
-    .whl/execnet-*.whl >> $LOG 2>&1 || { echo "WORKERS needs the carried xdist wheels (.whl)" | tee -a $LOG; exit 3; }
-  export PYTHONPATH=/tmp/site:$PYTHONPATH; XDIST=(-n "$WORKERS" --dist loadfile)
+if [ "${WORKERS:-0}" -gt 0 ]; then  # the lent H200s' image has pytest-xdist; elsewhere carry its wheels
+  if ! python3 -c "import xdist" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pytest_xdist-*.whl \
+      .whl/execnet-*.whl >> $LOG 2>&1 || { echo "WORKERS needs pytest-xdist or its carried wheels (.whl)" | tee -a $LOG; exit 3; }
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+  fi
+  XDIST=(-n "$WORKERS" --dist loadfile)
 fi
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS
 echo "workers ${WORKERS:-0}, threads ${THREADS:-default}" | tee -a $LOG

@@ -50,6 +50,9 @@ def _packed(lengths, rows, vocab, seed=1):
 BATCHES = {
     "one-document-rows": ([40, 33, 12], [[0], [1], [2]]),  # padded rows of one document each
     "several-documents": ([7, 5, 9, 3, 11], [[0, 1], [2, 3], [4]]),
+    # 17 documents, the longest 17 tokens: the gathered batch is rounded up to [18, 18]
+    "rounded-documents": ([3, 17, 5, 9, 2, 11, 6, 4, 8, 13, 7, 1, 10, 12, 5, 3, 9],
+                          [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13], [14, 15, 16]]),
 }
 
 

@@ -20,8 +20,8 @@ CPU (tests compare them with the Hugging Face forward).
 Documents: when every real token sits at its own column index (each row one document from
 column 0, padding after it) attention is plain causal attention over the whole row, which
 is exactly each document's own causal attention. Otherwise attention alone gathers every
-document into a right-padded [D, L] batch (the runner's index maps), runs causal attention
-there and scatters the result back; everything else is per token, so it never sees D or L.
+document into a right-padded [D, L] batch (target/documents.py), runs causal attention there
+and gathers the result back; everything else is per token, so it never sees D or L.
 With `target.document_attention: flex` attention instead runs on the packed rows themselves
 under a block mask that lets each token see its own document's earlier tokens
 (utils/flex_masks.py): the tiles off the documents' diagonal blocks are skipped, and nothing is
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
@@ -184,9 +185,9 @@ class PackedForward:
         """All layers with the final norm; otherwise up to the last tapped layer."""
         return len(self.layers) if need_final else max(self.layer_ids) + 1
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: tuple | BlockMask | None) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: DocumentLayout | BlockMask | None) -> Tensor:
         """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None),
-        over each document of the unpacking `layout` (runner.unpack_documents), or under the
+        over each document gathered by `layout` (target/documents.py), or under the
         causal-within-document BlockMask of the packed rows (document_attention flex)."""
         R, S, h, d = q.shape
         if isinstance(layout, BlockMask):  # compiled: eager FlexAttention builds every score
@@ -198,24 +199,16 @@ class PackedForward:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, scale=self.scale)
                 return o.transpose(1, 2).reshape(R, S, h * d)
-            flat_index, doc, pos, D, L = layout
-
-            def to_docs(t: Tensor) -> Tensor:
-                docs = t.new_zeros(D, L, h, d)
-                docs[doc, pos] = t.reshape(R * S, h, d)[flat_index]
-                return docs.transpose(1, 2)
-
-            o = F.scaled_dot_product_attention(to_docs(q), to_docs(k), to_docs(v), is_causal=True, scale=self.scale)
-            out = q.new_zeros(R * S, h, d)
-            out[flat_index] = o.transpose(1, 2)[doc, pos]
-            return out.view(R, S, h * d)
+            docs = [layout.docs(t).transpose(1, 2) for t in (q, k, v)]  # [D, heads, L, D_head]
+            o = F.scaled_dot_product_attention(*docs, is_causal=True, scale=self.scale)
+            return layout.packed(o.transpose(1, 2)).reshape(R, S, h * d)
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, *, need_final: bool,
-                 layout: tuple | None) -> tuple[Tensor, Tensor | None]:
+                 layout: DocumentLayout | BlockMask | None) -> tuple[Tensor, Tensor | None]:
         """Packed [R, S] -> (taps [R, S, n*H] in `layer_ids` order, final [R, S, H] or None);
         padding positions are 0. `layout`: None when `rows_hold_one_document`, else the
-        document index maps of `unpack_documents`."""
+        gather maps of `unpack_documents` or the flex BlockMask."""
         R, S = input_ids.shape
         x = F.embedding(input_ids, self.embed_w)
         H = x.shape[-1]

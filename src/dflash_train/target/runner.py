@@ -10,7 +10,7 @@
 * Packed rows hold several documents, but a Hugging Face model attends across its whole
   input. Documents are therefore unpacked into a right-padded [D, L] batch (documents of
   a batch come from one length bucket, so little is padding), run with ordinary causal
-  attention, and the results are scattered back into the packed [R, S] layout.
+  attention, and the results are gathered back into the packed [R, S] layout (target/documents.py).
 * `target.forward: packed` runs target/packed.py instead: the packed rows themselves, one
   fixed shape (compilable), the same taps; `target.sdpa_backend` forces the attention
   kernel of either forward.
@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_train.target.config import TargetConfig
+from dflash_train.target.documents import DocumentLayout, unpack_documents
 from dflash_train.target.packed import PackedForward, rows_hold_one_document
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.flex_masks import causal_document_block_mask
@@ -59,22 +61,6 @@ def find_final_norm(model: nn.Module) -> nn.Module:
         if isinstance(getattr(base, name, None), nn.Module):
             return getattr(base, name)
     raise ValueError(f"{type(model).__name__}: cannot find its final norm (needed for target labels)")
-
-
-def unpack_documents(batch_document_ids: torch.Tensor, position_ids: torch.Tensor):
-    """Index maps between the packed [R, S] layout and a padded [D, L] per-document layout.
-
-    Returns (flat_packed_index [T], doc_index [T], doc_position [T], D, L) for the T real
-    tokens: token t sits at flat position flat_packed_index[t] of the packed batch and at
-    (doc_index[t], doc_position[t]) of the unpacked one.
-    """
-    flat_doc = batch_document_ids.reshape(-1)
-    real = torch.nonzero(flat_doc >= 0, as_tuple=True)[0]
-    doc = flat_doc[real]
-    pos = position_ids.reshape(-1)[real]
-    D = int(doc.max()) + 1 if doc.numel() else 0
-    L = int(pos.max()) + 1 if pos.numel() else 0
-    return real, doc, pos, D, L
 
 
 class TargetRunner:
@@ -173,7 +159,7 @@ class TargetRunner:
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-        *, need_final: bool | None = None, layout: tuple | None = None, one_document_rows: bool | None = None,
+        *, need_final: bool | None = None, layout: DocumentLayout | BlockMask | None = None, one_document_rows: bool | None = None,
     ) -> TargetOutput:
         """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0).
 
@@ -182,7 +168,6 @@ class TargetRunner:
         which keeps their data-dependent shapes off the GPU's critical path: computed here
         from device tensors they cost host syncs.
         """
-        R, S = input_ids.shape
         if self.packed is not None:
             final_now = self.need_final if need_final is None else need_final
             if one_document_rows is None:
@@ -192,31 +177,22 @@ class TargetRunner:
             taps, final = self.packed(input_ids, position_ids, document_ids, need_final=final_now,
                                       layout=None if one_document_rows else layout)
             return TargetOutput(taps, final)
-        flat_index, doc, pos, D, L = layout or unpack_documents(document_ids, position_ids)
-        docs = torch.zeros((D, L), dtype=input_ids.dtype, device=input_ids.device)
-        docs[doc, pos] = input_ids.reshape(-1)[flat_index]
-        lengths = torch.zeros(D, dtype=torch.long, device=input_ids.device).scatter_reduce(
-            0, doc, pos + 1, reduce="amax")
-        taps, final = self.run_documents(docs, lengths, need_final=need_final)
-        n, H = len(taps), taps[0].shape[-1]
-        packed = torch.zeros((R * S, n * H), dtype=taps[0].dtype, device=input_ids.device)
-        packed[flat_index] = torch.cat([t[doc, pos] for t in taps], dim=-1)
-        final_packed = None
-        if final is not None:
-            final_packed = torch.zeros((R * S, H), dtype=final.dtype, device=input_ids.device)
-            final_packed[flat_index] = final[doc, pos]
-            final_packed = final_packed.view(R, S, H)
-        return TargetOutput(packed.view(R, S, n * H), final_packed)
+        layout = layout or unpack_documents(document_ids, position_ids)
+        taps, final = self.run_documents(layout.docs(input_ids), layout.lengths, need_final=need_final)
+        pad = (document_ids < 0)[..., None]
+        packed = layout.packed(torch.cat(taps, dim=-1)).masked_fill_(pad, 0)
+        final_packed = layout.packed(final).masked_fill_(pad, 0) if final is not None else None
+        return TargetOutput(packed, final_packed)
 
     def document_layout(self, document_ids: torch.Tensor, position_ids: torch.Tensor,
-                        device: torch.device | None = None):
-        """What keeps a packed batch's documents apart, moved to `device`: the index maps of
-        `unpack_documents`, or with document_attention flex the causal-within-document
+                        device: torch.device | None = None) -> DocumentLayout | BlockMask:
+        """What keeps a packed batch's documents apart, moved to `device`: the gather maps of
+        `unpack_documents` (for the packed forward with its [D, L] rounded up, as its attention
+        needs no padding mask), or with document_attention flex the causal-within-document
         BlockMask of the packed rows."""
         if self.document_attention == "flex":
             return causal_document_block_mask(document_ids, device=device)
-        flat, doc, pos, D, L = unpack_documents(document_ids, position_ids)
-        return (*(x.to(device, non_blocking=True) if device is not None else x for x in (flat, doc, pos)), D, L)
+        return unpack_documents(document_ids, position_ids, round_shape=self.packed is not None).to(device)
 
     def run_batch(self, batch, device: torch.device, *, need_final: bool | None = None) -> TargetOutput:
         """A packed batch still on the CPU (`data.batch.PackedBatch`) -> TargetOutput on `device`.
