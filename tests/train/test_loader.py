@@ -68,3 +68,16 @@ def test_a_thread_that_outlives_the_wait_is_reported(monkeypatch, caplog):
     batches.release.set()
     loader._thread.join(5)
     assert not loader._thread.is_alive()
+
+
+def test_prepare_runs_on_the_thread_for_every_batch_in_order():
+    threads = set()
+
+    def prepare(batch):
+        threads.add(threading.current_thread().name)
+        return batch * 10
+
+    loader = PrefetchLoader(iter(range(5)), depth=2, prepare=prepare)
+    assert list(loader) == [0, 10, 20, 30, 40]
+    assert threads == {"dflash-loader"}
+    loader.close()

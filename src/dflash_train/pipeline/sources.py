@@ -7,8 +7,8 @@
 * `RemoteTargetSource`: split layout; the target ran on a target rank and the hidden
   states arrive through `HiddenStateReceiver`, requested `queue_depth` batches ahead.
 
-Both hand out batches already `prepare`d (padded to the compiled shape, or as they are),
-still on the CPU, with the target output on the device. `next` raises StopIteration at
+Both hand out batches as the loader prepared them (padded to the compiled shape, or as
+they are; pinned on a GPU), still on the CPU, with the target output on the device. `next` raises StopIteration at
 the end of the data; it also returns whether the batch is a stop-request placeholder.
 """
 
@@ -30,9 +30,8 @@ from dflash_train.target.runner import TargetOutput, TargetRunner
 class LocalTargetSource:
     stop_requested = False
 
-    def __init__(self, loader, runner: TargetRunner, device: torch.device, prepare=lambda batch: batch, *,
-                 overlap: bool = False):
-        self.loader, self.runner, self.device, self.prepare = loader, runner, device, prepare
+    def __init__(self, loader, runner: TargetRunner, device: torch.device, *, overlap: bool = False):
+        self.loader, self.runner, self.device = loader, runner, device
         self.overlap = overlap
         # The hardware difference: on a GPU the look-ahead runs on a stream of its own; on a
         # CPU it is the same order of work, done synchronously.
@@ -43,7 +42,7 @@ class LocalTargetSource:
     def _run(self, timer) -> tuple[PackedBatch, TargetOutput, object]:
         """Read one batch and launch its target forward (on the side stream when overlapping)."""
         t = time.perf_counter()
-        batch = self.prepare(next(self.loader))
+        batch = next(self.loader)
         timer.add_host("data", time.perf_counter() - t)
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             t = timer.start()  # events on the side stream: the span of the target forward there
@@ -90,11 +89,10 @@ class LocalTargetSource:
 
 
 class RemoteTargetSource:
-    def __init__(self, loader, ctx, *, taps_width, hidden, need_final, dtype, queue_depth, budget, prepare):
+    def __init__(self, loader, ctx, *, taps_width, hidden, need_final, dtype, queue_depth, budget):
         self.loader, self.ctx = loader, ctx
         self.receiver = HiddenStateReceiver(ctx, taps_width=taps_width, hidden=hidden, need_final=need_final,
                                             dtype=dtype, queue_depth=queue_depth)
-        self.prepare = prepare
         self.budget = budget  # batches this drafter will still train on: never credit more
         # Transport sequence: this drafter's q-th batch from here on is g = q * D + d of the
         # global order, counted across epochs the same way the target ranks count it.
@@ -117,7 +115,6 @@ class RemoteTargetSource:
             self.budget = 0
             return
         self.budget -= 1
-        batch = self.prepare(batch)
         R, S = batch.input_ids.shape
         g = self.requested * self.ctx.num_drafters + self.ctx.drafter_index
         self.requested += 1

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash_train.utils.device import to_device_async
+
 
 def round_up(n: int, per_octave: int = 8) -> int:
     """n rounded up to a multiple of 2**(floor(log2 n) - log2 per_octave): at most 1/per_octave
@@ -45,12 +47,11 @@ class DocumentLayout:
     L: int
 
     def to(self, device: torch.device | None) -> DocumentLayout:
-        """The maps on `device` (non-blocking copies: computed on the CPU copy of a batch, they
-        never cost the GPU a host sync)."""
+        """The maps on `device` (computed on the CPU copy of a batch, then pinned and copied
+        without the host waiting: they never cost the GPU a host sync)."""
         if device is None:
             return self
-        to_docs, to_packed, lengths = (t.to(device, non_blocking=True)
-                                       for t in (self.to_docs, self.to_packed, self.lengths))
+        to_docs, to_packed, lengths = (to_device_async(t, device) for t in (self.to_docs, self.to_packed, self.lengths))
         return DocumentLayout(to_docs, to_packed, lengths, self.rows, self.row_len, self.D, self.L)
 
     def docs(self, t: Tensor) -> Tensor:

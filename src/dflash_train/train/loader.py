@@ -1,7 +1,8 @@
 """Batches read ahead on a background thread, so the training loop never waits on disk.
 
-The thread only reads Arrow shards and builds CPU tensors (pinned on GPU runs): no
-compiled code and no CUDA kernels run on it, which is what made multi-threaded
+The thread only reads Arrow shards and builds CPU tensors (`prepare`d, e.g. padded to the
+compiled shape, then pinned on GPU runs, so that their copies to the GPU never make the host
+wait): no compiled code and no CUDA kernels run on it, which is what made multi-threaded
 compiled pipelines fail in the seed notes. Errors on the thread are re-raised in the
 consumer, never swallowed, and the thread stops when the consumer closes the loader.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 from dflash_train.data.batch import PackedBatch
 
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class PrefetchLoader:
-    def __init__(self, batches: Iterator[PackedBatch], depth: int = 2, pin_memory: bool = False):
+    def __init__(self, batches: Iterator[PackedBatch], depth: int = 2, pin_memory: bool = False,
+                 prepare: Callable[[PackedBatch], PackedBatch] | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._pin = pin_memory
+        self._prepare = prepare
         self._thread = threading.Thread(target=self._run, args=(batches,), daemon=True, name="dflash-loader")
         self._thread.start()
 
@@ -43,6 +46,8 @@ class PrefetchLoader:
     def _run(self, batches: Iterator[PackedBatch]) -> None:
         try:
             for batch in batches:
+                if self._prepare is not None:
+                    batch = self._prepare(batch)
                 if self._pin:
                     batch = batch.pin_memory()
                 if not self._put(batch):

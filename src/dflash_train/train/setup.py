@@ -304,14 +304,12 @@ def build_batch_source(cfg: TrainConfig, ctx: DistContext, data: DataSplits, tar
     epochs = None if cfg.run.max_steps else int(math.ceil(cfg.run.epochs))
     batches = data.planner.iter_batches(data.train, start=start, epochs=epochs,
                                         rank=ctx.drafter_index if ctx.num_drafters > 1 else 0, world=ctx.num_drafters)
-    loader = PrefetchLoader(batches, depth=max(cfg.data.prefetch, cfg.pipeline.queue_depth + 1),
-                            pin_memory=ctx.device.type == "cuda")
     shape = compile_padding(cfg)
+    loader = PrefetchLoader(batches, depth=max(cfg.data.prefetch, cfg.pipeline.queue_depth + 1),
+                            pin_memory=ctx.device.type == "cuda", prepare=lambda b: pad_batch(b, shape))
     if target.runner is not None:
-        return LocalTargetSource(loader, target.runner, ctx.device, prepare=lambda b: pad_batch(b, shape),
-                                 overlap=cfg.pipeline.overlap_target)
+        return LocalTargetSource(loader, target.runner, ctx.device, overlap=cfg.pipeline.overlap_target)
     return RemoteTargetSource(
         loader, ctx, taps_width=drafter_config.num_taps * drafter_config.hidden_size,
         hidden=drafter_config.hidden_size, need_final=cfg.step.label_source != "data",
-        dtype=resolve_dtype(cfg.target.dtype, ctx.device), queue_depth=cfg.pipeline.queue_depth,
-        budget=budget, prepare=lambda b: pad_batch(b, shape))
+        dtype=resolve_dtype(cfg.target.dtype, ctx.device), queue_depth=cfg.pipeline.queue_depth, budget=budget)

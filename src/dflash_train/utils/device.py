@@ -41,6 +41,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, the host never waiting for it: a CPU tensor bound for a GPU is pinned
+    first, since a copy from pageable memory is staged by the host and may wait on the stream
+    (a GPU idle gap at each step's start); from pinned memory it is queued and returns."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+
+
 class HostCopy:
     """A small device tensor's value read back without draining the queue behind it.
 

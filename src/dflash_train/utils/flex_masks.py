@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_train.utils.device import to_device_async
+
 try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
@@ -69,7 +71,7 @@ def tiles_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_le
     `mask_mod`, `full` tiles whole, the rest skipped; its tile lists moved to `device`."""
     lists = (*_ordered_blocks(partial), *_ordered_blocks(full))
     if device is not None:
-        lists = tuple(t.to(device, non_blocking=True) for t in lists)
+        lists = tuple(to_device_async(t, device) for t in lists)
     return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=seq_lengths)
 
 
@@ -78,13 +80,13 @@ def causal_document_block_mask(document_ids: torch.Tensor, *, device: torch.devi
     """Causal attention within each document of packed rows [R, S]: query q sees keys
     document_start(q) .. q. The padding after a row's last document attends among itself, so
     no query sees nothing (its output is discarded). Built where `document_ids` lives (the
-    CPU copy of a batch: no host sync) and moved to `device` with non-blocking copies."""
+    CPU copy of a batch: no host sync) and moved to `device` from pinned memory."""
     R, S = document_ids.shape
     lo = document_starts(document_ids)
     touched, full = range_tiles(lo, torch.arange(1, S + 1).expand(R, S), S, tile)
     first_key = lo.to(torch.int32)
     if device is not None:
-        first_key = first_key.to(device, non_blocking=True)
+        first_key = to_device_async(first_key, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= q_idx)
