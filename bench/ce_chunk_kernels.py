@@ -9,7 +9,11 @@ definitions, at the qwen3-8b shape (4096 x 151,936 bf16):
   inductor[:OPTS]  the whole chunk function as Inductor compiles it (the code before
                    drafter/row_stats.py), under Inductor options: `cdt` coordinate-descent
                    tuning, `autotune` + pointwise autotuning, `two-pass` online softmax off;
-  current          what the loss runs now: row_stats (Triton on a GPU) + the compiled gradient;
+  current          what the loss runs in compiled mode: row_stats (Triton on a GPU) + the
+                   compiled gradient;
+  eager            what it runs in eager mode: row_stats + the three-pass gradient
+                   (`_softmax_minus_onehot_eager`); `eager-onehot` the uncompiled one-hot
+                   form it replaced (seven passes);
   triton:BxW       row_stats' kernel alone with B columns a step and W warps;
   lanes:BxW        a candidate kernel that keeps a max, a sum and an argmax per lane of the
                    block (2 exponentials an element, no reduction across warps until the end)
@@ -30,7 +34,7 @@ import json
 import torch
 
 from dflash_train.drafter import row_stats as row_stats_module
-from dflash_train.drafter.loss import _hard_label_chunk, _softmax_minus_onehot
+from dflash_train.drafter.loss import _hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager
 from drafter_flex_vs_dense import log, rel_err, timed  # the sibling bench's helpers (bench/ is on sys.path)
 
 INDUCTOR_OPTIONS: dict[str, dict] = {
@@ -133,6 +137,8 @@ def main() -> None:
     grad = torch.compile(_softmax_minus_onehot, dynamic=False, fullgraph=True)
     for full in (True, False):
         row("current" + ("" if full else "/stats"), lambda full=full: _hard_label_chunk(logits, labels, full, grad), full)
+    for name, fn in (("eager", _softmax_minus_onehot_eager), ("eager-onehot", _softmax_minus_onehot)):
+        row(name, lambda fn=fn: _hard_label_chunk(logits, labels, True, fn), True)
     if device.type == "cuda" and row_stats_module.triton is not None:
         for config in KERNEL_CONFIGS:
             block, warps = (int(x) for x in config.split("x"))

@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.drafter.anchors import select_anchors
-from dflash_train.drafter.labels import build_block_labels
+from dflash_train.drafter.labels import IGNORE, build_block_labels
 from dflash_train.drafter.loss import (
     LossConfig,
     _hard_label_chunk,
+    _softmax_minus_onehot,
+    _softmax_minus_onehot_eager,
     default_gamma,
     drafter_loss,
     head_cross_entropy,
@@ -72,6 +74,22 @@ def test_hard_label_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit(dtype):
     assert grad.dtype == dtype and torch.equal(grad, want.to(dtype))
     assert torch.equal(ce, lse - lf[torch.arange(9), labels]) and torch.equal(pred, lf.argmax(-1))
     torch.testing.assert_close(lse, torch.logsumexp(lf, -1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eager_gradient_equals_the_one_hot_form_bit_for_bit(dtype):
+    """Eager mode's three-pass gradient against the one-hot form compiled mode runs (here
+    uncompiled), labels outside the vocabulary included (IGNORE rows take nothing off)."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, 53, generator=g) * 5).to(dtype)
+    labels = torch.randint(0, 53, (12,), generator=g)
+    labels[[2, 7]] = IGNORE
+    labels[9] = 53  # one past the vocabulary
+    lse = torch.logsumexp(logits.float(), -1)
+    got = _softmax_minus_onehot_eager(logits, lse, labels)
+    want = _softmax_minus_onehot(logits, lse, labels)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(got[2], torch.exp(logits[2].float() - lse[2]).to(dtype))  # an ignored row: no 1 taken off
 
 
 def test_head_cross_entropy_soft_targets():

@@ -77,21 +77,35 @@ def _log_sum_exp(lf: torch.Tensor) -> torch.Tensor:
 
 def _softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """dCE/dlogits of one chunk: exp(logit - lse) with 1 taken off at the label, in the head's
-    dtype [c, V]. The one-hot is a pointwise op, which compiled fuses into the one kernel that
-    reads the logits and writes the gradient (a scatter made Inductor write the float32
-    probabilities out and read them back: two more passes over [c, V]); eager, it costs one
-    uint8 [c, V] temporary."""
+    dtype [c, V]; labels outside [0, V) take nothing off. The compiled form (compiled mode): the
+    one-hot is a pointwise op, which Inductor fuses into the one kernel that reads the logits and
+    writes the gradient (a scatter made it write the float32 probabilities out and read them
+    back: two more passes over [c, V])."""
     probs = torch.exp(logits.float() - lse[:, None])
     is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
     return probs.sub_(is_label.to(torch.uint8)).to(logits.dtype)
 
 
+def _softmax_minus_onehot_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same numbers without a compiler, in three passes over the [c, V] chunk instead of the
+    one-hot form's seven (its cast, subtract, exp, compare, cast, subtract, cast): the subtract
+    reads the head's dtype and writes float32 (type promotion), exp runs in place, and the 1 is
+    taken off at the c label positions alone. The chunk is the step's largest tensor (rows x
+    vocabulary), so on a GPU each pass is milliseconds."""
+    probs = torch.sub(logits, lse[:, None]).exp_()  # [c, V] float32
+    valid = (labels >= 0) & (labels < logits.shape[1])
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    at = (rows, torch.where(valid, labels, 0))
+    probs[at] = probs[at] - valid.to(probs.dtype)
+    return probs.to(logits.dtype)
+
+
 def _hard_label_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool,
-                      onehot_grad=_softmax_minus_onehot):
+                      onehot_grad=_softmax_minus_onehot_eager):
     """One chunk against hard labels: logits [c, V] in the head's dtype, labels [c] ->
     (CE [c] float32, argmax [c], dCE/dlogits = softmax - onehot [c, V] in the head's dtype or None).
     The statistics are one read of the chunk (drafter/row_stats.py; a Triton kernel on the GPU),
-    the gradient one more read and a write (`onehot_grad`: compiled in compiled mode)."""
+    the gradient one more read and a write when compiled (compiled mode), three when eager."""
     lse, label_logit, pred = row_stats(logits, labels)
     ce = lse - label_logit
     return ce, pred, onehot_grad(logits, lse, labels) if need_grad else None
@@ -156,9 +170,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def _chunk_fn(hard: bool, compiled: bool):
-    """The per-chunk math: the one-hot gradient (hard labels) or the whole soft-target chunk."""
-    fn = _softmax_minus_onehot if hard else _soft_target_chunk
-    return compiled_once(fn) if compiled else fn
+    """The per-chunk math: the one-hot gradient (hard labels) or the whole soft-target chunk;
+    each hard-label form is the one its mode runs fastest."""
+    if hard:
+        return compiled_once(_softmax_minus_onehot) if compiled else _softmax_minus_onehot_eager
+    return compiled_once(_soft_target_chunk) if compiled else _soft_target_chunk
 
 
 def _head_logits(hidden: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor | None) -> torch.Tensor:
