@@ -101,3 +101,32 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows():
     engine.run(lambda: next(queue, None), lambda r, c: out.__setitem__(r.tag, c.token_ids))
     for i in (0, 2, 4):
         assert out[i] == hf_greedy(model, prompts[i], None)[:12]
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_engine_samples_only_the_sampling_rows_and_gets_the_whole_batchs_tokens(filtered):
+    """`_select` runs the sampling math on the rows that sample alone (the decode step: the slots
+    in `_sampling`; a prefill: positions among its rows); every token equals what sampling the
+    whole batch gives, greedy rows their argmax."""
+    model = make_model("qwen3", vocab=256, seed=5)
+    engine = BuiltinEngine(model, None, slots=7, max_prompt_tokens=8, max_new_tokens=8, stop_ids=set())
+    g = torch.Generator().manual_seed(1)
+    sampling_slots = [1, 4, 5]
+    engine.temperature[sampling_slots] = torch.tensor([1.0, 0.7, 1.3])
+    engine.top_p[4], engine.top_k[5] = 0.8, 20
+    engine.keys.copy_(torch.randint(0, 2**31, (7,), generator=g))
+    engine.steps.copy_(torch.randint(0, 50, (7,), generator=g))
+    for slot, top_p, top_k in ((1, 1.0, 0), (4, 0.8, 0), (5, 1.0, 20)):
+        if filtered or (top_p == 1.0 and top_k == 0):
+            engine._track_sampling(slot, Request(prompt_ids=[1], sampling=Sampling(1.0, top_p, top_k)), True)
+    logits = torch.randn(7, 256, generator=g) * 0.3  # flat: a sampled token is rarely the argmax
+    whole = select_tokens(logits, engine.temperature, engine.top_p, engine.top_k, engine.keys, engine.steps,
+                          any_sampled=True, any_filtered=engine._n_filtered > 0)
+    if filtered:
+        assert engine._n_filtered == 2 and engine._sampling == set(sampling_slots)
+        assert torch.equal(engine._select(logits), whole)
+        # a prefill of slots [5, 0, 4]: its rows 0 and 2 sample
+        slots = torch.tensor([5, 0, 4])
+        assert torch.equal(engine._select(logits[slots], slots, torch.tensor([0, 2])), whole[slots])
+    assert torch.equal(engine._select(logits)[[0, 2, 3, 6]], logits[[0, 2, 3, 6]].argmax(-1))
+    assert not torch.equal(whole[sampling_slots], logits[sampling_slots].argmax(-1))  # the rows did sample

@@ -136,7 +136,9 @@ class BuiltinEngine:
         self._launches = 0
         self._fresh: list[int] = []  # slots prefilled since the last launch: their first token is read with it
         self._prefill_events: list[tuple[Any, Any]] = []
-        self._n_sampled = self._n_filtered = 0  # rows in slots that sample / that filter (top-k, top-p)
+        self._sampling: set[int] = set()  # slots whose rows sample (temperature > 0)
+        self._sampling_index: Tensor | None = None  # sorted(_sampling) on the device, rebuilt when it changes
+        self._n_filtered = 0  # rows in slots that sample with top-k or top-p
         log.info(
             "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s",
             slots, max_len, self.decoder.kv_bytes() / 2**30, self.attention,
@@ -264,7 +266,7 @@ class BuiltinEngine:
         slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(req, len(prompt))
-            self._count_sampling(req, 1)
+            self._track_sampling(slot, req, True)
         # two host-to-device copies per chunk (integers, floats) rather than one per field
         n = len(chunk)
         ints = self._to_device(slots + [len(p) for _, p in chunk] + [r.sampling.top_k for r in reqs]
@@ -279,7 +281,9 @@ class BuiltinEngine:
         self.steps[slot_idx] = 0
 
         logits = self.decoder.prefill(ids, lengths, slot_idx)
-        self.tokens[slot_idx] = self._select(logits, slot_idx)
+        sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]
+        self.tokens[slot_idx] = self._select(logits, slot_idx,
+                                             self._to_device(sampling_at, torch.long) if sampling_at else None)
         self.positions[slot_idx] = lengths
         self.steps[slot_idx] = 1
         self._fresh.extend(slots)
@@ -290,19 +294,35 @@ class BuiltinEngine:
         else:  # eager on CPU: the host time is the prefill's
             self.stats.prefill_seconds += time.perf_counter() - t0
 
-    def _count_sampling(self, request: Request, sign: int) -> None:
-        """Keep count of the rows in slots that sample, and that filter: an all-greedy batch
-        skips the sampling work, one without top-k/top-p the sort."""
+    def _track_sampling(self, slot: int, request: Request, occupied: bool) -> None:
+        """Keep the set of slots whose rows sample, and the count of those that filter: greedy
+        rows skip the sampling work, and a batch without top-k/top-p the sort."""
         s = request.sampling
-        self._n_sampled += sign * (not s.greedy)
-        self._n_filtered += sign * (not s.greedy and (s.top_k > 0 or s.top_p < 1.0))
+        if s.greedy:
+            return
+        (self._sampling.add if occupied else self._sampling.discard)(slot)
+        self._sampling_index = None
+        self._n_filtered += (1 if occupied else -1) * (s.top_k > 0 or s.top_p < 1.0)
 
-    def _select(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
-        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-        return select_tokens(
-            logits, pick(self.temperature), pick(self.top_p), pick(self.top_k), pick(self.keys), pick(self.steps),
-            any_sampled=self._n_sampled > 0, any_filtered=self._n_filtered > 0,
+    def _select(self, logits: Tensor, slots: Tensor | None = None, sampling_at: Tensor | None = None) -> Tensor:
+        """Next tokens for `logits` [n, V], the rows of `slots` (every slot when None): the argmax,
+        and Gumbel-max sampling on the rows that sample (positions `sampling_at` among the n;
+        for every slot, the slots of `_sampling`) alone. Per row these are the tokens of sampling
+        the whole batch, without the noise, the scaling and the sort over every greedy row's
+        vocabulary: most rows are greedy answers, a few sample (synthesised user turns)."""
+        greedy = logits.argmax(dim=-1)
+        if slots is None and self._sampling:
+            if self._sampling_index is None:
+                self._sampling_index = self._to_device(sorted(self._sampling), torch.long)
+            sampling_at = self._sampling_index
+        if sampling_at is None:
+            return greedy
+        at = sampling_at if slots is None else slots[sampling_at]  # the sampling rows' slots
+        sampled = select_tokens(
+            logits[sampling_at], self.temperature[at], self.top_p[at], self.top_k[at], self.keys[at], self.steps[at],
+            any_sampled=True, any_filtered=self._n_filtered > 0,
         )  # fmt: skip
+        return greedy.index_copy(0, sampling_at, sampled)
 
     def _launch(self) -> "_Launched":
         """Queue one decode step for every slot; returns what `_collect` needs to read it."""
@@ -360,7 +380,7 @@ class BuiltinEngine:
         assert row is not None
         self._rows[slot] = None
         out = self.table.release(slot)
-        self._count_sampling(row.request, -1)
+        self._track_sampling(slot, row.request, False)
         new_tokens = len(out) + (reason == "stop")
         self.stats.new_tokens += new_tokens
         self.stats.completed += 1
