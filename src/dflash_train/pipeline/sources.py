@@ -8,8 +8,9 @@
   states arrive through `HiddenStateReceiver`, requested `queue_depth` batches ahead.
 
 Both hand out batches as the loader prepared them (padded to the compiled shape, or as
-they are; pinned on a GPU), still on the CPU, with the target output on the device. `next` raises StopIteration at
-the end of the data; it also returns whether the batch is a stop-request placeholder.
+they are; pinned on a GPU), still on the CPU, with the target output on the device. `next`
+raises StopIteration at the end of the data; it also returns whether the batch is a
+stop-request placeholder.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ a real token never sees a later slot of its own document (a document's padding f
 and padded whole documents are never read back; the packed padding positions are zeroed by
 the caller.
 
-`round_shape` rounds D and L up to one of eight sizes per octave (at most 1/8 more work): a
-run then meets a few hundred shapes instead of a new one nearly every step, and kernels that
-build a plan per shape (cuDNN's attention) build each once.
+`round_shape` rounds D and L up to one of eight sizes per octave (at most 1/8 more slots):
+kernels that build a plan per shape (cuDNN's attention) build few. The SmolLM2 recipe's five
+epochs meet 42 shapes instead of 858 (`bench/document_shapes.py`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 * Packed rows hold several documents, but a Hugging Face model attends across its whole
   input. Documents are therefore unpacked into a right-padded [D, L] batch (documents of
   a batch come from one length bucket, so little is padding), run with ordinary causal
-  attention, and the results are gathered back into the packed [R, S] layout (target/documents.py).
+  attention, and the results are gathered back into the packed [R, S] layout
+  (target/documents.py).
 * `target.forward: packed` runs target/packed.py instead: the packed rows themselves, one
   fixed shape (compilable), the same taps; `target.sdpa_backend` forces the attention
   kernel of either forward.
@@ -159,7 +160,8 @@ class TargetRunner:
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-        *, need_final: bool | None = None, layout: DocumentLayout | BlockMask | None = None, one_document_rows: bool | None = None,
+        *, need_final: bool | None = None, layout: DocumentLayout | BlockMask | None = None,
+        one_document_rows: bool | None = None,
     ) -> TargetOutput:
         """Packed batch [R, S] -> TargetOutput in the packed layout (padding positions are 0).
 
