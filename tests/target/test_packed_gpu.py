@@ -31,3 +31,21 @@ def test_flex_document_attention_equals_the_gathered_documents_on_gpu(compile):
     torch.testing.assert_close(out["flex"].taps, out["gather"].taps, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out["flex"].final_hidden, out["gather"].final_hidden, atol=2e-5, rtol=1e-4)
     assert out["flex"].taps.abs().max() > 0 and (out["flex"].taps[batch.document_ids.cuda() < 0] == 0).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("forward", ["hf", "packed"])
+def test_a_batch_already_on_the_gpu_gives_the_taps_of_one_moved_there(forward):
+    """Direct callers (bench/fp8_check.py) hand the runner device tensors: the document maps are
+    then built on the GPU, with the same taps as maps built on the CPU copy (`run_batch`)."""
+    model = _target("tiny").cuda()
+    batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=512)
+    runner = TargetRunner(model, TAPS, need_final=True, forward=forward)
+    try:
+        ahead = runner.run_batch(batch, torch.device("cuda"))
+        b = batch.to("cuda")
+        direct = runner(b.input_ids, b.position_ids, b.document_ids)
+    finally:
+        runner.close()
+    torch.testing.assert_close(direct.taps, ahead.taps, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(direct.final_hidden, ahead.final_hidden, atol=1e-6, rtol=1e-6)

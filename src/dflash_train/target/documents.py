@@ -67,22 +67,24 @@ class DocumentLayout:
 
 def unpack_documents(document_ids: Tensor, position_ids: Tensor, *, round_shape: bool = False) -> DocumentLayout:
     """The layout of packed rows' documents ([R, S] ids, -1 for padding; each document's
-    positions 0..n-1 in order). Documents are numbered 0..D-1 in the batch."""
+    positions 0..n-1 in order). Documents are numbered 0..D-1 in the batch. Built where the ids
+    live: the CPU copy of a batch costs no host sync (on a GPU, D and L are read back)."""
     R, S = document_ids.shape
+    dev = document_ids.device
     flat_doc = document_ids.reshape(-1)
     real = torch.nonzero(flat_doc >= 0, as_tuple=True)[0]
     doc = flat_doc[real]
     pos = position_ids.reshape(-1)[real]
     D = int(doc.max()) + 1 if doc.numel() else 0
     L = int(pos.max()) + 1 if pos.numel() else 0
-    lengths = torch.zeros(D, dtype=torch.long).scatter_reduce(0, doc.long(), pos.long() + 1, reduce="amax")
+    lengths = torch.zeros(D, dtype=torch.long, device=dev).scatter_reduce(0, doc.long(), pos.long() + 1, reduce="amax")
     if round_shape and D:
         D, L = round_up(D), round_up(L)
         lengths = torch.cat([lengths, lengths.new_zeros(D - lengths.numel())])
     slot = doc.long() * L + pos.long()
     first = int(real[0]) if real.numel() else 0  # what empty slots read: a real token
-    to_docs = torch.full((D * L,), first, dtype=torch.long)
+    to_docs = torch.full((D * L,), first, dtype=torch.long, device=dev)
     to_docs[slot] = real
-    to_packed = torch.full((R * S,), int(slot[0]) if slot.numel() else 0, dtype=torch.long)
+    to_packed = torch.full((R * S,), int(slot[0]) if slot.numel() else 0, dtype=torch.long, device=dev)
     to_packed[real] = slot
     return DocumentLayout(to_docs, to_packed, lengths, R, S, D, L)
