@@ -269,11 +269,13 @@ class BuiltinEngine:
             self._track_sampling(slot, req, True)
         # two host-to-device copies per chunk (integers, floats) rather than one per field
         n = len(chunk)
+        sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]  # rows that sample
+        k = len(sampling_at)
         ints = self._to_device(slots + [len(p) for _, p in chunk] + [r.sampling.top_k for r in reqs]
-                               + [r.key & 0xFFFFFFFF for r in reqs]
+                               + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at
                                + [t for _, p in chunk for t in p + [0] * (width - len(p))], torch.long)
         slot_idx, lengths, top_k, keys = ints[: 4 * n].view(4, n)
-        ids = ints[4 * n :].view(n, width)
+        ids = ints[4 * n + k :].view(n, width)
         floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
                                  torch.float32)
         self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]
@@ -281,9 +283,7 @@ class BuiltinEngine:
         self.steps[slot_idx] = 0
 
         logits = self.decoder.prefill(ids, lengths, slot_idx)
-        sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]
-        self.tokens[slot_idx] = self._select(logits, slot_idx,
-                                             self._to_device(sampling_at, torch.long) if sampling_at else None)
+        self.tokens[slot_idx] = self._select(logits, slot_idx, ints[4 * n : 4 * n + k] if k else None)
         self.positions[slot_idx] = lengths
         self.steps[slot_idx] = 1
         self._fresh.extend(slots)

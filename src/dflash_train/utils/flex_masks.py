@@ -83,7 +83,7 @@ def causal_document_block_mask(document_ids: torch.Tensor, *, device: torch.devi
     CPU copy of a batch: no host sync) and moved to `device` from pinned memory."""
     R, S = document_ids.shape
     lo = document_starts(document_ids)
-    touched, full = range_tiles(lo, torch.arange(1, S + 1).expand(R, S), S, tile)
+    touched, full = range_tiles(lo, torch.arange(1, S + 1, device=lo.device).expand(R, S), S, tile)
     first_key = lo.to(torch.int32)
     if device is not None:
         first_key = to_device_async(first_key, device)
