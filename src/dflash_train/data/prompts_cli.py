@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_train.data.prompt_sources.build import build, check_files
+from dflash_train.data.prompt_sources.build import build, check_files, stdlib_directory
 from dflash_train.data.prompt_sources.config import PromptsConfig
 from dflash_train.data.prompt_sources.guard import HumanEvalGuard
 
@@ -22,6 +22,8 @@ CONFIG = PromptsConfig
 
 
 def run(cfg: PromptsConfig, args: argparse.Namespace | None = None) -> int:
+    if not cfg.check:
+        stdlib_directory(cfg)  # the user's own paths first, then what the machine lacks
     guard = HumanEvalGuard.humaneval(cfg.humaneval_file, threshold=cfg.humaneval_threshold)
     if cfg.check:
         rows = check_files(cfg.check, guard)

@@ -73,12 +73,20 @@ class SourceReport:
     provenance: dict[str, str] = field(default_factory=dict)  # what was read -> licence
 
 
-def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptItem]:
-    """The prompts of one source, in a fixed order."""
+def stdlib_directory(cfg: PromptsConfig) -> Path:
+    """The standard library the sources read. A missing one is an error when a source that
+    needs it is asked for (else it gives 0 prompts and exit 0). The job checks it before the
+    HumanEval guard loads, so a mistyped --stdlib is named whatever else the machine lacks."""
     stdlib = Path(cfg.stdlib) if cfg.stdlib else stdlib_root()
-    if name in ("stdlib-code", "python-docs") and not stdlib.is_dir():  # else: 0 prompts and exit 0
+    if not stdlib.is_dir() and {"stdlib-code", "python-docs"} & set(cfg.sources):
         raise InputError(f"--stdlib {stdlib}: not a directory; give the standard library's directory, or leave "
                          f"--stdlib out to read this interpreter's")
+    return stdlib
+
+
+def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptItem]:
+    """The prompts of one source, in a fixed order."""
+    stdlib = stdlib_directory(cfg)
     workers = cfg.workers or idle_cores()
     if name == "stdlib-code":
         report.provenance[f"Python {platform.python_version()} standard library ({stdlib})"] = "PSF-2.0"
