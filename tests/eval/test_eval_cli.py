@@ -65,7 +65,11 @@ def test_eval_cli_draft_window(tiny_targets, loaded_targets, tmp_path, monkeypat
                    "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "20",
                    "--output", str(out), "--no-progress", "--strict", "--timing-repeats", "1", "--draft-window", "3",
                    "--batch-size", "2", "--dtype", "float32"])  # fp32 on any device: no bf16 near-ties
-    assert rc == 0 and [d.drafter.ring_len for d in made] == [3 + 2 * 4] * 2
+    assert rc == 0 and len(made) == 2 and all(d.drafter.windows == [3] * len(d.drafter.windows) for d in made)
+    # dense attention keeps W + 2B positions a slot; flex (a GPU's batch-1 engine) rounds the ring up
+    # to a whole 128-key block, and keeps every position when that is no shorter than the cache
+    want = [3 + 2 * 4 if d.attention == "dense" else (128 if 128 < d.drafter.max_len else None) for d in made]
+    assert [d.drafter.ring_len for d in made] == want
     report = json.loads((out / "report.json").read_text())
     assert report["draft_window"] == 3 and report["overall"]["matches_greedy"] == 3
 
