@@ -29,6 +29,8 @@
 #                                       then, once it ended, results and evals as PART=ours. On a
 #                                       machine that keeps processes between calls, one run spans
 #                                       many calls: one schedule, no restart (see below)
+#   PART=rows                           the rows generated so far beside a detached run
+#                                       (DETACH=1 GEN_BESIDE=S), back as data's are
 #   PART=peer                           the peer for PEER_MINUTES of training (default: the
 #                                       training seconds of OURS_METRICS, our matched run),
 #                                       convert, eval                                   (~8 min)
@@ -61,7 +63,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens}
+PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -160,6 +162,18 @@ bg_generate_stop() {  # its time box ends it cleanly: the rows in flight are fin
   wait "$BG"; echo "=== background generation ended $(date +%T)" | tee -a "$LOG"; ship_new_rows
 }
 
+# GEN_BESIDE=S (with DETACH=1): the target writes more conversations for S seconds beside the
+# detached training, on the same GPU (a step of this small model leaves it partly idle), for the
+# next run's data; the training's log windows show what it costs. PART=rows brings back the rows
+# written so far (whole lines only), as ship_new_rows says; a later call can do it again.
+gen_beside_start() {
+  [ "${GEN_BESIDE:-0}" -gt 0 ] || return 0
+  need $W/gen/shipped  # PART=data on this machine: the kept rows restored, the generation resumes after them
+  setsid nohup env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_BESIDE bash scripts/smollm2_recipe_x2.sh \
+    > $W/gen-beside.log 2>&1 < /dev/null &
+  echo "=== generating beside the training for up to ${GEN_BESIDE}s $(date +%T)" | tee -a "$LOG"
+}
+
 # train_ours NAME MINUTES [ARGS...]: the recipe's config on the prepared data, into $W/NAME.
 train_ours() {
   local name=$1 minutes=$2; shift 2
@@ -175,7 +189,7 @@ train_ours() {
     echo "=== train $name detached, $minutes minutes $(date +%T)" | tee -a "$LOG"
     rm -f "$W/$name.rc"
     setsid nohup bash -c '"$@"; echo $? > "$0"' "$W/$name.rc" "${cmd[@]}" > "$W/$name.train.log" 2>&1 < /dev/null &
-    echo $! > "$W/$name.pid"; exit 0
+    echo $! > "$W/$name.pid"; gen_beside_start; exit 0
   fi
   stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") "${cmd[@]}"
   train_results $name
@@ -312,6 +326,10 @@ wait)  # a DETACH=1 run of OURS_NAME: follow it for up to WAIT_SECONDS (default 
   echo "=== train $name rc=$(cat "$W/$name.rc" 2>/dev/null || echo '?') $(date +%T)" | tee -a "$LOG"
   train_results $name
   after_training $name ;;
+rows)  # the conversations written since the last shipment (GEN_BESIDE, GEN_BACKGROUND), and how generation goes
+  need $W/gen/shipped
+  grep -E "new tok/s|written|stopped" $W/gen/gen-0.log 2>/dev/null | tail -3 | cut -c1-200
+  ship_new_rows ;;
 stash) ;;  # keep_carried above did it
-*) echo "PART=setup|stash|data|ours|wait|peer|tokens" >&2; exit 2 ;;
+*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows" >&2; exit 2 ;;
 esac
