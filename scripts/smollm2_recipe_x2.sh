@@ -21,6 +21,7 @@ PER_SOURCE=${PER_SOURCE:-0}        # training prompts kept per source (0 = all)
 N_MATH=${N_MATH:-20000}            # math problems generated
 N_SYNTH=${N_SYNTH:-100000}         # self-instructed conversations (split over the GPUs): chats lift the chat set, and
                                    # once the prompt files are answered, synthesis is what adds conversations
+GEN_FILES=${GEN_FILES:-1}          # 0: generate only self-instructed chats (no prompt files): the chat set's data
 MAX_NEW=${MAX_NEW:-512}            # answer length limit (tokens)
 # generation slots per GPU: 1536 where the GPU has >= 120 GB (the KV cache takes 84 GiB; H200: 31.6K new tok/s
 # against 25.0K at 768 in one 70-s probe each), else 768 (42 GiB)
@@ -52,7 +53,8 @@ if has generate; then
   for k in $(seq 0 $((NGPU - 1))); do
     if [ "$NGPU" -gt 1 ]; then shard=("$WORK"/prompts/train/*-"${k}of${NGPU}".jsonl); else shard=("$WORK"/prompts/train/*.jsonl); fi
     held=(); [ "$k" -eq 0 ] && held=("$WORK"/prompts/heldout/*-heldout.jsonl)   # small (needed by eval): --mix finishes them early
-    cmd=($DFT generate --target "$TARGET" --prompts "${held[@]}" "${shard[@]}" --synthesize $((N_SYNTH / NGPU))
+    files=(--prompts "${held[@]}" "${shard[@]}"); [ "$GEN_FILES" = 0 ] && files=()
+    cmd=($DFT generate --target "$TARGET" "${files[@]}" --synthesize $((N_SYNTH / NGPU))
          --seed $((k + 1)) --output "$WORK/gen/gen-$k.jsonl" --max-new-tokens "$MAX_NEW" --batch-size "$SLOTS"
          --mix true --progress false --log-every-seconds 30 --attention "$GEN_ATTENTION")
     # the time box ends the run cleanly (rows in flight finished, summary printed); `timeout` is
