@@ -95,8 +95,8 @@ def _softmax_minus_onehot_eager(logits: torch.Tensor, lse: torch.Tensor, labels:
     probs = torch.sub(logits, lse[:, None]).exp_()  # [c, V] float32
     valid = (labels >= 0) & (labels < logits.shape[1])
     rows = torch.arange(labels.shape[0], device=labels.device)
-    at = (rows, torch.where(valid, labels, 0))
-    probs[at] = probs[at] - valid.to(probs.dtype)
+    # one indexed add of -1 (of -0 where the label is out of range): each row's position once
+    probs.index_put_((rows, torch.where(valid, labels, 0)), -valid.to(probs.dtype), accumulate=True)
     return probs.to(logits.dtype)
 
 
