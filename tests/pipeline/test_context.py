@@ -3,12 +3,15 @@ a GPU (then no eager NCCL communicator: NCCL refuses two ranks on one device), a
 ConfigError when two drafters would (their gradient all-reduce is NCCL's)."""
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from dflash_train.pipeline.context import gpus_shared_on_node
+from dflash_train.pipeline.context import gpus_shared_on_node, one_of_several_processes
 from dflash_train.utils.errors import ConfigError
 
 
@@ -56,3 +59,35 @@ def test_random_nodes_against_every_pair():
         else:
             with pytest.raises(ConfigError, match=f"drafter ranks .*{clash[0]}, .*{clash[1]}"):
                 gpus_shared_on_node(devices, first, drafters)
+
+
+EXIT_SCRIPT = """
+import atexit, logging, sys
+from dflash_train.pipeline.context import exit_finished_rank
+logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+atexit.register(lambda: print("finalised", flush=True))
+print("summary line", end="")  # left in the buffer: a pipe is block-buffered
+logging.getLogger("x").info("last log line")
+sys.stderr.write("unflushed stderr")
+exit_finished_rank()
+print("never")
+"""
+
+
+def test_a_finished_rank_ends_with_its_output_flushed_and_without_finalisation():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a rank's pipe is
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60,
+                          env={**env, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0
+    assert proc.stdout == "summary line"  # no "never", no "finalised": atexit (finalisation) never ran
+    assert "last log line" in proc.stderr and proc.stderr.endswith("unflushed stderr")
+
+
+@pytest.mark.parametrize("env, several", [({}, False), ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, False),
+                                          ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True)])
+def test_one_of_several_processes_is_a_torchrun_job_of_two_or_more(env, several, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert one_of_several_processes() is several

@@ -89,10 +89,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
         pytest.fail(f"no exit within {timeout:.0f} s (killed); its last output:\n{output[-3000:]}")
 
 
+def failure_text(output: str) -> str:
+    """What a failed job's output says: its tail, and from a fatal error (PYTHONFAULTHANDLER)
+    the stacks of every thread, which sit before the tail."""
+    fatal = output.find("Fatal Python error")
+    return (output[fatal:fatal + 6000] + "\n...\n" if fatal >= 0 else "") + output[-3000:]
+
+
 def run(config, out, nproc, *extra, timeout=240, env: dict | None = None) -> str:
     proc = launch(config, out, nproc, *extra, env=env)
     output = finish(proc, timeout)
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 0, failure_text(output)
     return output
 
 

@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 
 from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisation, step_flops
+from dflash_train.pipeline.context import exit_finished_rank, one_of_several_processes
 from dflash_train.pipeline.report import targets_tokens_per_s
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
@@ -361,6 +362,13 @@ def format_lever_table(table: dict) -> str:
 
 
 def run(args: BenchConfig, cli_args: argparse.Namespace | None = None) -> int:
+    rc = _run(args)
+    if one_of_several_processes():  # a torchrun rank: as `train` ends one (train/run.py)
+        exit_finished_rank()
+    return rc
+
+
+def _run(args: BenchConfig) -> int:
     check_writable_file(args.out, option="--out")  # before the measurement, not after it
     if args.levers:
         return run_levers(args)

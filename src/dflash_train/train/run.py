@@ -28,7 +28,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dflash_train.data.splits import open_data
-from dflash_train.pipeline.context import DistContext, init_distributed, shutdown
+from dflash_train.pipeline.context import (DistContext, exit_finished_rank, init_distributed,
+                                           one_of_several_processes, shutdown)
 from dflash_train.pipeline.report import pipeline_report, targets_tokens_per_s
 from dflash_train.pipeline.target_worker import TargetWorker
 from dflash_train.target.loading import load_target_model, open_target, tokenizer_identity
@@ -111,6 +112,8 @@ def run_training(cfg: TrainConfig, *, resume: bool | str) -> int:
     summary = run_rank(cfg, resume=resume)
     if summary is not None:
         print_summary(summary)
+    if one_of_several_processes():
+        exit_finished_rank()
     return 0
 
 
