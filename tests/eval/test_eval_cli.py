@@ -66,8 +66,9 @@ def test_eval_cli_draft_window(tiny_targets, loaded_targets, tmp_path, monkeypat
                    "--output", str(out), "--no-progress", "--strict", "--timing-repeats", "1", "--draft-window", "3",
                    "--batch-size", "2", "--dtype", "float32"])  # fp32 on any device: no bf16 near-ties
     assert rc == 0 and len(made) == 2 and all(d.drafter.windows == [3] * len(d.drafter.windows) for d in made)
-    # dense attention keeps W + 2B positions a slot; flex (a GPU's batch-1 engine) rounds the ring up
-    # to a whole 128-key block, and keeps every position when that is no shorter than the cache
+    # dense attention keeps W + 2B positions a slot; flex (a GPU's batch-1 engine with heads of >= 16
+    # dims, not this tiny target's 8) rounds the ring up to a whole 128-key block, and keeps every
+    # position when that is no shorter than the cache
     want = [3 + 2 * 4 if d.attention == "dense" else (128 if 128 < d.drafter.max_len else None) for d in made]
     assert [d.drafter.ring_len for d in made] == want
     report = json.loads((out / "report.json").read_text())

@@ -22,6 +22,7 @@ from dflash_train.speculative.static_drafter import block_rule
 from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 from ..eval.conftest import random_drafter
+from .tiny import make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -146,3 +147,21 @@ def test_auto_decode_attention_is_flex_only_on_a_compiled_gpu():
     assert decode_attention_for(torch.device("cuda", 1), compile=True) == "flex"
     assert decode_attention_for("cuda", compile=False) == "dense"  # the fused kernel needs the compiler
     assert decode_attention_for(torch.device("cpu"), compile=True) == "dense"
+    # FlexAttention's GPU kernels need heads of >= 16 dims: narrower target or drafter heads take
+    # dense from the start (a compile would fail and fall back, warning); unknown widths do not count
+    assert decode_attention_for("cuda", compile=True, head_dims=[64, 16]) == "flex"
+    assert decode_attention_for("cuda", compile=True, head_dims=[64, 8]) == "dense"
+    assert decode_attention_for("cuda", compile=True, head_dims=[None, 64]) == "flex"
+
+
+def test_head_dim_of_reads_the_decoders_attention_heads():
+    from dflash_train.generate.decoder import head_dim_of
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    llama = make_model("llama", vocab=64)
+    assert head_dim_of(llama) == llama.config.hidden_size // llama.config.num_attention_heads == 16
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert head_dim_of(qwen3) == 8  # an explicit width, not hidden / heads
+    assert head_dim_of(torch.nn.Linear(2, 2)) is None  # not a decoder this engine runs

@@ -10,7 +10,7 @@ import torch
 
 from dflash_train.target.runner import TargetRunner
 
-from .test_packed import TAPS, _packed, _target
+from .test_packed import TAPS, _fresh, _packed
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -18,7 +18,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_flex_document_attention_equals_the_gathered_documents_on_gpu(compile):
-    model = _target("tiny").cuda()  # head dim 16: FlexAttention's GPU kernels need at least 16
+    model = _fresh("tiny").cuda()  # head dim 16: FlexAttention's GPU kernels need at least 16
     batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=512)
     out = {}
     for documents in ("gather", "flex"):
@@ -38,7 +38,7 @@ def test_flex_document_attention_equals_the_gathered_documents_on_gpu(compile):
 def test_a_batch_already_on_the_gpu_gives_the_taps_of_one_moved_there(forward):
     """Direct callers (bench/fp8_check.py) hand the runner device tensors: the document maps are
     then built on the GPU, with the same taps as maps built on the CPU copy (`run_batch`)."""
-    model = _target("tiny").cuda()
+    model = _fresh("tiny").cuda()
     batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=512)
     runner = TargetRunner(model, TAPS, need_final=True, forward=forward)
     try:

@@ -32,13 +32,14 @@ computes the values, and happens in place because the flat view is the function'
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
 from dflash_train.utils.compile import compiled_once
 
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
@@ -84,13 +85,16 @@ def write_cache(cache_flat: Tensor, index: Tensor, values: Tensor) -> None:
     cache_flat.index_put_((index,), values)
 
 
-def decode_attention_for(device: torch.device, compile: bool) -> AttentionKind:
-    """The built-in engine's decode attention when asked for `auto`: flex on a GPU, where each
-    slot reads only its own cache blocks while dense reads every slot up to the longest row's
-    bucket (SmolLM2 on an H200, the recipe's real prompts: 7.0 vs 8.9 ms per step at 256 slots;
-    28.7K new tok/s at 768 slots against dense's 18.7K at 256). Its fused kernel needs
-    torch.compile; the CPU runs the unfused reference, slower than dense."""
-    return "flex" if compile and torch.device(device).type == "cuda" else "dense"
+def decode_attention_for(device: torch.device, compile: bool, head_dims: Sequence[int | None] = ()) -> AttentionKind:
+    """The engines' decode attention when asked for `auto`: flex on a GPU, where each slot reads
+    only its own cache blocks while dense reads every slot up to the longest row's bucket
+    (SmolLM2 on an H200, the recipe's real prompts: 7.0 vs 8.9 ms per step at 256 slots; 28.7K
+    new tok/s at 768 slots against dense's 18.7K at 256). Its fused kernel needs torch.compile
+    (the CPU runs the unfused reference, slower than dense) and heads of at least
+    FLEX_MIN_HEAD_DIM dims: narrower ones (`head_dims`: the target's and the drafter's; None is
+    unknown) take dense from the start rather than after a failed compile."""
+    heads_fit = all(d is None or d >= FLEX_MIN_HEAD_DIM for d in head_dims)
+    return "flex" if compile and heads_fit and torch.device(device).type == "cuda" else "dense"
 
 
 def use_dense_attention(*parts) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
-from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.generate.sampling import select_tokens
@@ -103,7 +103,7 @@ class BuiltinEngine:
         self.stats = EngineStats()
 
         if attention == "auto":
-            attention = decode_attention_for(model.get_input_embeddings().weight.device, compile)
+            attention = decode_attention_for(model.get_input_embeddings().weight.device, compile, [head_dim_of(model)])
         # flex reads the cache in 128-key blocks, so its length is a whole number of blocks
         multiple = FLEX_BLOCK if attention == "flex" else 64
         max_len = -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple

@@ -86,6 +86,15 @@ def check_supported(model, max_len: int) -> None:
                                     "with the model's own bf16 weights; load the target without target.fp8")
 
 
+def head_dim_of(model: torch.nn.Module) -> int | None:
+    """The width of the attention heads of a decoder laid out as this module expects (None
+    otherwise: `check_supported` says what is wrong)."""
+    try:
+        return int(model.model.layers[0].self_attn.head_dim)  # type: ignore[union-attr,index]
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 class _Layer:
     """References to one decoder layer's weights (no copies), grouped as the arguments of
     `_pre_attention` / `_post_attention`: plain tensors, so a torch.compile'd version of

@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, use_dense_attention
-from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
+from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.graphs import GraphedStep, kv_buckets
 from dflash_train.speculative.loop import DecodeResult, Round
 from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, drafter_like
@@ -205,8 +205,9 @@ class SpecEngine:
             # FlexAttention at batch 1 on a GPU: latency-bound, and it saves the layout copies and
             # mask kernels that made a round 0.71x a greedy step (0.76x with it, SmolLM2 on an
             # H200); batched, cuDNN's SDPA is faster (28.4K vs 23.9K greedy tok/s at 64 slots).
-            # The fused kernel needs torch.compile.
-            attention = "flex" if compile and dev.type == "cuda" and slots == 1 else "dense"
+            # The fused kernel needs torch.compile and heads of >= 16 dims (decode_attention_for).
+            heads = [head_dim_of(target), getattr(getattr(drafter, "config", None), "head_dim", None)]
+            attention = decode_attention_for(dev, compile, heads) if slots == 1 else "dense"
         self.attention = attention
         max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
         self.decoder = StaticDecoder(target, slots, max_len, attention=attention)
