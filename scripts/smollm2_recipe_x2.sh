@@ -69,8 +69,9 @@ if has generate; then
 fi
 
 if has prepare; then
-  echo "== HumanEval guard on every user turn (self-instructed ones included), then prepare"
-  $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl ${MIX:+--weights "$MIX"}
+  echo "== training rows near the held-out chat prompts left out, HumanEval guard on every user turn, then prepare"
+  $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl \
+    --exclude chat ${MIX:+--weights "$MIX"}
   $DFT prompts --check "$WORK/gen/train.jsonl"
   for part in train heldout; do
     out=$WORK/data; [ "$part" = heldout ] && out=$WORK/data-heldout

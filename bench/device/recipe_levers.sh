@@ -61,7 +61,7 @@ one() {  # GPU, lever
   rm -rf $dir; mkdir -p $dir
   if [ -n "${MIXES[$name]:-}" ] && [ ! -f $W/data-$name/manifest.json ]; then
     python3 scripts/split_generated.py $W/gen/train-$name.jsonl $dir/heldout.jsonl $W/gen/gen-*.jsonl \
-      --weights "${MIXES[$name]}" >> $dir/lever.log 2>&1 &&
+      --exclude chat --weights "${MIXES[$name]}" >> $dir/lever.log 2>&1 &&
     python3 -m dflash_train prepare $W/gen/train-$name.jsonl --target $TARGET --output $W/data-$name --overwrite \
       --no-progress --skip-bad-rows >> $dir/lever.log 2>&1 || echo "prepare $name rc=$?" >> $LOG
   fi

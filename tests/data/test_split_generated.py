@@ -3,6 +3,7 @@ mix (--weights), run as the recipe runs it (a subprocess), against counts worked
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -25,10 +26,12 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def run(tmp: Path, *inputs: Path, weights: str = "") -> subprocess.CompletedProcess:
+def run(tmp: Path, *inputs: Path, weights: str = "", exclude: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(SCRIPT), str(tmp / "train.jsonl"), str(tmp / "heldout.jsonl"), *map(str, inputs)]
     if weights:
         cmd += ["--weights", weights]
+    for spec in exclude:
+        cmd += ["--exclude", spec]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -77,7 +80,7 @@ def test_weights_drop_halve_and_repeat_by_source(tmp_path: Path, gen) -> None:
 def test_a_misspelt_source_fails_and_writes_nothing(tmp_path: Path, gen) -> None:
     g0, g1, _ = gen
     done = run(tmp_path, g0, g1, weights="pakage-code=2")
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert "source(s) pakage-code" in done.stderr
     assert "the sources are: math, package-code, self-instruct" in done.stderr
     assert not (tmp_path / "train.jsonl").exists() and not list(tmp_path.glob("*.tmp"))
@@ -87,4 +90,43 @@ def test_a_misspelt_source_fails_and_writes_nothing(tmp_path: Path, gen) -> None
 def test_a_malformed_weight_is_named(tmp_path: Path, gen, bad: str) -> None:
     g0, _, _ = gen
     done = run(tmp_path, g0, weights=bad)
-    assert done.returncode != 0 and repr(bad) in done.stderr
+    assert done.returncode == 2 and repr(bad) in done.stderr
+
+
+def jaccard_3grams(a: str, b: str) -> float:
+    """Brute force of the documented rule: lower-cased words, their 3-grams as sets."""
+    grams = [{tuple(w[i:i + 3]) for i in range(len(w) - 2)} for w in (re.findall(r"\w+", t.lower()) for t in (a, b))]
+    return len(grams[0] & grams[1]) / len(grams[0] | grams[1])
+
+
+def test_exclude_leaves_out_training_rows_that_near_duplicate_an_eval_prompt(tmp_path: Path) -> None:
+    evals = ["Can you explain the benefits of using AI in the healthcare industry today?",
+             "Write a short poem about the sea and the wind at night."]
+    write(tmp_path / "evals.jsonl", [{"id": f"e{i}", "prompt": p} for i, p in enumerate(evals)])
+    turns = {
+        "copy": evals[0].upper(),  # case does not hide it
+        "near": "Can you explain the benefits of using AI in the healthcare industry?",  # J = 0.91
+        "edge": "Please write a short poem about the sea and a wind at night.",  # J = 0.5 exactly: out
+        "below": "Write a short poem about the sea in winter",  # J = 0.42: kept
+        "far": "Can you explain the benefits of running in the morning for the heart?",  # J = 0.22
+        "other": "How do I sort a list of tuples by their second element in Python?",
+    }
+    rows = [{"id": name, "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "a"}]}
+            for name, text in turns.items()]
+    rows.append({"id": "held", "source": {"file": "chat-heldout.jsonl"}, "messages": rows[0]["messages"]})
+    gen = write(tmp_path / "gen-0.jsonl", rows)
+    done = run(tmp_path, gen, weights="self-instruct=2", exclude=(str(tmp_path / "evals.jsonl"),))
+    assert done.returncode == 0, done.stderr
+    want_out = {name for name, text in turns.items() if max(jaccard_3grams(text, e) for e in evals) >= 0.5}
+    assert want_out == {"copy", "near", "edge"}  # the planted cases sit where they were meant to
+    assert Counter(ids(tmp_path / "train.jsonl")) == {name: 2 for name in turns if name not in want_out}
+    assert ids(tmp_path / "heldout.jsonl") == ["held"]  # held-out rows are never left out
+    assert "left out of" in done.stdout and "3 rows near-duplicating" in done.stdout and "self-instruct 3" in done.stdout
+
+
+def test_exclude_with_a_missing_prompt_set_fails_before_writing(tmp_path: Path, gen) -> None:
+    g0, _, _ = gen
+    done = run(tmp_path, g0, exclude=(str(tmp_path / "missing.jsonl"),))
+    assert done.returncode == 2 and "--exclude: prompt file not found" in done.stderr
+    assert done.stderr.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / "train.jsonl").exists() and not list(tmp_path.glob("*.tmp"))
