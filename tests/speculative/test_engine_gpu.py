@@ -14,6 +14,7 @@ import torch
 from dflash_train.speculative.engine import SpecEngine
 
 from ..eval.conftest import plain_greedy, random_drafter
+from ..generate.tiny import make_model
 from .test_engine import random_prompts, targets  # noqa: F401 - fixture
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -28,7 +29,10 @@ def summary(results):
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("draft_window", [None, 8])
 def test_gpu_engine_equals_plain_greedy_pipelined_or_not(targets, compile, draft_window):
-    cpu_model, tok = targets["llama"]
+    _, tok = targets["llama"]
+    # heads of 16 dims, FlexAttention's minimum (the shared tiny targets have 8): compiled, the
+    # batch-1 engine then decodes with compiled flex attention, the path this test is for
+    cpu_model = make_model("llama", vocab=len(tok), seed=1)
     model = copy.deepcopy(cpu_model).cuda()
     drafter = random_drafter(cpu_model, tok, B, sliding=3).cuda()
     prompts = random_prompts(model.config.vocab_size, (12, 1, 30, 5, 21, 2, 9, 17), seed=4)
@@ -40,6 +44,7 @@ def test_gpu_engine_equals_plain_greedy_pipelined_or_not(targets, compile, draft
         for overlap in (True, False):
             engine = SpecEngine(model, drafter, stop, slots=slots, max_len=128, compile=compile,
                                 overlap_rounds=overlap, draft_window=draft_window)
+            assert engine.attention == ("flex" if compile and slots == 1 else "dense")
             for _ in range(2):  # the second run replays the captured graphs
                 results = engine.generate_batch(prompts, NEW)
                 assert [r.tokens for r in results] == expected, (slots, overlap)
