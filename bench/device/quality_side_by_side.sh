@@ -37,6 +37,12 @@
 #   PART=tokens                         ours for the peer's training tokens, eval         (~5 min)
 #                                       (TOKENS_NAME, TOKENS_ARGS, STEP_TOKENS: the tokens a
 #                                       step of those args takes, to size the run)
+#   PART=subset                         a second prepared set from the kept exports SUBSET (a glob
+#                                       of their names, e.g. "001-*": the peer comparison's data)
+#                                       in $W/subset/data and data-heldout, so that a tokens run on
+#                                       that data can go beside a detached run on all of them:
+#                                       TOKENS_ARGS="--data.path /tmp/recipe/subset/data
+#                                       --data.eval_path /tmp/recipe/subset/data-heldout ..." (~1 min)
 # A run longer than one call (10 minutes): the first call trains with a fixed schedule that spans
 # the calls and EVAL=0 (`--run.fit_schedule false --run.max_steps N`); it stops at its box with a
 # checkpoint. The next call on the same machine continues it with RESUME=1 (and fit_schedule true:
@@ -63,7 +69,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows}
+PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows|subset}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -334,5 +340,14 @@ rows)  # the conversations written since the last shipment (GEN_BESIDE, GEN_BACK
   grep -E "new tok/s|written|stopped" $W/gen/gen-0.log 2>/dev/null | tail -3 | cut -c1-200
   ship_new_rows ;;
 stash) ;;  # keep_carried above did it
-*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows" >&2; exit 2 ;;
+subset)  # SUBSET of the kept exports, prepared as data's are (EXPECT_ROWS=N: stop unless N rows came)
+  need $T/model.safetensors
+  exports=$(compgen -G "$KEPT/${SUBSET:?SUBSET=a glob of kept export names, e.g. 001-*}.jsonl.xz") \
+    || { echo "no kept export matches $KEPT/$SUBSET.jsonl.xz: carry it" | tee -a "$LOG"; exit 3; }
+  mkdir -p $W/subset/gen && xz -dc $exports > $W/subset/gen/gen-0.jsonl
+  rows=$(wc -l < $W/subset/gen/gen-0.jsonl); echo "subset: $rows rows from $(echo $exports | xargs -n1 basename | tr '\n' ' ')" | tee -a "$LOG"
+  if [ -n "${EXPECT_ROWS:-}" ] && [ "$rows" != "$EXPECT_ROWS" ]; then echo "SUBSET ROWS: $rows, EXPECT_ROWS=$EXPECT_ROWS" | tee -a "$LOG"; exit 3; fi
+  stage "prepare subset" 300 env TARGET=$T WORK=$W/subset STEPS=prepare bash scripts/smollm2_recipe_x2.sh
+  grep -E "^===|split|written|wrote|rror|Traceback" "$LOG" | tail -8 ;;
+*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows|subset" >&2; exit 2 ;;
 esac
