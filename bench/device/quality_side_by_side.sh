@@ -107,6 +107,18 @@ keep_carried() {
   fi
 }
 keep_carried
+# restore_kept GLOB DIR: the kept exports matching GLOB, in the order kept, as DIR/gen/gen-0.jsonl
+# (generate resumes it); EXPECT_ROWS=N stops the part unless N rows came
+restore_kept() {
+  local exports rows
+  exports=$(compgen -G "$KEPT/$1.jsonl.xz" | sort) && [ -n "$exports" ] || { echo "no kept export matches $KEPT/$1.jsonl.xz: carry it" | tee -a "$LOG"; exit 3; }
+  mkdir -p $2/gen && xz -dc $exports > $2/gen/gen-0.jsonl
+  rows=$(wc -l < $2/gen/gen-0.jsonl)
+  echo "$rows rows restored from $(echo $exports | xargs -n1 basename | tr '\n' ' ')" | tee -a "$LOG"
+  if [ -n "${EXPECT_ROWS:-}" ] && [ "$rows" != "$EXPECT_ROWS" ]; then
+    echo "KEPT ROWS: $rows, EXPECT_ROWS=$EXPECT_ROWS: carry every export it needs" | tee -a "$LOG"; exit 3
+  fi
+}
 # whether this machine keeps a call's detached processes for the next call (DETACH=1 needs it):
 # setup leaves a sleeper behind, every later part says whether it is still there
 if [ "$PART" = setup ]; then
@@ -266,11 +278,7 @@ PY
 data)
   need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors
   if compgen -G "$KEPT/*.jsonl.xz" > /dev/null; then  # the kept conversations, in the order kept: generate resumes this file
-    mkdir -p $W/gen && xz -dc $KEPT/*.jsonl.xz > $W/gen/gen-0.jsonl && wc -l $W/gen/gen-0.jsonl | tee -a "$LOG" | tee $W/gen/restored
-    rows=$(wc -l < $W/gen/gen-0.jsonl)
-    if [ -n "${EXPECT_ROWS:-}" ] && [ "$rows" != "$EXPECT_ROWS" ]; then
-      echo "KEPT ROWS: $rows restored from $(ls $KEPT | tr '\n' ' '), EXPECT_ROWS=$EXPECT_ROWS: carry every export" | tee -a "$LOG"; exit 3
-    fi
+    restore_kept "*" $W
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
   fi
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
@@ -342,11 +350,7 @@ rows)  # the conversations written since the last shipment (GEN_BESIDE, GEN_BACK
 stash) ;;  # keep_carried above did it
 subset)  # SUBSET of the kept exports, prepared as data's are (EXPECT_ROWS=N: stop unless N rows came)
   need $T/model.safetensors
-  exports=$(compgen -G "$KEPT/${SUBSET:?SUBSET=a glob of kept export names, e.g. 001-*}.jsonl.xz") \
-    || { echo "no kept export matches $KEPT/$SUBSET.jsonl.xz: carry it" | tee -a "$LOG"; exit 3; }
-  mkdir -p $W/subset/gen && xz -dc $exports > $W/subset/gen/gen-0.jsonl
-  rows=$(wc -l < $W/subset/gen/gen-0.jsonl); echo "subset: $rows rows from $(echo $exports | xargs -n1 basename | tr '\n' ' ')" | tee -a "$LOG"
-  if [ -n "${EXPECT_ROWS:-}" ] && [ "$rows" != "$EXPECT_ROWS" ]; then echo "SUBSET ROWS: $rows, EXPECT_ROWS=$EXPECT_ROWS" | tee -a "$LOG"; exit 3; fi
+  restore_kept "${SUBSET:?SUBSET=a glob of kept export names, e.g. 001-*}" $W/subset
   stage "prepare subset" 300 env TARGET=$T WORK=$W/subset STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   grep -E "^===|split|written|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 *) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows|subset" >&2; exit 2 ;;
