@@ -13,6 +13,13 @@
 #   bash scripts/recipe_data.sh restore DIR                   every export's .jsonl.xz into DIR,
 #                                                             checked against its manifest
 #   bash scripts/recipe_data.sh rows FILE.jsonl               rows of FILE no export holds yet (by id)
+#   bash scripts/recipe_data.sh store-drafter NAME DIR [NOTE] keep a trained drafter (DIR: a run's
+#                                                             final/, config.json + model.safetensors)
+#   bash scripts/recipe_data.sh restore-drafter DIR [NAME]    the newest kept drafter (or NAME) into DIR
+#
+# Drafters are kept the same way (recipe-drafter/<NAME>/: its files and a manifest with their
+# sha256), so a drafter trained on a lent machine outlives it and starts the next stage of a long
+# run (`--drafter.init_from DIR`); ~39 MB each for SmolLM2's, so keep the stages worth resuming.
 #
 # Restore writes DIR/<k>-<NAME>.jsonl.xz (k = 001, 002, ... in the order kept), so
 # `xz -dc DIR/*.jsonl.xz > gen-0.jsonl` rebuilds the whole set in order; `generate` then resumes
@@ -20,13 +27,32 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 MARK="recipe data:"
+DRAFTER_MARK="recipe drafter:"
 die() { echo "recipe_data: $*" >&2; exit 2; }
 
 data_commits() {  # the data commits reachable from HEAD, oldest first
   git log HEAD --reverse --format=%H --grep="^$MARK " 2>/dev/null || true
 }
+drafter_commits() {  # the kept drafters' commits, oldest first
+  git log HEAD --reverse --format=%H --grep="^$DRAFTER_MARK " 2>/dev/null || true
+}
 
-name_of() { git ls-tree --name-only "$1" recipe-data/ | head -n 1 | sed 's|^recipe-data/||'; }
+name_of() { git ls-tree --name-only "$1" "${2:-recipe-data}/" | head -n 1 | sed "s|^${2:-recipe-data}/||"; }
+
+# commit_beside DIR PREFIX MESSAGE MERGE_MESSAGE FILE...: DIR's FILEs as PREFIX/<FILE> in a commit
+# of its own (no parent), joined to the branch by a merge that keeps the branch's files; prints the commit
+commit_beside() {
+  local dir=$1 prefix=$2 message=$3 merge_message=$4 f tree commit; shift 4
+  export GIT_INDEX_FILE=$dir/.index
+  git read-tree --empty
+  for f in "$@"; do
+    git update-index --add --cacheinfo "100644,$(git hash-object -w "$dir/$f"),$prefix/$f"
+  done
+  tree=$(git write-tree); unset GIT_INDEX_FILE
+  commit=$(git commit-tree "$tree" -m "$message")
+  git merge -q -s ours --allow-unrelated-histories --no-edit -m "$merge_message" "$commit"
+  echo "$commit"
+}
 
 known_ids() {  # every row id of every export, one per line
   local c
@@ -75,16 +101,9 @@ manifest = {"name": name, "date": datetime.date.today().isoformat(), "rows": int
             "sha256_xz": hashlib.sha256(data).hexdigest(), "note": note}
 open(f"{tmp}/manifest.json", "w").write(json.dumps(manifest, indent=2) + "\n")
 PY
-  local index="$tmp/index" tree commit
-  export GIT_INDEX_FILE=$index
-  git read-tree --empty
-  for f in conversations.jsonl.xz manifest.json; do
-    git update-index --add --cacheinfo "100644,$(git hash-object -w "$tmp/$f"),recipe-data/$name/$f"
-  done
-  tree=$(git write-tree); unset GIT_INDEX_FILE
-  commit=$(git commit-tree "$tree" -m "$MARK $name ($rows conversations)${note:+: $note}")
-  git merge -q -s ours --allow-unrelated-histories --no-edit \
-    -m "keep the $name conversations in history (scripts/recipe_data.sh restore)" "$commit"
+  local commit
+  commit=$(commit_beside "$tmp" "recipe-data/$name" "$MARK $name ($rows conversations)${note:+: $note}" \
+    "keep the $name conversations in history (scripts/recipe_data.sh restore)" conversations.jsonl.xz manifest.json)
   echo "kept $rows conversations as $name ($(du -h "$tmp/conversations.jsonl.xz" | cut -f1) xz) in $commit"
 }
 
@@ -97,6 +116,13 @@ manifests = [json.loads(line) for line in sys.stdin if line.strip()]
 for k, m in enumerate(manifests, 1):
     print(f"{k:>3}  {m['date']}  {m['name']:<32} {m['rows']:>8,} rows  {m.get('note', '')}")
 print(f"{sum(m['rows'] for m in manifests):,} rows in {len(manifests)} export(s)")
+PY
+)"
+  for c in $(drafter_commits); do git show "$c:recipe-drafter/$(name_of "$c" recipe-drafter)/manifest.json" | tr -d '\n'; echo; done |
+    python3 -c "$(cat <<'PY'
+import json, sys
+for m in (json.loads(line) for line in sys.stdin if line.strip()):
+    print(f"drafter  {m['date']}  {m['name']:<32} {m['bytes'] / 1e6:>6.1f} MB  {m.get('note', '')}")
 PY
 )"
 }
@@ -117,10 +143,56 @@ cmd_restore() {  # DIR
   [ "$k" -gt 0 ] || die "no exports kept in this repository's history"
 }
 
+cmd_store_drafter() {  # NAME DIR [NOTE]
+  local name=$1 dir=$2 note=${3:-} c f
+  [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "NAME '$name': letters, digits, '.', '_' and '-' only"
+  for f in config.json model.safetensors; do
+    [ -f "$dir/$f" ] || die "$dir/$f: no such file (a drafter folder holds config.json and model.safetensors)"
+  done
+  for c in $(drafter_commits); do [ "$(name_of "$c" recipe-drafter)" != "$name" ] || die "a drafter named $name is kept already"; done
+  [ -z "$(git status --porcelain --untracked-files=no)" ] || die "commit or stash your changes first"
+  local tmp files=(); tmp=$(mktemp -d); trap 'rm -rf "$tmp"' RETURN
+  for f in "$dir"/*; do [ -f "$f" ] && cp "$f" "$tmp/" && files+=("$(basename "$f")"); done
+  python3 - "$tmp" "$name" "$note" "${files[@]}" <<'PY'
+import datetime, hashlib, json, os, sys
+tmp, name, note, *names = sys.argv[1:]
+files = {f: hashlib.sha256(open(os.path.join(tmp, f), "rb").read()).hexdigest() for f in sorted(names)}
+size = sum(os.path.getsize(os.path.join(tmp, f)) for f in names)
+manifest = {"name": name, "date": datetime.date.today().isoformat(), "bytes": size, "files": files, "note": note}
+open(os.path.join(tmp, "manifest.json"), "w").write(json.dumps(manifest, indent=2) + "\n")
+PY
+  local commit
+  commit=$(commit_beside "$tmp" "recipe-drafter/$name" "$DRAFTER_MARK $name${note:+: $note}" \
+    "keep the $name drafter in history (scripts/recipe_data.sh restore-drafter)" "${files[@]}" manifest.json)
+  echo "kept the drafter $dir as $name in $commit"
+}
+
+cmd_restore_drafter() {  # DIR [NAME]: the newest kept drafter, or NAME, its files checked against its manifest
+  local dir=$1 want=${2:-} c found= name
+  for c in $(drafter_commits); do
+    name=$(name_of "$c" recipe-drafter)
+    [ -z "$want" ] || [ "$name" = "$want" ] && found=$c
+  done
+  [ -n "$found" ] || die "no drafter${want:+ named $want} kept in this repository's history"
+  name=$(name_of "$found" recipe-drafter)
+  local tmp=$dir.tmp-restore f sha
+  rm -rf "$tmp" && mkdir -p "$tmp"
+  git show "$found:recipe-drafter/$name/manifest.json" > "$tmp/.manifest"
+  while read -r f sha; do
+    git show "$found:recipe-drafter/$name/$f" > "$tmp/$f"
+    [ "$(sha256sum "$tmp/$f" | cut -d' ' -f1)" = "$sha" ] || { rm -rf "$tmp"; die "$name/$f: sha256 differs from its manifest"; }
+  done < <(python3 -c 'import json, sys; [print(f, h) for f, h in json.load(open(sys.argv[1]))["files"].items()]' "$tmp/.manifest")
+  rm "$tmp/.manifest"
+  rm -rf "$dir" && mv "$tmp" "$dir"
+  echo "restored the drafter $name into $dir"
+}
+
 case ${1:-} in
   store) [ $# -ge 3 ] || die "usage: store NAME FILE.jsonl [NOTE]"; cmd_store "$2" "$3" "${4:-}" ;;
   list) cmd_list ;;
   restore) [ $# -eq 2 ] || die "usage: restore DIR"; cmd_restore "$2" ;;
   rows) [ $# -eq 2 ] || die "usage: rows FILE.jsonl"; cmd_rows "$2" ;;
-  *) sed -n '2,21p' "$0" >&2; exit 2 ;;
+  store-drafter) [ $# -ge 3 ] || die "usage: store-drafter NAME DIR [NOTE]"; cmd_store_drafter "$2" "$3" "${4:-}" ;;
+  restore-drafter) [ $# -ge 2 ] || die "usage: restore-drafter DIR [NAME]"; cmd_restore_drafter "$2" "${3:-}" ;;
+  *) sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2 ;;
 esac

@@ -50,8 +50,10 @@
 # within seconds goes back with its /tmp, so give the first call SHIP_DRAFTER=1 too: if the
 # resume finds a fresh machine, the shipped drafter starts a new run instead. SHIP_DRAFTER=1 brings the
 # final drafter back as $OUT/drafter/final.tar.part_* (bf16, ~39 MB in 3 parts) and packs that
-# part's eval reports into $OUT/NAME-reports.tar.xz (a call returns 8 files). Keep the parts in a
-# git-ignored .drafter/; a later machine's call that carries them (with any part) unpacks them to
+# part's eval reports into $OUT/NAME-reports.tar.xz (a call returns 8 files). Keep it in history
+# (`cat PARTS | tar -x` gives final/; `bash scripts/recipe_data.sh store-drafter NAME final`): a checkout
+# restores it with `bash scripts/recipe_data.sh restore-drafter .drafter/final`, and a later
+# machine's call that carries .drafter/final (or the parts, .drafter/final.tar.part_*) copies it to
 # /tmp/drafter-kept/final, a start for the next stage: OURS_ARGS="--drafter.init_from
 # /tmp/drafter-kept/final ...". docs/recipe-smollm2.md "A run across machines" has the commands.
 #
@@ -101,7 +103,10 @@ keep_carried() {
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
     mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
   fi
-  if compgen -G ".drafter/final.tar.part_*" > /dev/null; then  # a drafter shipped by SHIP_DRAFTER=1
+  if [ -f .drafter/final/model.safetensors ]; then  # a kept drafter (scripts/recipe_data.sh restore-drafter .drafter/final)
+    rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
+    cp -r .drafter/final /tmp/drafter-kept/ && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
+  elif compgen -G ".drafter/final.tar.part_*" > /dev/null; then  # a drafter shipped by SHIP_DRAFTER=1
     rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
     cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf - && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
   fi

@@ -126,3 +126,79 @@ def test_restore_refuses_an_export_whose_manifest_disagrees(repo: Path) -> None:
     assert proc.returncode == 2
     assert "bad: sha256" in proc.stderr and "0" * 64 in proc.stderr
     assert not list((repo / "out").glob("*bad*"))
+
+
+def drafter_dir(root: Path, weights: bytes) -> Path:
+    """A drafter folder as a run's final/ holds it (the script checks files, not their contents)."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}) + "\n")
+    (root / "model.safetensors").write_bytes(weights)
+    return root
+
+
+def test_drafters_round_trip_through_a_clone_newest_first_or_by_name(repo: Path, tmp_path: Path) -> None:
+    tree_before = git(repo, "ls-tree", "-r", "--name-only", "HEAD")
+    first = drafter_dir(tmp_path / "stage1", bytes(range(256)) * 40)
+    second = drafter_dir(tmp_path / "stage2", b"\x01\x02" * 999)
+    assert "kept the drafter" in run(repo, "store-drafter", "stage1", str(first), "six epochs").stdout
+    run(repo, "store-drafter", "stage2", str(second))
+    (repo / "gen.jsonl").write_text(rows("a"))
+    run(repo, "store", "day1", "gen.jsonl")  # data and drafters are listed apart
+    assert git(repo, "ls-tree", "-r", "--name-only", "HEAD") == tree_before
+    listing = run(repo, "list").stdout.splitlines()
+    assert listing[1] == "1 rows in 1 export(s)"
+    assert [line.split()[2] for line in listing[2:]] == ["stage1", "stage2"]
+    assert listing[2].split()[3:6] == ["0.0", "MB", "six"]
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    run(clone, "restore-drafter", "newest")
+    assert (clone / "newest" / "model.safetensors").read_bytes() == b"\x01\x02" * 999
+    assert sorted(p.name for p in (clone / "newest").iterdir()) == ["config.json", "model.safetensors"]
+    run(clone, "restore-drafter", "older", "stage1")
+    assert (clone / "older" / "model.safetensors").read_bytes() == bytes(range(256)) * 40
+    # restoring over an earlier restore replaces it whole
+    run(clone, "restore-drafter", "older")
+    assert (clone / "older" / "model.safetensors").read_bytes() == b"\x01\x02" * 999
+
+
+@pytest.mark.parametrize("case", ["no weights", "same name", "bad name", "dirty tree", "unknown name", "none kept"])
+def test_drafter_refusals_exit_2_and_keep_nothing(repo: Path, tmp_path: Path, case: str) -> None:
+    good = drafter_dir(tmp_path / "good", b"w" * 10)
+    if case != "none kept":
+        run(repo, "store-drafter", "first", str(good))
+    head = git(repo, "rev-parse", "HEAD")
+    if case in ("unknown name", "none kept"):
+        proc = run(repo, "restore-drafter", "out", *(["nope"] if case == "unknown name" else []), check=False)
+        named = " named nope" if case == "unknown name" else ""
+        assert proc.stderr == f"recipe_data: no drafter{named} kept in this repository's history\n"
+        assert not (repo / "out").exists()
+    else:
+        args = {"no weights": ("second", str(tmp_path)), "same name": ("first", str(good)),
+                "bad name": ("../up", str(good)), "dirty tree": ("second", str(good))}[case]
+        if case == "dirty tree":
+            (repo / "README.md").write_text("edited\n")
+        proc = run(repo, "store-drafter", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("recipe_data: ") and len(proc.stderr.strip().splitlines()) == 1
+    assert git(repo, "rev-parse", "HEAD") == head
+
+
+def test_restore_drafter_refuses_a_file_its_manifest_disagrees_with(repo: Path, tmp_path: Path) -> None:
+    run(repo, "store-drafter", "good", str(drafter_dir(tmp_path / "good", b"w" * 10)))
+    # a hand-made drafter commit whose manifest names another checksum for the weights
+    bad = drafter_dir(tmp_path / "bad", b"x" * 10)
+    (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
+                                                   "files": {"config.json": "0" * 64, "model.safetensors": "0" * 64}}))
+    env = {"GIT_INDEX_FILE": str(repo / ".git" / "tmp-index"), "PATH": "/usr/bin:/bin"}
+    for f in ("config.json", "model.safetensors", "manifest.json"):
+        sha = subprocess.run(["git", "hash-object", "-w", str(bad / f)], cwd=repo, check=True, capture_output=True,
+                             text=True).stdout.strip()
+        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},recipe-drafter/bad/{f}"],
+                       cwd=repo, check=True, env=env)
+    tree = subprocess.run(["git", "write-tree"], cwd=repo, check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+    commit = git(repo, "commit-tree", tree, "-m", "recipe drafter: bad").strip()
+    git(repo, "merge", "-q", "-s", "ours", "--allow-unrelated-histories", "--no-edit", commit)
+    proc = run(repo, "restore-drafter", "out", check=False)
+    assert proc.returncode == 2 and "sha256 differs" in proc.stderr
+    assert not (repo / "out").exists() and not (repo / "out.tmp-restore").exists()
