@@ -13,7 +13,7 @@ import pytest
 import dflash_train.train.trainer as trainer_mod
 from dflash_train.train.checkpoint import latest_checkpoint, step_dir_name
 import dflash_train.train.stopping as stopping_mod
-from dflash_train.train.stopping import RateSince, fitted_total, refit_due, schedule_fit
+from dflash_train.train.stopping import RecentRate, fitted_total, refit_due, schedule_fit
 from dflash_train.train.trainer import Trainer
 
 from .test_trainer import make_config, read_metrics
@@ -120,13 +120,33 @@ def test_fit_schedule_without_a_time_box_keeps_max_steps(tiny_targets, tiny_data
 
 
 def test_the_rate_counts_from_the_end_of_the_first_window_and_a_refit_needs_a_real_move() -> None:
-    rate = RateSince()
-    assert rate.steps_per_s(5, 10.0) == 0.0  # not started
-    rate.start(2, 40.0)  # the first window (compiles) ended at step 2, 40 s in
-    assert rate.steps_per_s(12, 60.0) == 0.5 and rate.steps_per_s(2, 40.0) == 0.0
+    rate = RecentRate()
+    rate.window_ended(5, 10.0)
+    assert rate.steps_per_s() == 0.0  # not started: the first window holds the compiles
+    rate.start(2, 40.0)  # the first window ended at step 2, 40 s in
+    rate.window_ended(12, 60.0)
+    assert rate.steps_per_s() == 0.5
+    rate.window_ended(12, 60.0)  # an empty window adds no rate
+    assert rate.steps_per_s() == 0.5
     assert not refit_due(step=10, current_total=50, fitted=54)  # 4 of 40 steps left: jitter
     assert refit_due(step=10, current_total=50, fitted=55) and refit_due(step=10, current_total=50, fitted=45)
     assert not refit_due(step=48, current_total=50, fitted=52) and refit_due(step=48, current_total=50, fitted=53)
+
+
+def test_the_rate_is_the_median_of_the_recent_windows() -> None:
+    rate = RecentRate()
+    rate.start(0, 0.0)
+    step, t = 0, 0.0
+    for seconds in (10.0, 10.0, 10.0, 10.0, 10.0, 2.0, 2.0, 2.0, 20.0):  # 10 steps a window
+        step, t = step + 10, t + seconds
+        rate.window_ended(step, t)
+        if step == 70:  # the last five windows: 1, 1, 1, 5, 5 steps/s
+            assert rate.steps_per_s() == 1.0
+        if step == 80:  # 1, 1, 5, 5, 5: the faster speed counts after three windows
+            assert rate.steps_per_s() == 5.0
+    # one slow window (a checkpoint) does not move it, where the average since the start
+    # (90 steps in 76 s) would still say 1.18
+    assert rate.steps_per_s() == 5.0
 
 
 class FakeClock:
@@ -171,3 +191,22 @@ def test_a_steady_rate_is_fitted_once(tiny_targets, tiny_datasets, tmp_path, mon
     # 0.5 steps/s from step 1 on; at step 2, 56 s left: 2 + int(0.5 * 56 * 0.95) = 28
     assert lines == ["schedule fitted to run.max_minutes=1: 28 steps (the most is 200) at the measured 0.50 steps/s"]
     assert summary["steps"] == 28
+
+
+def test_a_slow_start_that_ends_is_followed_so_the_cosine_spans_the_run(
+        tiny_targets, tiny_datasets, tmp_path, monkeypatch, caplog) -> None:
+    """A generation beside the run for its first part (2 s a step, then 0.25 s): the fit follows the
+    new speed within a few windows, so the cosine spans the whole box. The average since the first
+    window chased it in 33 fits, the learning rate near its floor from the second third on."""
+    with caplog.at_level(logging.INFO):
+        _, summary = _fit_under_clock(tiny_targets, tiny_datasets, tmp_path / "run", monkeypatch,
+                                      lambda step: 2.0 if step <= 10 else 0.25, **{"run.max_steps": 400})
+    fits = [int(m.group(1).replace(",", "")) for r in caplog.records
+            if (m := re.match(r"schedule (?:re)?fitted to run.max_minutes=1: ([\d,]+) steps", r.getMessage()))]
+    # 10 steps in 20 s, then 40 s at 4 steps/s: 10 + int(4 * 40 * 0.95) = 162 once the new speed counts
+    assert fits[0] == 28 and 162 <= fits[1] <= 170 and len(fits) <= 4
+    assert summary["steps"] == fits[-1]
+    m = read_metrics(tmp_path / "run")
+    mid = summary["steps"] // 2
+    assert m[mid]["lr"] > 0.5 * 3e-3  # half-way through a cosine from 3e-3 to 3e-4: 1.65e-3
+    assert m[summary["steps"]]["lr"] == pytest.approx(0.1 * 3e-3)

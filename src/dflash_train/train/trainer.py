@@ -48,7 +48,7 @@ from dflash_train.train.metrics_log import (STAGES, ConsumedSamples, MetricsLogg
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
-from dflash_train.train.stopping import RateSince, StopControl, WeightAndStop, fitted_total, refit_due, schedule_fit
+from dflash_train.train.stopping import RecentRate, StopControl, WeightAndStop, fitted_total, refit_due, schedule_fit
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_device
@@ -157,7 +157,7 @@ class Trainer:
                          cfg.drafter.init_from_target)
             if self.state.fitted_total:  # run.fit_schedule fitted it before: the schedule continues as fitted
                 self.total_steps = min(self.total_steps, self.state.fitted_total)
-        self.rate, self.fitted_here = RateSince(), False
+        self.rate, self.fitted_here = RecentRate(), False
         self.remaining_batches = (self.total_steps - self.state.step) * cfg.optim.grad_accum
         if ctx.layout == "split":
             broadcast_start(ctx, epoch=self.state.epoch, index=self.state.index, batches=self.remaining_batches)
@@ -313,11 +313,12 @@ class Trainer:
 
     def _check_schedule(self, metrics: MetricsLogger, control: StopControl, *, first: bool) -> None:
         """Against the time box, from the second log window on: fit the schedule to it (run.fit_schedule)
-        and refit it when the rate measured since the first window moves the fit (a load spike that
-        passed, or began); without fit_schedule, or resumed from a fitted run, say once when it does not fit."""
+        and refit it when the recent rate moves the fit (a load spike that passed, or began);
+        without fit_schedule, or resumed from a fitted run, say once when it does not fit."""
         run, state = self.cfg.run, self.state
         elapsed = control.session_elapsed_s()
-        steps_per_s = self.rate.steps_per_s(state.step, elapsed)
+        self.rate.window_ended(state.step, elapsed)
+        steps_per_s = self.rate.steps_per_s()
         box = dict(step=state.step, total=self.most_steps, steps_per_s=steps_per_s, session_elapsed_s=elapsed,
                    max_minutes=run.max_minutes)
         if not (run.fit_schedule and run.max_minutes) or (state.fitted_total and not self.fitted_here):
