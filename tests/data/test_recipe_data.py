@@ -101,27 +101,30 @@ def test_refusals_exit_2_and_keep_nothing(repo: Path, case: str) -> None:
     assert git(repo, "rev-parse", "HEAD") == head
 
 
-def test_restore_refuses_an_export_whose_manifest_disagrees(repo: Path) -> None:
-    (repo / "gen.jsonl").write_text(rows("a"))
-    run(repo, "store", "good", "gen.jsonl")
-    # a hand-made data commit whose manifest names another checksum
-    blob = lzma.compress(rows("z").encode())
-    (repo / "bad.xz").write_bytes(blob)
-    (repo / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "rows": 1,
-                                                    "sha256_xz": "0" * 64}))
-    env_index = repo / ".git" / "tmp-index"
-    env = {"GIT_INDEX_FILE": str(env_index), "PATH": "/usr/bin:/bin"}
-    for src, dst in (("bad.xz", "conversations.jsonl.xz"), ("manifest.json", "manifest.json")):
-        sha = subprocess.run(["git", "hash-object", "-w", src], cwd=repo, check=True, capture_output=True,
-                             text=True).stdout.strip()
-        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},recipe-data/bad/{dst}"],
+def merge_by_hand(repo: Path, folder: Path, prefix: str, message: str) -> None:
+    """FOLDER's files as PREFIX/<file> in a commit of their own, merged as the script merges its own:
+    a kept export or drafter the script did not write (a tampered or corrupt one)."""
+    env = {"GIT_INDEX_FILE": str(repo / ".git" / "tmp-index"), "PATH": "/usr/bin:/bin"}
+    for f in sorted(folder.iterdir()):
+        sha = git(repo, "hash-object", "-w", str(f)).strip()
+        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},{prefix}/{f.name}"],
                        cwd=repo, check=True, env=env)
     tree = subprocess.run(["git", "write-tree"], cwd=repo, check=True, capture_output=True, text=True,
                           env=env).stdout.strip()
-    commit = git(repo, "commit-tree", tree, "-m", "recipe data: bad (1 conversations)").strip()
-    (repo / "bad.xz").unlink()
-    (repo / "manifest.json").unlink()
+    commit = git(repo, "commit-tree", tree, "-m", message).strip()
     git(repo, "merge", "-q", "-s", "ours", "--allow-unrelated-histories", "--no-edit", commit)
+
+
+def test_restore_refuses_an_export_whose_manifest_disagrees(repo: Path, tmp_path: Path) -> None:
+    (repo / "gen.jsonl").write_text(rows("a"))
+    run(repo, "store", "good", "gen.jsonl")
+    # a hand-made data commit whose manifest names another checksum
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "conversations.jsonl.xz").write_bytes(lzma.compress(rows("z").encode()))
+    (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "rows": 1,
+                                                   "sha256_xz": "0" * 64}))
+    merge_by_hand(repo, bad, "recipe-data/bad", "recipe data: bad (1 conversations)")
     proc = run(repo, "restore", "out", check=False)
     assert proc.returncode == 2
     assert "bad: sha256" in proc.stderr and "0" * 64 in proc.stderr
@@ -189,16 +192,7 @@ def test_restore_drafter_refuses_a_file_its_manifest_disagrees_with(repo: Path, 
     bad = drafter_dir(tmp_path / "bad", b"x" * 10)
     (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
                                                    "files": {"config.json": "0" * 64, "model.safetensors": "0" * 64}}))
-    env = {"GIT_INDEX_FILE": str(repo / ".git" / "tmp-index"), "PATH": "/usr/bin:/bin"}
-    for f in ("config.json", "model.safetensors", "manifest.json"):
-        sha = subprocess.run(["git", "hash-object", "-w", str(bad / f)], cwd=repo, check=True, capture_output=True,
-                             text=True).stdout.strip()
-        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},recipe-drafter/bad/{f}"],
-                       cwd=repo, check=True, env=env)
-    tree = subprocess.run(["git", "write-tree"], cwd=repo, check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
-    commit = git(repo, "commit-tree", tree, "-m", "recipe drafter: bad").strip()
-    git(repo, "merge", "-q", "-s", "ours", "--allow-unrelated-histories", "--no-edit", commit)
+    merge_by_hand(repo, bad, "recipe-drafter/bad", "recipe drafter: bad")
     proc = run(repo, "restore-drafter", "out", check=False)
     assert proc.returncode == 2 and "sha256 differs" in proc.stderr
     assert not (repo / "out").exists() and not (repo / "out.tmp-restore").exists()
