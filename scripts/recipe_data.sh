@@ -174,6 +174,9 @@ cmd_restore_drafter() {  # DIR [NAME]: the newest kept drafter, or NAME, its fil
     [ -z "$want" ] || [ "$name" = "$want" ] && found=$c
   done
   [ -n "$found" ] || die "no drafter${want:+ named $want} kept in this repository's history"
+  if [ -e "$dir" ] && ! { [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ]; }; then
+    die "$dir exists and is not a drafter folder (config.json + model.safetensors): name a new folder"
+  fi  # a drafter folder there (an earlier restore) is replaced whole
   name=$(name_of "$found" recipe-drafter)
   local tmp=$dir.tmp-restore f sha
   rm -rf "$tmp" && mkdir -p "$tmp"

@@ -164,13 +164,20 @@ def test_drafters_round_trip_through_a_clone_newest_first_or_by_name(repo: Path,
     assert (clone / "older" / "model.safetensors").read_bytes() == b"\x01\x02" * 999
 
 
-@pytest.mark.parametrize("case", ["no weights", "same name", "bad name", "dirty tree", "unknown name", "none kept"])
+@pytest.mark.parametrize("case", ["no weights", "same name", "bad name", "dirty tree", "unknown name", "none kept",
+                                  "onto other files"])
 def test_drafter_refusals_exit_2_and_keep_nothing(repo: Path, tmp_path: Path, case: str) -> None:
     good = drafter_dir(tmp_path / "good", b"w" * 10)
     if case != "none kept":
         run(repo, "store-drafter", "first", str(good))
     head = git(repo, "rev-parse", "HEAD")
-    if case in ("unknown name", "none kept"):
+    if case == "onto other files":  # a folder that holds something else is never replaced
+        (repo / "out").mkdir()
+        (repo / "out" / "notes.txt").write_text("mine\n")
+        proc = run(repo, "restore-drafter", "out", check=False)
+        assert (repo / "out" / "notes.txt").read_text() == "mine\n"
+        assert sorted(p.name for p in (repo / "out").iterdir()) == ["notes.txt"]
+    elif case in ("unknown name", "none kept"):
         proc = run(repo, "restore-drafter", "out", *(["nope"] if case == "unknown name" else []), check=False)
         named = " named nope" if case == "unknown name" else ""
         assert proc.stderr == f"recipe_data: no drafter{named} kept in this repository's history\n"
