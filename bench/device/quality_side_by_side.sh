@@ -103,12 +103,12 @@ keep_carried() {
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
     mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
   fi
-  if [ -f .drafter/final/model.safetensors ]; then  # a kept drafter (scripts/recipe_data.sh restore-drafter .drafter/final)
+  local restored=.drafter/final/model.safetensors  # scripts/recipe_data.sh restore-drafter .drafter/final
+  if [ -f $restored ] || compgen -G ".drafter/final.tar.part_*" > /dev/null; then
     rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
-    cp -r .drafter/final /tmp/drafter-kept/ && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
-  elif compgen -G ".drafter/final.tar.part_*" > /dev/null; then  # a drafter shipped by SHIP_DRAFTER=1
-    rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
-    cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf - && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
+    if [ -f $restored ]; then cp -r .drafter/final /tmp/drafter-kept/
+    else cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf -; fi  # shipped by SHIP_DRAFTER=1
+    ls -l /tmp/drafter-kept/final | tee -a "$LOG"
   fi
 }
 keep_carried

@@ -185,7 +185,7 @@ class StaticDecoder:
         self.lm_head_b = getattr(model.get_output_embeddings(), "bias", None)
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.head_dim = head_dim_of(model)
         self.scale = float(inner.layers[0].self_attn.scaling)
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device

@@ -96,8 +96,9 @@ class RunConfig:
     """with max_minutes: once the rate is measured (the second log window), shorten the schedule
     (max_steps, or the epochs' steps: the most the run does) to what 95% of the time box holds, so
     the learning rate has decayed when the box ends, and refit it at later log windows when the
-    recent rate (the median of the last five windows) moves the fit (docs/training.md); the fitted length is kept across resumes. No
-    effect without a box (a short run with run.max_minutes 0 keeps its max_steps)"""
+    recent rate (the median of the last five windows) moves the fit (docs/training.md); the fitted
+    length is kept across resumes. No effect without a box (a short run with run.max_minutes 0
+    keeps its max_steps)"""
     seed: int = 0
     """seed of initialisation, anchors, noise and the eval split"""
     resume_with_other_data: bool = False
