@@ -6,8 +6,10 @@
 #   .whl/                           the wheels the machine lacks (bench/peer_modelopt/fetch_wheels.sh)
 #   .recipe/NNN-NAME.jsonl.xz       the kept conversations (scripts/recipe_data.sh restore)
 #   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter)
-# A step whose output is there already is skipped; the sizes are printed at the end, to plan the
-# calls' carry lists. ~1 minute.
+# The GGUF halves and wheels are skipped when there already. The conversations and the drafter are
+# restored every time (under a second), so they follow history: an export or drafter kept since the
+# last run is never left behind. The sizes are printed at the end, to plan the calls' carry lists.
+# ~1 minute.
 #
 #   bash bench/device/carry_inputs.sh
 set -euo pipefail
@@ -29,8 +31,8 @@ print(pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.
 fi
 [ -f .whl/gguf-0.19.0-py3-none-any.whl ] && compgen -G ".whl/antlr4_python3_runtime-*.whl" > /dev/null \
   || PY=python3 bash bench/peer_modelopt/fetch_wheels.sh > /dev/null
-compgen -G ".recipe/*.jsonl.xz" > /dev/null || bash scripts/recipe_data.sh restore .recipe > /dev/null
-if [ ! -f .drafter/final/model.safetensors ] && git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
+rm -f .recipe/*.jsonl.xz && bash scripts/recipe_data.sh restore .recipe > /dev/null
+if git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
   bash scripts/recipe_data.sh restore-drafter .drafter/final > /dev/null
 fi
 du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/final 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
