@@ -9,9 +9,11 @@ import re
 import shutil
 
 import pytest
+import torch
 
 import dflash_train.train.trainer as trainer_mod
 from dflash_train.train.checkpoint import latest_checkpoint, step_dir_name
+from dflash_train.train.metrics_log import first_step_line
 import dflash_train.train.stopping as stopping_mod
 from dflash_train.train.stopping import RecentRate, fitted_total, refit_due, schedule_fit
 from dflash_train.train.trainer import Trainer
@@ -210,3 +212,33 @@ def test_a_slow_start_that_ends_is_followed_so_the_cosine_spans_the_run(
     mid = summary["steps"] // 2
     assert m[mid]["lr"] > 0.5 * 3e-3  # half-way through a cosine from 3e-3 to 3e-4: 1.65e-3
     assert m[summary["steps"]]["lr"] == pytest.approx(0.1 * 3e-3)
+
+
+def test_the_first_step_is_announced_once_before_the_first_log_window(
+        tiny_targets, tiny_datasets, tmp_path, caplog) -> None:
+    """One line after the first optimizer step (the compiles' wait is over; on a GPU, the memory held),
+    before step 1's log window, and not again on later steps; a resumed process says it again."""
+    cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run",
+                      **{"run.max_steps": 3, "run.log_every": 1, "run.save_every": 2})
+    with caplog.at_level(logging.INFO):
+        Trainer(cfg).fit()
+    messages = [r.getMessage() for r in caplog.records]
+    firsts = [i for i, m in enumerate(messages) if m.startswith("first step")]
+    assert len(firsts) == 1, messages
+    assert re.fullmatch(r"first step done \d+\.\ds after the start", messages[firsts[0]])  # CPU: no memory part
+    step1 = next(i for i, m in enumerate(messages) if m.startswith("step 1/3 |"))
+    assert firsts[0] < step1
+    caplog.clear()
+    more = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "run",
+                       **{"run.max_steps": 4, "run.log_every": 1, "run.save_every": 2})
+    with caplog.at_level(logging.INFO):
+        Trainer(more, resume=True).fit()
+    assert len([m for m in (r.getMessage() for r in caplog.records) if m.startswith("first step")]) == 1
+
+
+def test_the_first_step_line_on_a_gpu_names_the_memory_held(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 48.46 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 50.04 * 2**30)
+    assert first_step_line(61.27, torch.device("cuda", 0)) == (
+        "first step done 61.3s after the start; peak memory 48.5 GiB allocated, 50.0 GiB reserved")
+    assert first_step_line(3.04, torch.device("cpu")) == "first step done 3.0s after the start"

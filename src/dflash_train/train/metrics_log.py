@@ -138,6 +138,16 @@ class Window:
         return m, timer.collect()
 
 
+def first_step_line(elapsed_s: float, device: torch.device) -> str:
+    """Said once, after this process's first optimizer step: the wait for the compiles and the first
+    batches is over, and on a GPU the memory the run now holds (for whatever shares the device)."""
+    text = f"first step done {elapsed_s:.1f}s after the start"
+    if device.type == "cuda":
+        text += (f"; peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated, "
+                 f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved")
+    return text
+
+
 def format_train_line(step: int, total: int, m: dict[str, float], block_size: int) -> str:
     accs = " ".join(f"{m.get(f'acc_{k}', float('nan')):.2f}" for k in range(1, block_size))
     split = m.get("split", {})

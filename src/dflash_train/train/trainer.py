@@ -43,8 +43,8 @@ from dflash_train.train.checkpoint import (
 )
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.evaluate import Evaluator
-from dflash_train.train.metrics_log import (STAGES, ConsumedSamples, MetricsLogger, Window, format_train_line,
-                                            read_records)
+from dflash_train.train.metrics_log import (STAGES, ConsumedSamples, MetricsLogger, Window, first_step_line,
+                                            format_train_line, read_records)
 from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
 from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
@@ -239,6 +239,8 @@ class Trainer:
                     state.tokens += done.tokens
                     window.add(done.micro, done.tokens)
                     profiler.step_ended(state.step)
+                    if windows == 0 and window.steps == 1:  # the compiles are behind us: say so, and the memory held
+                        metrics.line(first_step_line(control.session_elapsed_s(), self.device))
                     metrics.progress(state.step, {"tok/s": window.tok_per_s(D), **{k: last[k] for k in ("loss", "tau")
                                                                                     if k in last}})
                     if state.step % cfg.run.log_every == 0 or state.step == self.total_steps:
