@@ -180,13 +180,16 @@ cmd_restore_drafter() {  # DIR [NAME]: the newest kept drafter, or NAME, its fil
   name=$(name_of "$found" recipe-drafter)
   local tmp=$dir.tmp-restore f sha
   rm -rf "$tmp" && mkdir -p "$tmp"
-  git show "$found:recipe-drafter/$name/manifest.json" > "$tmp/.manifest"
+  trap "rm -rf $(printf %q "$tmp")" EXIT  # whatever stops the restore, no half-written folder stays
+  git show "$found:recipe-drafter/$name/manifest.json" > "$tmp/.manifest" 2> /dev/null \
+    || die "$name: its commit $found has no manifest.json"
   while read -r f sha; do
-    git show "$found:recipe-drafter/$name/$f" > "$tmp/$f"
-    [ "$(sha256sum "$tmp/$f" | cut -d' ' -f1)" = "$sha" ] || { rm -rf "$tmp"; die "$name/$f: sha256 differs from its manifest"; }
+    git show "$found:recipe-drafter/$name/$f" > "$tmp/$f" 2> /dev/null \
+      || die "$name/$f: listed in its manifest, missing from its commit $found"
+    [ "$(sha256sum "$tmp/$f" | cut -d' ' -f1)" = "$sha" ] || die "$name/$f: sha256 differs from its manifest"
   done < <(python3 -c 'import json, sys; [print(f, h) for f, h in json.load(open(sys.argv[1]))["files"].items()]' "$tmp/.manifest")
   rm "$tmp/.manifest"
-  rm -rf "$dir" && mv "$tmp" "$dir"
+  rm -rf "$dir" && mv "$tmp" "$dir" && trap - EXIT
   echo "restored the drafter $name into $dir"
 }
 

@@ -5,6 +5,7 @@ them and rebuild the concatenated set byte for byte; the refusals exit with stat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import shutil
@@ -193,13 +194,25 @@ def test_drafter_refusals_exit_2_and_keep_nothing(repo: Path, tmp_path: Path, ca
     assert git(repo, "rev-parse", "HEAD") == head
 
 
-def test_restore_drafter_refuses_a_file_its_manifest_disagrees_with(repo: Path, tmp_path: Path) -> None:
-    run(repo, "store-drafter", "good", str(drafter_dir(tmp_path / "good", b"w" * 10)))
-    # a hand-made drafter commit whose manifest names another checksum for the weights
+@pytest.mark.parametrize("case", ["other checksum", "file missing"])
+def test_restore_drafter_refuses_a_file_its_manifest_disagrees_with(repo: Path, tmp_path: Path, case: str) -> None:
+    good = drafter_dir(tmp_path / "good", b"w" * 10)
+    run(repo, "store-drafter", "good", str(good))
+    # a hand-made drafter commit whose manifest names another checksum for the weights, or a file it lacks
     bad = drafter_dir(tmp_path / "bad", b"x" * 10)
+    files = {"config.json": hashlib.sha256((bad / "config.json").read_bytes()).hexdigest(),
+             "model.safetensors": "0" * 64}
+    if case == "file missing":
+        files["model.safetensors"] = hashlib.sha256(b"x" * 10).hexdigest()
+        (bad / "model.safetensors").unlink()
     (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
-                                                   "files": {"config.json": "0" * 64, "model.safetensors": "0" * 64}}))
+                                                   "files": files}))
     merge_by_hand(repo, bad, "recipe-drafter/bad", "recipe drafter: bad")
+    restored = drafter_dir(repo / "out", b"earlier")  # an earlier restore there stays as it was
     proc = run(repo, "restore-drafter", "out", check=False)
-    assert proc.returncode == 2 and "sha256 differs" in proc.stderr
-    assert not (repo / "out").exists() and not (repo / "out.tmp-restore").exists()
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    expected = ("bad/model.safetensors: sha256 differs from its manifest" if case == "other checksum"
+                else "bad/model.safetensors: listed in its manifest, missing from its commit")
+    assert proc.stderr.startswith(f"recipe_data: {expected}")
+    assert (restored / "model.safetensors").read_bytes() == b"earlier"
+    assert not (repo / "out.tmp-restore").exists()
