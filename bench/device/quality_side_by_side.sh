@@ -43,6 +43,10 @@
 #                                       that data can go beside a detached run on all of them:
 #                                       TOKENS_ARGS="--data.path /tmp/recipe/subset/data
 #                                       --data.eval_path /tmp/recipe/subset/data-heldout ..." (~1 min)
+#   PART=eval                           the evals of a carried drafter .drafter/EVAL_NAME (restored
+#                                       there: restore-drafter .drafter/EVAL_NAME KEPT_NAME); SETS=
+#                                       (empty) leaves out HumanEval and chat at 256 (default
+#                                       "humaneval chat"), e.g. for LONG=1 alone        (~3 min)
 # A run longer than one call (10 minutes): the first call trains with a fixed schedule that spans
 # the calls and EVAL=0 (`--run.fit_schedule false --run.max_steps N`); it stops at its box with a
 # checkpoint. The next call on the same machine continues it with RESUME=1 (and fit_schedule true:
@@ -71,7 +75,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows|subset}
+PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows|subset|eval}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -105,11 +109,17 @@ keep_carried() {
   fi
   local restored=.drafter/final/model.safetensors  # scripts/recipe_data.sh restore-drafter .drafter/final
   if [ -f $restored ] || compgen -G ".drafter/final.tar.part_*" > /dev/null; then
-    rm -rf /tmp/drafter-kept && mkdir -p /tmp/drafter-kept
+    rm -rf /tmp/drafter-kept/final && mkdir -p /tmp/drafter-kept
     if [ -f $restored ]; then cp -r .drafter/final /tmp/drafter-kept/
     else cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf -; fi  # shipped by SHIP_DRAFTER=1
     ls -l /tmp/drafter-kept/final | tee -a "$LOG"
   fi
+  local other  # any other restored drafter (restore-drafter .drafter/NAME KEPT_NAME), for PART=eval
+  for other in .drafter/*/model.safetensors; do
+    [ -f "$other" ] && [ "$other" != $restored ] || continue
+    other=$(dirname "$other"); rm -rf "/tmp/drafter-kept/${other#.drafter/}" && mkdir -p /tmp/drafter-kept
+    cp -r "$other" /tmp/drafter-kept/ && ls -l "/tmp/drafter-kept/${other#.drafter/}" | tee -a "$LOG"
+  done
 }
 keep_carried
 # restore_kept GLOB DIR: the kept exports matching GLOB, in the order kept, as DIR/gen/gen-0.jsonl
@@ -148,8 +158,8 @@ eval_sets() {
     cp "$dir/eval-$1/report.json" "$OUT/$name-$1.json" 2>/dev/null
   }
   echo "=== eval $name ($drafter) $(date +%T)" | tee -a "$LOG"
-  one humaneval humaneval 256 $greedy
-  one chat chat 256 $greedy
+  local short
+  for short in ${SETS-humaneval chat}; do one $short $short 256 $greedy; done  # SETS= (empty): neither
   if [ "${SOURCE_SETS:-1}" = 1 ]; then  # SOURCE_SETS=0: HumanEval and chat only (lever screens)
     one sources-heldout $W/eval-sets/sources-heldout.jsonl 256 --no-greedy
     one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
@@ -362,10 +372,14 @@ rows)  # the conversations written since the last shipment (GEN_BESIDE, GEN_BACK
   grep -E "new tok/s|written|stopped" $W/gen/gen-0.log 2>/dev/null | tail -3 | cut -c1-200
   ship_new_rows ;;
 stash) ;;  # keep_carried above did it
+eval)  # a carried drafter (.drafter/EVAL_NAME, restored there) measured as a run's are, e.g. at
+       # 2,048 new tokens alone: SETS= SOURCE_SETS=0 LONG=1 EVAL_SLOTS=16 PART=eval EVAL_NAME=current
+  need $T/model.safetensors; need "/tmp/drafter-kept/${EVAL_NAME:?EVAL_NAME=a carried drafter folder under .drafter}"
+  eval_sets "$EVAL_NAME" "/tmp/drafter-kept/$EVAL_NAME" ;;
 subset)  # SUBSET of the kept exports, prepared as data's are (EXPECT_ROWS=N: stop unless N rows came)
   need $T/model.safetensors
   restore_kept "${SUBSET:?SUBSET=a glob of kept export names, e.g. 001-*}" $W/subset
   stage "prepare subset" 300 env TARGET=$T WORK=$W/subset STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   grep -E "^===|split|written|wrote|rror|Traceback" "$LOG" | tail -8 ;;
-*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows|subset" >&2; exit 2 ;;
+*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows|subset|eval" >&2; exit 2 ;;
 esac
