@@ -35,7 +35,7 @@ rm -f .recipe/*.jsonl.xz && bash scripts/recipe_data.sh restore .recipe > /dev/n
 if git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
   bash scripts/recipe_data.sh restore-drafter .drafter/final > /dev/null
 fi
-du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/final 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
+du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/* 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 echo "tracked tree: $(awk "BEGIN {printf \"%.1f MB\", $tree / 1e6}") (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
 # the carry lists of quality_side_by_side.sh's first calls: setup and data take their GGUF half
