@@ -205,16 +205,20 @@ bg_generate_stop() {  # its time box ends it cleanly: the rows in flight are fin
 # (~60 MiB each: 1536 took 89 GiB; 12 GiB kept spare; at most 1536; SLOTS=N overrides): 1536 slots
 # beside 2,048 anchors a row ran the training out of memory. PART=rows brings back the rows written
 # so far (whole lines only), as ship_new_rows says; a later call can do it again.
-gen_beside_start() {  # TRAIN_LOG
+gen_beside_start() {  # TRAIN_LOG TRAIN_PID
   [ "${GEN_BESIDE:-0}" -gt 0 ] || return 0
   need $W/gen/shipped  # PART=data on this machine: the kept rows restored, the generation resumes after them
   setsid nohup bash -c '
-    for _ in $(seq 600); do grep -q "^first step done" "$0" 2>/dev/null && break; sleep 1; done
+    log=$0 pid=$1; shift
+    until grep -q "^first step done" "$log" 2>/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { echo "the training ended before its first step: no generation beside it"; exit 0; }
+      sleep 1
+    done
     free=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -n 1)
     fit=$(( (free - 12288) / 60 / 64 * 64 )); [ "$fit" -gt 1536 ] && fit=1536
     echo "$(date +%T) the training holds its memory; ${free} MiB free: ${SLOTS:-$fit} generation slots"
     [ "${SLOTS:-$fit}" -ge 64 ] || { echo "too little memory left to generate beside the training"; exit 0; }
-    exec env SLOTS=${SLOTS:-$fit} "$@"' "$1" env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_BESIDE \
+    exec env SLOTS=${SLOTS:-$fit} "$@"' "$1" "$2" env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_BESIDE \
     bash scripts/smollm2_recipe_x2.sh > $W/gen-beside.log 2>&1 < /dev/null &
   echo "=== generating beside the training for up to ${GEN_BESIDE}s once its first step is done $(date +%T)" | tee -a "$LOG"
 }
@@ -234,7 +238,7 @@ train_ours() {
     echo "=== train $name detached, $minutes minutes $(date +%T)" | tee -a "$LOG"
     rm -f "$W/$name.rc"
     setsid nohup bash -c '"$@"; echo $? > "$0"' "$W/$name.rc" "${cmd[@]}" > "$W/$name.train.log" 2>&1 < /dev/null &
-    echo $! > "$W/$name.pid"; gen_beside_start "$W/$name.train.log"; exit 0
+    echo $! > "$W/$name.pid"; gen_beside_start "$W/$name.train.log" $!; exit 0
   fi
   stage "train $name" $(python3 -c "print(int($minutes * 60 + 180))") "${cmd[@]}"
   train_results $name
