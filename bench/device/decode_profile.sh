@@ -11,7 +11,8 @@
 #     bash bench/device/decode_profile.sh            # all three; results in $OUT: gen_smollm2_<slots>.json,
 #                                                    # gen_qwen3_8b_256.json, draft_context_cost.json, decode_profile.log
 #     PART=draft bash bench/device/decode_profile.sh # one part
-# DRY=1: the plumbing on CPU with the tiny preset (~1 min).
+# DRY=1: the plumbing on CPU with the tiny preset (~1 min; PY=.venv/bin/python in a checkout).
+# A failed stage makes the exit status 1, after the summary.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/decode_profile.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -45,3 +46,4 @@ if [ "$PART" = all ] || [ "$PART" = draft ]; then
 fi
 grep -E "^===|^profile_generate|^new tok/s|^ms / step|^kernels|^share|^bytes|^HBM|^bound|^draft window|rror|Traceback" $LOG \
   | cut -c1-220 | tail -60
+[ "${STAGES_FAILED:-0}" = 0 ] || { echo "decode_profile: ${STAGES_FAILED} stage(s) failed (their lines above; $LOG)" >&2; exit 1; }

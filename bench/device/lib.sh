@@ -1,11 +1,14 @@
 # Shared by the device scripts (source it after setting LOG): `stage NAME LIMIT cmd...` runs a
 # command under a time limit, its output appended to $LOG, with start/end/exit-code lines on
 # stdout too (a silent stage that hits the run's time limit would otherwise return nothing).
-stage() {
-  local name=$1 limit=$2; shift 2
+stage() {  # returns the command's status; STAGES_FAILED counts the failed ones, for a loud exit
+  local name=$1 limit=$2 rc; shift 2
   echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
-  echo "=== $name rc=$? $(date +%T)" | tee -a "$LOG"
+  rc=$?
+  echo "=== $name rc=$rc $(date +%T)" | tee -a "$LOG"
+  [ "$rc" = 0 ] || STAGES_FAILED=$((${STAGES_FAILED:-0} + 1))
+  return "$rc"
 }
 
 # `smol_hf`: the built-in SmolLM2 target as a bf16 Hugging Face folder in /tmp/smol/hf, once per
