@@ -46,4 +46,4 @@ if [ "$PART" = all ] || [ "$PART" = draft ]; then
 fi
 grep -E "^===|^profile_generate|^new tok/s|^ms / step|^kernels|^share|^bytes|^HBM|^bound|^draft window|rror|Traceback" $LOG \
   | cut -c1-220 | tail -60
-[ "${STAGES_FAILED:-0}" = 0 ] || { echo "decode_profile: ${STAGES_FAILED} stage(s) failed (their lines above; $LOG)" >&2; exit 1; }
+stages_status

@@ -50,3 +50,4 @@ for name in "${NAMES[@]}"; do
   [ -f $OUT/$name.kernels.txt ] && { echo "--- $name kernels"; head -30 $OUT/$name.kernels.txt | cut -c1-200
     sed -n '/^GPU timeline/,$p' $OUT/$name.kernels.txt | cut -c1-260; }
 done
+stages_status

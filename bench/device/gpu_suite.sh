@@ -46,3 +46,4 @@ export DFLASH_TEST_LOG=$OUT/gpu_suite_tests.log  # each test's seconds as it end
 stage "suite $SHARD" ${SUITE_LIMIT:-540} python3 -m pytest -v -p no:cacheprovider -rfEs --durations=25 \
   -o faulthandler_timeout=${FAULT_S:-240} "${XDIST[@]}" "${TESTS[@]}"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|Timeout|Thread 0x" $LOG | cut -c1-300 | tail -60
+stages_status

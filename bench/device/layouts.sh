@@ -76,3 +76,4 @@ for k, v in res.items():
         print("  " + (v["bottleneck"] or "").replace("\n", "\n  "))
 PY
 grep -E "^===|^RESULT|^  rank|bottleneck:|max rel diff|^FAULT|Error|error:" $LOG | grep -v "^\s*$" | tail -45
+stages_status

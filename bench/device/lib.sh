@@ -10,6 +10,10 @@ stage() {  # returns the command's status; STAGES_FAILED counts the failed ones,
   [ "$rc" = 0 ] || STAGES_FAILED=$((${STAGES_FAILED:-0} + 1))
   return "$rc"
 }
+# `stages_status`, a script's last line: exit status 1, and one line saying so, when a stage failed
+stages_status() {
+  [ "${STAGES_FAILED:-0}" = 0 ] || { echo "$(basename "$0"): ${STAGES_FAILED} stage(s) failed (their lines above; $LOG)" >&2; exit 1; }
+}
 
 # `smol_hf`: the built-in SmolLM2 target as a bf16 Hugging Face folder in /tmp/smol/hf, once per
 # machine: the GGUF's two halves (part one left in /tmp/smol by recipe_prompts.sh or restore.sh,

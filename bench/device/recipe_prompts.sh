@@ -36,3 +36,4 @@ fi
 cp $W/prompts/manifest.json $OUT/prompts_manifest.json 2>/dev/null
 grep -E "^===|^source|^[a-z-]+ +[0-9,]+ |wrote|up to date|rror|Traceback" $LOG | tail -20
 [ -f $OUT/engine.log ] && grep -E "^===|kernels,|ceiling|^batch|^speedup|^ms per|^lossless|rror|Traceback" $OUT/engine.log | cut -c1-150 | tail -30
+stages_status

@@ -50,3 +50,4 @@ for name, r in rows.items():
           + " ".join(f"{k} {v:.1f}" for k, v in r["time_split_ms_per_step"].items()))
 PY
 grep -E "^===|rror|Traceback" $LOG | tail -12
+stages_status

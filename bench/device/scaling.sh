@@ -80,3 +80,4 @@ for name, r in res.items():
         print("  " + r["bottleneck"].replace("\n", "\n  "))
 PY
 grep -E "^===|rror|Traceback" $LOG | tail -12
+stages_status

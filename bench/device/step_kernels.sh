@@ -37,3 +37,4 @@ if [ "$PART" = all ] || [ "$PART" = flex ]; then
     --mask-mods ranges rule noop --tiles 128 64 --out $OUT/flex_mask.json
 fi
 grep -E "^===| ms|rror|Traceback|GB|passed|failed|skipped" $LOG | cut -c1-200 | tail -60
+stages_status

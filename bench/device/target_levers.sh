@@ -53,3 +53,4 @@ if [ "$PART" != levers ]; then
     --out $OUT/dense_${HUGE//-/_}.json
 fi
 grep -E "^===|^\| |^bench |tokens/s|time/step|peak memory|rror|Traceback|settings of the fastest" $LOG | cut -c1-200 | tail -45
+stages_status
