@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # How fast the SmolLM2 recipe trains, per drafter mode: `dflash-train bench --preset smollm2-135m`
 # (random weights of SmolLM2-135M's shape) at the recipe's drafter and step (5 layers, block 16,
-# 32,768 tokens of 200-800-token documents and 2,048 anchors per step, target labels), alone on
-# the GPU, one row per mode. The step's size matters at this model size: a step is launch-bound
-# (one 8,192-token row per step measured 79K tok/s where the recipe's 4 rows trained at 212K):
+# 65,536 tokens of 200-800-token documents and 4,096 anchors per step, as the config's eight
+# 8,192-token rows of 512 anchors; target labels), alone on the GPU, one row per mode. The step's
+# size matters at this model size: a step is launch-bound (one 8,192-token row per step measured
+# 79K tok/s where 4 rows trained at 212K and the config's 8 at ~300K):
 #   recipe-before  HF target forward, eager fp32-master drafter (the config before the packed target)
 #   recipe         packed compiled target forward, eager drafter (configs/smollm2-135m-diverse.yaml)
 #   compiled       + run.compile (fixed shapes, compiled drafter)
@@ -20,7 +21,7 @@ if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
   export OMP_NUM_THREADS=1
 else
-  SHAPE=(--preset smollm2-135m --tokens 32768 --anchors 2048 --doc-len 200-800 --warmup 10 --measure 30)
+  SHAPE=(--preset smollm2-135m --tokens 65536 --anchors 4096 --doc-len 200-800 --window 0 --warmup 10 --measure 30)
 fi
 B=($PY -m dflash_train bench "${SHAPE[@]}")
 PACKED=(--target-forward packed --target-compile)
