@@ -8,10 +8,13 @@
 #   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter)
 # The GGUF halves and wheels are skipped when there already. The conversations and the drafter are
 # restored every time (under a second), so they follow history: an export or drafter kept since the
-# last run is never left behind. The sizes are printed at the end, to plan the calls' carry lists.
-# ~1 minute.
+# last run is never left behind. FINAL_DRAFTER=NAME restores that kept drafter as .drafter/final
+# (the next stage's start) instead of the newest; other .drafter/* folders (restore-drafter
+# .drafter/NAME ..., for PART=eval) are left as they are. The sizes and the calls' carry lists are
+# printed at the end. ~1 minute.
 #
 #   bash bench/device/carry_inputs.sh
+#   FINAL_DRAFTER=2026-12-03-smollm2-all-exports-scratch bash bench/device/carry_inputs.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PY:-.venv/bin/python}
@@ -32,8 +35,9 @@ fi
 [ -f .whl/gguf-0.19.0-py3-none-any.whl ] && compgen -G ".whl/antlr4_python3_runtime-*.whl" > /dev/null \
   || PY=python3 bash bench/peer_modelopt/fetch_wheels.sh > /dev/null
 rm -f .recipe/*.jsonl.xz && bash scripts/recipe_data.sh restore .recipe > /dev/null
-if git log HEAD --format=%H --grep="^recipe drafter: " | grep -q .; then
-  bash scripts/recipe_data.sh restore-drafter .drafter/final > /dev/null
+# (not `git log | grep -q`: under pipefail, grep's early exit can fail git log with SIGPIPE)
+if [ -n "$(git log HEAD --format=%H --grep='^recipe drafter: ' -n 1)" ]; then
+  bash scripts/recipe_data.sh restore-drafter .drafter/final ${FINAL_DRAFTER:+"$FINAL_DRAFTER"} > /dev/null
 fi
 du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/* 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
