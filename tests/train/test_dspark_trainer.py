@@ -1,14 +1,17 @@
-"""The trainer with drafter.variant=dspark on CPU: the loss goes down, and a run resumed from a
-checkpoint continues exactly as the uninterrupted run (the bigram head included)."""
+"""The trainer with drafter.variant=dspark on CPU: the loss goes down, a run resumed from a
+checkpoint continues exactly as the uninterrupted run (the bigram head included), and a DFlash
+drafter starts a dspark run (drafter.init_from) drafting as it did."""
 
 from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from dflash_train.train.trainer import Trainer
+from dflash_train.utils.errors import TrainingError
 
 from .test_trainer import make_config, read_metrics
 
@@ -45,3 +48,40 @@ def test_dspark_resume_equals_the_uninterrupted_run(tiny_targets, tiny_datasets,
     b = load_file(str(resumed / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and "markov_head.markov_w1.weight" in a
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dspark_run_started_from_a_dflash_drafter_drafts_as_it_did_then_trains_its_head(
+        tiny_targets, tiny_datasets, tmp_path):
+    """drafter.init_from a DFlash drafter into a dspark run: every backbone tensor as saved, markov_w2
+    zero, so before any step its held-out estimate and measured walk equal those of the same saved
+    drafter started as DFlash (the widened head adds exact zeros); two steps later the head has moved."""
+    base = {"run.max_steps": 4, "run.save_every": 100, "data.eval_fraction": 0.1,
+            "data.plan.token_budget": 256}
+    Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "dflash", **base)).fit()
+    final = str(tmp_path / "dflash" / "final")
+    saved = load_file(final + "/model.safetensors")
+    start = {**base, "run.max_steps": 2, "drafter.init_from": final}
+    as_dflash = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "again", **start))
+    upgraded = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "dspark",
+                                   **start, **DSPARK))
+    state = {k: v.detach() for k, v in upgraded.drafter.state_dict().items()}
+    assert {k for k in state if not k.startswith("markov_head.")} == set(saved)
+    assert all(torch.equal(state[k].to(saved[k].dtype), saved[k]) for k in saved)
+    assert not state["markov_head.markov_w2.weight"].any() and state["markov_head.markov_w1.weight"].any()
+    want, got = as_dflash.evaluate(), upgraded.evaluate()
+    for key in ("tau", "ce", "acc_1", "acc_3"):
+        assert got["estimate"][key] == want["estimate"][key], (key, got["estimate"][key], want["estimate"][key])
+    assert got["measured"]["tau"] == want["measured"]["tau"]  # held-out speculative decoding: the same drafts
+    upgraded.fit()
+    assert upgraded.drafter.markov_head.markov_w2.weight.detach().abs().sum() > 0
+
+
+def test_a_dspark_drafter_cannot_start_a_dflash_run(tiny_targets, tiny_datasets, tmp_path):
+    overrides = {"run.max_steps": 2, "run.save_every": 100}
+    Trainer(make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "dspark",
+                        **overrides, **DSPARK)).fit()
+    cfg = make_config(tiny_targets["llama"], tiny_datasets["llama"], tmp_path / "dflash", **overrides,
+                      **{"drafter.init_from": str(tmp_path / "dspark" / "final")})
+    with pytest.raises(TrainingError, match=r"that drafter does not fit this run's config \(variant: 'dspark' there "
+                                            r"vs 'dflash' in this run; markov_rank: 16 there vs 256 in this run\)"):
+        Trainer(cfg)

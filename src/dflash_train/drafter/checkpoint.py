@@ -13,6 +13,7 @@ The dspark variant adds `markov_head.markov_w{1,2}.weight` ([V, r] each) and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -149,6 +150,32 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
         return from_hf_config(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{path}: not a valid drafter config ({type(exc).__name__}: {exc})") from None
+
+
+def adds_dspark_head(saved: DrafterConfig, config: DrafterConfig) -> bool:
+    """True when `config` is the DFlash drafter `saved` with the dspark bigram head added."""
+    return (saved.variant == "dflash" and config.variant == "dspark"
+            and dataclasses.replace(saved, variant="dspark", markov_rank=config.markov_rank) == config)
+
+
+def load_drafter_as(directory: str | Path, config: DrafterConfig) -> DFlashDrafter:
+    """The drafter in `directory` as a `config` drafter (drafter.init_from): itself when the configs
+    are equal; a DFlash drafter under its dspark config (`adds_dspark_head`) keeps every backbone
+    tensor and gets a new bigram head with markov_w2 zero, so it drafts exactly as the DFlash
+    drafter did until trained (markov_w1 stays random: markov_w2's first gradient needs it).
+    ModelError otherwise."""
+    saved = load_drafter(directory)
+    if saved.config == config:
+        return saved
+    if not adds_dspark_head(saved.config, config):
+        raise ModelError(f"{directory}: its drafter config differs from this one")
+    model = DFlashDrafter(config)
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("markov_head.") for k in missing):  # the model's layout changed
+        raise ModelError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.zero_()
+    return model
 
 
 def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:

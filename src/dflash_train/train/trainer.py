@@ -26,7 +26,7 @@ from torch.profiler import record_function
 
 from dflash_train.data.prompts import load_prompts
 from dflash_train.data.splits import open_data
-from dflash_train.drafter.checkpoint import load_drafter_config, save_drafter
+from dflash_train.drafter.checkpoint import adds_dspark_head, load_drafter_config, save_drafter
 from dflash_train.drafter.loss import StepStats
 from dflash_train.drafter.step import StepConfig
 from dflash_train.pipeline.context import DistContext
@@ -182,10 +182,12 @@ class Trainer:
                                                                   self.drafter_config)):
             raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's ({diff}); "
                                 f"resume with the config the run was started with, or start a new run.output_dir")
-        if cfg.drafter.init_from and (diff := setup.config_diff(load_drafter_config(cfg.drafter.init_from),
-                                                                self.drafter_config)):
+        saved = load_drafter_config(cfg.drafter.init_from) if cfg.drafter.init_from else None
+        if saved is not None and not adds_dspark_head(saved, self.drafter_config) \
+                and (diff := setup.config_diff(saved, self.drafter_config)):
             raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: that drafter does not fit this run's "
-                                f"config ({diff}); set the drafter.* options to match it")
+                                f"config ({diff}); set the drafter.* options to match it (a DFlash drafter may "
+                                f"also start a drafter.variant=dspark run)")
         if cfg.eval.spec_prompts not in (None, "", "heldout"):
             load_prompts(cfg.eval.spec_prompts, cfg.eval.spec_num_prompts or None)
 
