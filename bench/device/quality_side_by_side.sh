@@ -43,6 +43,9 @@
 #                                       that data can go beside a detached run on all of them:
 #                                       TOKENS_ARGS="--data.path /tmp/recipe/subset/data
 #                                       --data.eval_path /tmp/recipe/subset/data-heldout ..." (~1 min)
+#   PART=generate                       GEN_SECONDS more conversations after PART=data's (no
+#                                       prepare), back as data's are: a generation-only call,
+#                                       ~31K new tok/s alone at 1536 slots          (GEN_SECONDS + ~1 min)
 #   PART=eval                           the evals of a carried drafter .drafter/EVAL_NAME (restored
 #                                       there: restore-drafter .drafter/EVAL_NAME KEPT_NAME); SETS=
 #                                       (empty) leaves out HumanEval and chat at 256 (default
@@ -75,7 +78,7 @@
 #
 #   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
 set -u
-PART=${PART:?PART=setup|stash|data|ours|wait|peer|tokens|rows|subset|eval}
+PART=${PART:?PART=setup|stash|data|generate|ours|wait|peer|tokens|rows|subset|eval}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 source bench/device/lib.sh
@@ -182,6 +185,15 @@ ship_new_rows() {
     | split -b 15000000 - "$OUT/recipe/new-rows-$shipped.jsonl.xz.part_"
   echo "$total" > $W/gen/shipped
   echo "new rows $shipped..$total back in \$OUT/recipe" | tee -a "$LOG"
+}
+
+# generate_more: GEN_SECONDS of generation resuming $W/gen/gen-0.jsonl (its prompts and chats at
+# their shares; GEN_FILES=0: chats only), the new rows back as ship_new_rows says
+generate_more() {
+  stage generate $((GEN_SECONDS + 120)) env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_SECONDS \
+    bash scripts/smollm2_recipe_x2.sh
+  tail -c 4000 $W/gen/gen-0.log > "$OUT/generate.log"
+  ship_new_rows
 }
 
 # GEN_BACKGROUND=S: from the start of a part's evals (batch-1 decoding leaves the GPU mostly
@@ -310,12 +322,7 @@ data)
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
   fi
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
-  if [ "$GEN_SECONDS" -gt 0 ]; then
-    stage generate $((GEN_SECONDS + 120)) env TARGET=$T WORK=$W STEPS=generate GEN_LIMIT=$GEN_SECONDS \
-      bash scripts/smollm2_recipe_x2.sh
-    tail -c 4000 $W/gen/gen-0.log > "$OUT/generate.log"
-    ship_new_rows
-  fi
+  [ "$GEN_SECONDS" -gt 0 ] && generate_more
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
   stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   # the eval's source sets: the first 16 held-out and training prompts of each of EVAL_SOURCES
@@ -376,6 +383,9 @@ rows)  # the conversations written since the last shipment (GEN_BESIDE, GEN_BACK
   grep -E "new tok/s|written|stopped" $W/gen/gen-0.log 2>/dev/null | tail -3 | cut -c1-200
   ship_new_rows ;;
 stash) ;;  # keep_carried above did it
+generate)  # GEN_SECONDS more conversations after those on this machine (PART=data restored them)
+  need $W/gen/shipped; need $T/model.safetensors
+  generate_more ;;
 eval)  # a carried drafter (.drafter/EVAL_NAME, restored there) measured as a run's are, e.g. at
        # 2,048 new tokens alone: SETS= SOURCE_SETS=0 LONG=1 EVAL_SLOTS=16 PART=eval EVAL_NAME=current
   need $T/model.safetensors; need "/tmp/drafter-kept/${EVAL_NAME:?EVAL_NAME=a carried drafter folder under .drafter}"
@@ -385,5 +395,5 @@ subset)  # SUBSET of the kept exports, prepared as data's are (EXPECT_ROWS=N: st
   restore_kept "${SUBSET:?SUBSET=a glob of kept export names, e.g. 001-*}" $W/subset
   stage "prepare subset" 300 env TARGET=$T WORK=$W/subset STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   grep -E "^===|split|written|wrote|rror|Traceback" "$LOG" | tail -8 ;;
-*) echo "PART=setup|stash|data|ours|wait|peer|tokens|rows|subset|eval" >&2; exit 2 ;;
+*) echo "PART=setup|stash|data|generate|ours|wait|peer|tokens|rows|subset|eval" >&2; exit 2 ;;
 esac
