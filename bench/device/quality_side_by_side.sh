@@ -110,19 +110,16 @@ keep_carried() {
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
     mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
   fi
-  local restored=.drafter/final/model.safetensors  # scripts/recipe_data.sh restore-drafter .drafter/final
-  if [ -f $restored ] || compgen -G ".drafter/final.tar.part_*" > /dev/null; then
-    rm -rf /tmp/drafter-kept/final && mkdir -p /tmp/drafter-kept
-    if [ -f $restored ]; then cp -r .drafter/final /tmp/drafter-kept/
-    else cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf -; fi  # shipped by SHIP_DRAFTER=1
-    ls -l /tmp/drafter-kept/final | tee -a "$LOG"
-  fi
-  local other  # any other restored drafter (restore-drafter .drafter/NAME KEPT_NAME), for PART=eval
-  for other in .drafter/*/model.safetensors; do
-    [ -f "$other" ] && [ "$other" != $restored ] || continue
-    other=$(dirname "$other"); rm -rf "/tmp/drafter-kept/${other#.drafter/}" && mkdir -p /tmp/drafter-kept
-    cp -r "$other" /tmp/drafter-kept/ && ls -l "/tmp/drafter-kept/${other#.drafter/}" | tee -a "$LOG"
+  local d  # restored drafters (recipe_data.sh restore-drafter .drafter/NAME): final is the next stage's start
+  for d in .drafter/*/; do
+    d=${d%/}; [ -f "$d/model.safetensors" ] || continue
+    rm -rf "/tmp/drafter-kept/${d#.drafter/}" && mkdir -p /tmp/drafter-kept && cp -r "$d" /tmp/drafter-kept/
+    ls -l "/tmp/drafter-kept/${d#.drafter/}" | tee -a "$LOG"
   done
+  if [ ! -f .drafter/final/model.safetensors ] && [ -f .drafter/final.tar.part_aa ]; then  # shipped by SHIP_DRAFTER=1
+    rm -rf /tmp/drafter-kept/final && mkdir -p /tmp/drafter-kept
+    cat .drafter/final.tar.part_* | tar -C /tmp/drafter-kept -xf - && ls -l /tmp/drafter-kept/final | tee -a "$LOG"
+  fi
 }
 keep_carried
 # restore_kept GLOB DIR: the kept exports matching GLOB, in the order kept, as DIR/gen/gen-0.jsonl

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dflash_train.data.batch import PackedBatch
 from dflash_train.data.batching import BatchPlanner
 from dflash_train.data.splits import DataSplits
-from dflash_train.drafter.checkpoint import adds_dspark_head, load_drafter_as, load_drafter_config
+from dflash_train.drafter.checkpoint import load_drafter_as
 from dflash_train.drafter.config import DrafterConfig, build_drafter_config, init_source_layers
 from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
 from dflash_train.drafter.model import DFlashDrafter
@@ -173,9 +173,6 @@ def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: Frozen
     target layers, taken from `target_model` when this process holds it (else from the target's files).
     Data-parallel replicas start equal anyway: DDP broadcasts drafter rank 0's weights."""
     if cfg.drafter.init_from:
-        if adds_dspark_head(load_drafter_config(cfg.drafter.init_from), drafter_config):
-            log.info("drafter.init_from %s: a DFlash drafter; the dspark bigram head starts new, markov_w2 zero "
-                     "(it drafts as the DFlash drafter did until trained)", cfg.drafter.init_from)
         drafter = load_drafter_as(cfg.drafter.init_from, drafter_config)  # Trainer checked that it fits
     else:
         drafter = DFlashDrafter(drafter_config)

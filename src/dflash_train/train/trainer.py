@@ -183,8 +183,10 @@ class Trainer:
             raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's ({diff}); "
                                 f"resume with the config the run was started with, or start a new run.output_dir")
         saved = load_drafter_config(cfg.drafter.init_from) if cfg.drafter.init_from else None
-        if saved is not None and not adds_dspark_head(saved, self.drafter_config) \
-                and (diff := setup.config_diff(saved, self.drafter_config)):
+        if saved is not None and adds_dspark_head(saved, self.drafter_config):
+            log.info("drafter.init_from %s: a DFlash drafter; the dspark bigram head starts new, markov_w2 zero "
+                     "(it drafts as the DFlash drafter did until trained)", cfg.drafter.init_from)
+        elif saved is not None and (diff := setup.config_diff(saved, self.drafter_config)):
             raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: that drafter does not fit this run's "
                                 f"config ({diff}); set the drafter.* options to match it (a DFlash drafter may "
                                 f"also start a drafter.variant=dspark run)")
