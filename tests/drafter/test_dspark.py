@@ -166,8 +166,8 @@ def test_markov_drafts_are_sequential_greedy():
     hidden = torch.randn(3, B - 1, H, generator=g, dtype=torch.float64)
     lm = torch.randn(V, H, generator=g, dtype=torch.float64)
     anchors = torch.tensor([1, 5, 9])
-    got = markov_drafts(model.markov_head, hidden, anchors, lm)
     m = model.markov_head
+    got = markov_drafts(hidden, anchors, lm, m.markov_w1.weight, m.markov_w2.weight)
     for s in range(3):
         prev = int(anchors[s])
         for k in range(B - 1):

@@ -76,3 +76,29 @@ def test_dspark_batched_commits_what_batch_one_commits(targets):  # noqa: F811
         assert r.tokens == e.tokens == ref
         assert r.rounds == e.rounds
     assert sum(r.accepted for e in expected for r in e.rounds) > len(prompts)
+
+
+def test_compiled_dspark_head_traces_once_and_matches(targets):  # noqa: F811
+    """The GPU path compiles the dspark head (its 15 sequential slots fused with the backbone's
+    logits) as it does DFlash's; on CPU, with a non-fusing backend: the same rounds, one graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from dflash_train.speculative.static_drafter import _dspark_head
+
+    model, tok = targets["llama"]
+    prompts = random_prompts(model.config.vocab_size, (9, 30), seed=5)
+    references = [plain_greedy(model, [0], set(), p, NEW).tokens for p in prompts]
+    drafter = bigram_drafter(model, tok, 4, [p[-1:] + r for p, r in zip(prompts, references)], seed=2)
+    expected = SpecEngine(model, drafter, set(), slots=2, max_len=128).generate_batch(prompts, NEW)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = SpecEngine(model, drafter, set(), slots=2, max_len=128)
+    engine._compile_layer_functions(backend="aot_eager")
+    assert engine.drafter.dspark_head is not _dspark_head
+    got = engine.generate_batch(prompts, NEW)
+    assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
+    assert [r.tokens for r in got] == references
+    # target pre/post attention, final logits, the commit at widths B and 1 (8); drafter block
+    # q/k/v, context k/v, post attention and the dspark head (4): DFlash's head is never called
+    assert counters["stats"]["unique_graphs"] == 12

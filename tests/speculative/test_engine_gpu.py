@@ -51,3 +51,24 @@ def test_gpu_engine_equals_plain_greedy_pipelined_or_not(targets, compile, draft
                 assert not engine.active.any()
             runs[slots, overlap] = summary(results)
     assert runs[1, True] == runs[1, False] == runs[3, True] == runs[3, False]
+
+
+@needs_gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_dspark_engine_equals_plain_greedy(targets, compile):
+    """The dspark head inside the captured rounds, compiled by Inductor (its sequential slots
+    fused) or not: every token equals plain greedy, and the bigram drafts are accepted."""
+    from .test_dspark_engine import bigram_drafter
+
+    _, tok = targets["llama"]
+    cpu_model = make_model("llama", vocab=len(tok), seed=1)
+    model = copy.deepcopy(cpu_model).cuda()
+    prompts = random_prompts(model.config.vocab_size, (12, 1, 30, 5), seed=6)
+    expected = [plain_greedy(model, [0], set(), p, NEW).tokens for p in prompts]
+    drafter = bigram_drafter(cpu_model, tok, B, [p[-1:] + r for p, r in zip(prompts, expected)]).cuda()
+    for slots in (1, 3):
+        engine = SpecEngine(model, drafter, set(), slots=slots, max_len=128, compile=compile)
+        for _ in range(2):  # the second run replays the captured graphs
+            results = engine.generate_batch(prompts, NEW)
+            assert [r.tokens for r in results] == expected, slots
+        assert sum(x.accepted for r in results for x in r.rounds) > len(prompts)

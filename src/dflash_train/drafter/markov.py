@@ -14,6 +14,7 @@ concatenation [h_k ; markov_w1[x_{k-1}]] against [lm_head | markov_w2]: the loss
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.drafter.labels import block_label_positions
@@ -40,8 +41,14 @@ class MarkovHead(nn.Module):
 
     def bias(self, prev_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[...] previous tokens -> [..., V] logit bias (inference: one slot at a time)."""
-        w2 = self.markov_w2.weight.to(dtype)
-        return self.markov_w1(prev_ids).to(dtype) @ w2.T
+        return markov_bias(prev_ids, self.markov_w1.weight, self.markov_w2.weight, dtype)
+
+
+def markov_bias(prev_ids: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[...] previous tokens -> [..., V] logit bias markov_w2 @ markov_w1[prev] (weights [V, r]):
+    plain tensors, so that the speculative engine's compiled head can take them."""
+    return F.embedding(prev_ids, markov_w1).to(dtype) @ markov_w2.to(dtype).T
 
 
 def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
@@ -62,15 +69,16 @@ def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torc
 
 
 @torch.no_grad()
-def markov_drafts(head: MarkovHead, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-                  lm_head_weight: torch.Tensor) -> torch.Tensor:
+def markov_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor,
+                  markov_w1: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
     """Greedy drafts of slots 1..B-1, left to right: hidden [S, B-1, H] (final normed states of
-    slots 1..B-1), anchor_ids [S] -> drafts [S, B-1]. The backbone logits of all slots come
-    from one matmul; only the bias ([S, r] -> [S, V] per slot) runs sequentially."""
+    slots 1..B-1), anchor_ids [S], the head's weights [V, r] -> drafts [S, B-1]. The backbone
+    logits of all slots come from one matmul; only the bias ([S, r] -> [S, V] per slot) runs
+    sequentially. Plain tensors: the engine compiles this as one function (its `dspark_head`)."""
     base = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T  # [S, B-1, V]
     prev = anchor_ids
     drafts = []
     for k in range(base.shape[1]):
-        prev = (base[:, k] + head.bias(prev, base.dtype)).argmax(-1)  # [S]
+        prev = (base[:, k] + markov_bias(prev, markov_w1, markov_w2, base.dtype)).argmax(-1)  # [S]
         drafts.append(prev)
     return torch.stack(drafts, dim=1)

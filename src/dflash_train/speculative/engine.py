@@ -318,7 +318,7 @@ class SpecEngine:
         dec, dr = self.decoder, self.drafter
         swapped = [(dec, "q_writing_kv"), (dec, "post_attention"), (dec, "final_logits"), (self, "_commit")]
         if isinstance(dr, StaticDrafter):
-            swapped += [(dr, name) for name in ("block_q", "context_kv", "post_attention", "head")]
+            swapped += [(dr, name) for name in ("block_q", "context_kv", "post_attention", "head", "dspark_head")]
         plain = [getattr(owner, name) for owner, name in swapped]
         for (owner, name), fn in zip(swapped, plain):
             setattr(owner, name, torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))

@@ -154,7 +154,9 @@ class DFlashProposer:
         hidden = self.block_hidden(sequence[-1], position)[1:]  # slots 1..B-1: the tokens after the anchor
         if self.drafter.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
             anchor = torch.tensor([int(sequence[-1])], device=hidden.device)
-            return markov_drafts(self.drafter.markov_head, hidden[None], anchor, self.lm_head_weight)[0].tolist()
+            head = self.drafter.markov_head
+            return markov_drafts(hidden[None], anchor, self.lm_head_weight, head.markov_w1.weight,
+                                 head.markov_w2.weight)[0].tolist()
         logits = hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
         return logits.argmax(-1).tolist()
 

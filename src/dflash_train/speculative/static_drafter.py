@@ -213,6 +213,13 @@ def _draft_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, *, eps: float) -> 
     return F.linear(hidden.to(lm_head_w.dtype), lm_head_w).argmax(-1)
 
 
+def _dspark_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, anchors: Tensor, markov_w1: Tensor,
+                 markov_w2: Tensor, *, eps: float) -> Tensor:
+    """The dspark variant's `_draft_head`: slots 1..B-1 drafted left to right, each slot's bigram
+    bias read from the token drafted before it (anchors [S] for slot 1; drafter/markov.py)."""
+    return markov_drafts(_norm(x[:, 1:], norm_w, eps), anchors, lm_head_w, markov_w1, markov_w2)
+
+
 class StaticDrafter:
     """DFlash proposals for `slots` sequences of at most `max_len` positions (see module doc).
 
@@ -266,6 +273,7 @@ class StaticDrafter:
         self.context_kv: Callable[..., None] = _context_kv
         self.post_attention: Callable[..., Tensor] = _post_attention
         self.head: Callable[..., Tensor] = _draft_head
+        self.dspark_head: Callable[..., Tensor] = _dspark_head
         self.attention_kind = attention  # generate/attention.py
         self._attentions: dict[tuple[int | None, bool], CacheAttention] = {}
 
@@ -360,7 +368,8 @@ class StaticDrafter:
         """Drafts [S, B-1] following tokens [S] (each slot's last committed token, at positions [S]).
         The caller guarantees max(positions) + B <= kv_len <= max_len."""
         x = self._block_residual(tokens, positions, kv_len)
-        if self.module.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
-            return markov_drafts(self.module.markov_head, _norm(x[:, 1:], self.norm_w, self.norm_eps), tokens,
-                                 self.lm_head_w)
+        markov = self.module.markov_head
+        if markov is not None:  # dspark: slots drafted left to right (drafter/markov.py)
+            return self.dspark_head(x, self.norm_w, self.lm_head_w, tokens, markov.markov_w1.weight,
+                                    markov.markov_w2.weight, eps=self.norm_eps)
         return self.head(x, self.norm_w, self.lm_head_w, eps=self.norm_eps)
