@@ -1,6 +1,6 @@
 """The trainer with drafter.variant=dspark on CPU: the loss goes down, a run resumed from a
 checkpoint continues exactly as the uninterrupted run (the bigram head included), and a DFlash
-drafter starts a dspark run (drafter.init_from) drafting as it did."""
+drafter starts a dspark run, or one with more layers (drafter.init_from), drafting as it did."""
 
 from __future__ import annotations
 
@@ -50,30 +50,34 @@ def test_dspark_resume_equals_the_uninterrupted_run(tiny_targets, tiny_datasets,
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_dspark_run_started_from_a_dflash_drafter_drafts_as_it_did_then_trains_its_head(
-        tiny_targets, tiny_datasets, tmp_path):
-    """drafter.init_from a DFlash drafter into a dspark run: every backbone tensor as saved, markov_w2
-    zero, so before any step its held-out estimate and measured walk equal those of the same saved
-    drafter started as DFlash (the widened head adds exact zeros); two steps later the head has moved."""
+@pytest.mark.parametrize("grow,zeroed", [
+    (DSPARK, ["markov_head.markov_w2.weight"]),
+    ({"drafter.num_layers": 3}, ["layers.2.self_attn.o_proj.weight", "layers.2.mlp.down_proj.weight"]),
+], ids=["dspark-head", "one-more-layer"])
+def test_a_run_started_from_a_smaller_drafter_drafts_as_it_did_then_trains_what_it_added(
+        tiny_targets, tiny_datasets, tmp_path, grow, zeroed):
+    """drafter.init_from a DFlash drafter into a dspark run, or into one with a layer more: every
+    saved tensor as saved, the added parts' last weights zero, so before any step its held-out
+    estimate and measured walk equal those of the same saved drafter started as it was (the
+    added parts add exact zeros); two steps later the zeroed weights have moved."""
     base = {"run.max_steps": 4, "run.save_every": 100, "data.eval_fraction": 0.1,
             "data.plan.token_budget": 256}
     Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "dflash", **base)).fit()
     final = str(tmp_path / "dflash" / "final")
     saved = load_file(final + "/model.safetensors")
     start = {**base, "run.max_steps": 2, "drafter.init_from": final}
-    as_dflash = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "again", **start))
-    upgraded = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "dspark",
-                                   **start, **DSPARK))
-    state = {k: v.detach() for k, v in upgraded.drafter.state_dict().items()}
-    assert {k for k in state if not k.startswith("markov_head.")} == set(saved)
-    assert all(torch.equal(state[k].to(saved[k].dtype), saved[k]) for k in saved)
-    assert not state["markov_head.markov_w2.weight"].any() and state["markov_head.markov_w1.weight"].any()
-    want, got = as_dflash.evaluate(), upgraded.evaluate()
+    as_saved = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "again", **start))
+    grown = Trainer(make_config(tiny_targets["qwen3"], tiny_datasets["qwen3"], tmp_path / "grown", **start, **grow))
+    state = {k: v.detach() for k, v in grown.drafter.state_dict().items()}
+    assert set(saved) < set(state) and all(torch.equal(state[k].to(saved[k].dtype), saved[k]) for k in saved)
+    assert all(not state[k].any() for k in zeroed)
+    want, got = as_saved.evaluate(), grown.evaluate()
     for key in ("tau", "ce", "acc_1", "acc_3"):
         assert got["estimate"][key] == want["estimate"][key], (key, got["estimate"][key], want["estimate"][key])
     assert got["measured"]["tau"] == want["measured"]["tau"]  # held-out speculative decoding: the same drafts
-    upgraded.fit()
-    assert upgraded.drafter.markov_head.markov_w2.weight.detach().abs().sum() > 0
+    grown.fit()
+    moved = {k: v.detach() for k, v in grown.drafter.state_dict().items()}
+    assert all(moved[k].abs().sum() > 0 for k in zeroed)
 
 
 def test_a_dspark_drafter_cannot_start_a_dflash_run(tiny_targets, tiny_datasets, tmp_path):

@@ -152,29 +152,47 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
         raise ModelError(f"{path}: not a valid drafter config ({type(exc).__name__}: {exc})") from None
 
 
-def adds_dspark_head(saved: DrafterConfig, config: DrafterConfig) -> bool:
-    """True when `config` is the DFlash drafter `saved` with the dspark bigram head added."""
-    return (saved.variant == "dflash" and config.variant == "dspark"
-            and dataclasses.replace(saved, variant="dspark", markov_rank=config.markov_rank) == config)
+def growth(saved: DrafterConfig, config: DrafterConfig) -> list[str] | None:
+    """What `config` adds to the drafter `saved` (drafter.init_from), each part starting so that
+    the grown drafter drafts exactly as `saved` until trained: the dspark bigram head on a DFlash
+    drafter (markov_w2 zero), and layers after its last one whose layer types extend its own
+    (o_proj and down_proj zero: each new layer adds exact zeros to the residual stream).
+    [] when the configs are equal, None when `config` is not `saved` grown."""
+    added, grown = [], saved
+    if saved.variant == "dflash" and config.variant == "dspark":
+        grown = dataclasses.replace(grown, variant="dspark", markov_rank=config.markov_rank)
+        added.append(f"the dspark bigram head (rank {config.markov_rank}, markov_w2 zero)")
+    n = saved.num_hidden_layers
+    if config.num_hidden_layers > n and config.layer_types[:n] == saved.layer_types:
+        grown = dataclasses.replace(grown, num_hidden_layers=config.num_hidden_layers,
+                                    layer_types=config.layer_types)
+        added.append(f"{config.num_hidden_layers - n} layer(s) after its {n} (o_proj and down_proj zero)")
+    return added if grown == config else None
 
 
 def load_drafter_as(directory: str | Path, config: DrafterConfig) -> DFlashDrafter:
     """The drafter in `directory` as a `config` drafter (drafter.init_from): itself when the configs
-    are equal; a DFlash drafter under its dspark config (`adds_dspark_head`) keeps every backbone
-    tensor and gets a new bigram head with markov_w2 zero, so it drafts exactly as the DFlash
-    drafter did until trained (markov_w1 stays random: markov_w2's first gradient needs it).
-    ModelError otherwise."""
+    are equal; grown (`growth`) when `config` adds the dspark head or layers after its last: every
+    saved tensor kept, the new parts started so that it drafts exactly as saved until trained
+    (markov_w1 and the new layers' other weights random: the zeroed weights' first gradients
+    need them). ModelError otherwise."""
     saved = load_drafter(directory)
     if saved.config == config:
         return saved
-    if not adds_dspark_head(saved.config, config):
+    if not growth(saved.config, config):
         raise ModelError(f"{directory}: its drafter config differs from this one")
     model = DFlashDrafter(config)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
-    if unexpected or any(not k.startswith("markov_head.") for k in missing):  # the model's layout changed
+    n = saved.config.num_hidden_layers
+    new = ("markov_head.", *(f"layers.{i}." for i in range(n, config.num_hidden_layers)))
+    if unexpected or any(not k.startswith(new) for k in missing):  # the model's layout changed
         raise ModelError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
     with torch.no_grad():
-        model.markov_head.markov_w2.weight.zero_()
+        if model.markov_head is not None and saved.markov_head is None:
+            model.markov_head.markov_w2.weight.zero_()
+        for layer in model.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return model
 
 

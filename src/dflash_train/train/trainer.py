@@ -26,7 +26,7 @@ from torch.profiler import record_function
 
 from dflash_train.data.prompts import load_prompts
 from dflash_train.data.splits import open_data
-from dflash_train.drafter.checkpoint import adds_dspark_head, load_drafter_config, save_drafter
+from dflash_train.drafter.checkpoint import growth, load_drafter_config, save_drafter
 from dflash_train.drafter.loss import StepStats
 from dflash_train.drafter.step import StepConfig
 from dflash_train.pipeline.context import DistContext
@@ -183,13 +183,15 @@ class Trainer:
             raise TrainingError(f"{resume_from}: the checkpoint's drafter config differs from this run's ({diff}); "
                                 f"resume with the config the run was started with, or start a new run.output_dir")
         saved = load_drafter_config(cfg.drafter.init_from) if cfg.drafter.init_from else None
-        if saved is not None and adds_dspark_head(saved, self.drafter_config):
-            log.info("drafter.init_from %s: a DFlash drafter; the dspark bigram head starts new, markov_w2 zero "
-                     "(it drafts as the DFlash drafter did until trained)", cfg.drafter.init_from)
-        elif saved is not None and (diff := setup.config_diff(saved, self.drafter_config)):
+        added = growth(saved, self.drafter_config) if saved is not None else []
+        if added:
+            log.info("drafter.init_from %s: this run's drafter adds %s; it drafts as the saved one did until "
+                     "trained", cfg.drafter.init_from, " and ".join(added))
+        elif added is None:
             raise TrainingError(f"drafter.init_from {cfg.drafter.init_from}: that drafter does not fit this run's "
-                                f"config ({diff}); set the drafter.* options to match it (a DFlash drafter may "
-                                f"also start a drafter.variant=dspark run)")
+                                f"config ({setup.config_diff(saved, self.drafter_config)}); set the drafter.* "
+                                f"options to match it (a run may also add layers after its last, "
+                                f"drafter.num_layers, or to a DFlash drafter the dspark head, drafter.variant)")
         if cfg.eval.spec_prompts not in (None, "", "heldout"):
             load_prompts(cfg.eval.spec_prompts, cfg.eval.spec_num_prompts or None)
 
