@@ -29,9 +29,6 @@ import sys
 
 import numpy as np
 
-NEAR_DUPLICATE = 0.5  # Jaccard of word 3-grams
-NGRAM = 3
-
 SELF_INSTRUCT = "self-instruct"
 
 
@@ -103,6 +100,8 @@ def first_user_turn(row: dict) -> str:
 def excluded_rows(inputs: list[str], sets: list[str]) -> np.ndarray:
     """bool per training row (in `read_rows` order): its first user turn near-duplicates a prompt of `sets`."""
     from dflash_train.data.dedup import near_duplicate_of
+    from dflash_train.data.prompt_sources.build import NGRAM
+    from dflash_train.data.prompt_sources.config import PromptsConfig
     from dflash_train.data.prompt_sources.items import word_ids
     from dflash_train.data.prompts import load_prompts
     from dflash_train.utils.errors import DFlashError
@@ -113,7 +112,9 @@ def excluded_rows(inputs: list[str], sets: list[str]) -> np.ndarray:
         fail(f"--exclude: {exc}")
     texts = [p.messages[-1]["content"] if p.messages else p.text or "" for p in prompts]
     turns = [word_ids(first_user_turn(row)) for _, row in read_rows(inputs, warn=False) if not is_heldout(row)]
-    return near_duplicate_of(turns, [word_ids(t) for t in texts], threshold=NEAR_DUPLICATE, ngram=NGRAM, seed=0)
+    # the threshold and n-gram `dflash-train prompts` de-duplicates its sources by, by default
+    return near_duplicate_of(turns, [word_ids(t) for t in texts], threshold=PromptsConfig.dedup_threshold,
+                             ngram=NGRAM, seed=0)
 
 
 def main(train: str, heldout: str, inputs: list[str], weights: dict[str, float], exclude: list[str]) -> None:
