@@ -12,7 +12,7 @@ from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
 from dflash_train.drafter.loss import LossConfig, head_cross_entropy
-from dflash_train.drafter.markov import markov_drafts, previous_tokens
+from dflash_train.drafter.markov import markov_bias, markov_drafts, previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step, head_operands
@@ -207,7 +207,8 @@ def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path):
         masks = build_layer_masks(m.config, doc, pos, anchors, valid, backend="dense")
         h = m(taps, pos, emb[block_input_ids(ids, anchors, B, m.config.mask_token_id)],
               block_positions(pos, anchors, B), masks)
-        return h @ lm.T + m.markov_head.bias(prev, h.dtype)
+        head = m.markov_head
+        return h @ lm.T + markov_bias(prev, head.markov_w1.weight, head.markov_w2.weight, h.dtype)
 
     with torch.no_grad():
         assert torch.equal(logits(model), logits(loaded))

@@ -39,15 +39,11 @@ class MarkovHead(nn.Module):
         code = self.markov_w1(prev_ids).to(hidden.dtype)
         return torch.cat([hidden, code], dim=-1)
 
-    def bias(self, prev_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[...] previous tokens -> [..., V] logit bias (inference: one slot at a time)."""
-        return markov_bias(prev_ids, self.markov_w1.weight, self.markov_w2.weight, dtype)
-
 
 def markov_bias(prev_ids: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """[...] previous tokens -> [..., V] logit bias markov_w2 @ markov_w1[prev] (weights [V, r]):
-    plain tensors, so that the speculative engine's compiled head can take them."""
+    """[...] previous tokens -> [..., V] logit bias markov_w2 @ markov_w1[prev] (weights [V, r];
+    inference, one slot at a time): plain tensors, so that the engine's compiled head can take them."""
     return F.embedding(prev_ids, markov_w1).to(dtype) @ markov_w2.to(dtype).T
 
 
