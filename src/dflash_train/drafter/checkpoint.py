@@ -179,7 +179,7 @@ def load_drafter_as(directory: str | Path, config: DrafterConfig) -> DFlashDraft
     saved = load_drafter(directory)
     if saved.config == config:
         return saved
-    if not growth(saved.config, config):
+    if growth(saved.config, config) is None:
         raise ModelError(f"{directory}: its drafter config differs from this one")
     model = DFlashDrafter(config)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)

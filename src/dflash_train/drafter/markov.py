@@ -72,6 +72,7 @@ def markov_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight
     logits of all slots come from one matmul; only the bias ([S, r] -> [S, V] per slot) runs
     sequentially. Plain tensors: the engine compiles this as one function (its `dspark_head`)."""
     base = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T  # [S, B-1, V]
+    markov_w2 = markov_w2.to(base.dtype)  # once, not once a slot (a no-op when the drafter runs in bf16)
     prev = anchor_ids
     drafts = []
     for k in range(base.shape[1]):
