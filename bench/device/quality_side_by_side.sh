@@ -15,7 +15,8 @@
 #   PART=data   carry .smol2            convert; the kept conversations first (below); generate
 #                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
 #                                       the new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
-#                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min)
+#                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min;
+#                                       PREPARE=0: no prepare, for a session that only generates)
 # Kept conversations (`bash scripts/recipe_data.sh restore .recipe`: .recipe/NNN-NAME.jsonl.xz) travel
 # with any part: each part first keeps the .recipe files it carries in /tmp/recipe-kept, and data
 # restores them all in name order (EXPECT_ROWS=N: stop unless N rows came). A call carries 64 MiB in
@@ -321,6 +322,7 @@ data)
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
   [ "$GEN_SECONDS" -gt 0 ] && generate_more
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
+  [ "${PREPARE:-1}" = 0 ] && exit 0  # a data-only session: PART=generate calls follow, no training here
   stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   # the eval's source sets: the first 16 held-out and training prompts of each of EVAL_SOURCES
   mkdir -p $W/eval-sets
