@@ -8,7 +8,9 @@
     python bench/profile_generate.py preset:tiny --slots 4 --prompt-len 24 --steps 4 --device cpu --out /tmp/p.json
 
 The built-in engine (generate/builtin.py) exactly as `generate` runs it (CUDA graphs, compiled
-layer functions and FlexAttention on a GPU; greedy, every slot busy) is filled with `--slots`
+layer functions and FlexAttention on a GPU; every slot busy; greedy, or with `--sampled-share`
+that share of the slots sampling as `generate` samples self-instructed user turns (about 0.3 of
+the slot-steps of the recipe's `--mix` runs)) is filled with `--slots`
 random prompts of `--prompt-len` tokens, decodes `--warmup` steps, then `--steps` more in its
 own loop (one step launched ahead of the read-back), timed by the wall clock and then again
 under torch.profiler. Reported per step:
@@ -40,7 +42,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_train.generate.attention import FLEX_BLOCK
 from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Request
+from dflash_train.generate.sampling import Sampling
 from dflash_train.target.loading import load_target_model
 
 CATEGORIES = ("attention", "matmul", "sampling", "other")
@@ -135,14 +139,22 @@ def weight_bytes(model) -> int:
     return total
 
 
-def fill(engine: BuiltinEngine, prompt_len: int, max_new: int, vocab: int) -> None:
-    """Every slot admitted with a random prompt of `prompt_len` tokens (greedy, EOS ignored)."""
+# how `generate` samples a self-instructed user turn, from its config's defaults
+USER_TURN_SAMPLING = GenerateConfig(output="profile.jsonl", synthesize=1).prompt_sampling
+
+
+def fill(engine: BuiltinEngine, prompt_len: int, max_new: int, vocab: int, sampled_share: float = 0.0) -> int:
+    """Every slot admitted with a random prompt of `prompt_len` tokens (EOS ignored): the first
+    round(sampled_share x slots) sample as user turns do, the rest are greedy. Returns that count."""
     g = torch.Generator().manual_seed(0)
-    queue = [Request(prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), max_new_tokens=max_new)
-             for _ in range(engine.slots)]
+    sampled = round(sampled_share * engine.slots)
+    queue = [Request(prompt_ids=torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), max_new_tokens=max_new,
+                     sampling=USER_TURN_SAMPLING if i < sampled else Sampling(), key=i)
+             for i in range(engine.slots)][::-1]  # popped from the end: request i goes in first
     engine._admit(lambda: queue.pop() if queue else None, _never_completes)
     if engine._n_active() != engine.slots:
         raise RuntimeError("not every slot took a prompt")
+    return sampled
 
 
 def _never_completes(request, completion) -> None:
@@ -172,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256, help="tokens of every slot's prompt")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before the measured ones")
     p.add_argument("--steps", type=int, default=20, help="measured (and profiled) decode steps")
+    p.add_argument("--sampled-share", type=float, default=0.0,
+                   help="share of the slots that sample (temperature 1, top-p 0.95), the rest greedy")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
@@ -224,7 +238,7 @@ def profile_steps(engine: BuiltinEngine, steps: int, device: torch.device) -> tu
 def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     """Fill, warm up, time, profile; the table of the profiled steps."""
     dec = engine.decoder
-    fill(engine, args.prompt_len, engine.max_new_tokens, dec.embed_w.shape[0])
+    sampled = fill(engine, args.prompt_len, engine.max_new_tokens, dec.embed_w.shape[0], args.sampled_share)
     decode(engine, args.warmup)
     start = engine.table.next_pos[engine.table.row >= 0].tolist()
     timed_s = timed(engine, args.steps, device)
@@ -246,6 +260,7 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
                             for n, d in sorted(names.items(), key=lambda kv: -sum(kv[1]))[:15]]
     table["context_positions_mid"] = round(sum(mid) / len(mid), 1)
     table["profiled"] = how
+    table["sampled_slots"] = sampled
     return table
 
 
@@ -270,15 +285,19 @@ def report(t: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not 0.0 <= args.sampled_share <= 1.0:
+        raise SystemExit(f"--sampled-share must be in [0, 1], got {args.sampled_share}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build(args, device)
-    print(f"profile_generate: {args.target}, {args.slots} slots, prompts of {args.prompt_len} tokens, "
+    print(f"profile_generate: {args.target}, {args.slots} slots ({args.sampled_share:.0%} sampling), "
+          f"prompts of {args.prompt_len} tokens, "
           f"{engine.attention} attention, {'CUDA graphs' if engine.step.use_graphs else 'eager'}, {device}", flush=True)
     table = measure(engine, args, device)
-    table["config"] = {"target": args.target, "slots": args.slots, "prompt_len": args.prompt_len, "steps": args.steps,
+    table["config"] = {"target": args.target, "slots": args.slots, "sampled_share": args.sampled_share,
+                       "prompt_len": args.prompt_len, "steps": args.steps,
                        "attention": engine.attention, "cuda_graphs": engine.step.use_graphs, "device": str(device),
                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                        "torch": torch.__version__}

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Decoding speed, seen from the inside (random weights: time depends on shapes only):
 #   generate   bench/profile_generate.py on the generate target's shape (SmolLM2-135M) at SLOTS
-#              (default 1536) and at 256 slots: kernels and device ms per decode step, achieved HBM
-#              GB/s, the split attention / matmuls / sampling / other / host gap; ~3 min
+#              (default 1536) and at 256 slots, greedy, and at SLOTS with SAMPLED_SHARE (default
+#              0.3, the recipe's --mix runs) of the slots sampling as self-instructed user turns:
+#              kernels and device ms per decode step, achieved HBM GB/s, the split attention /
+#              matmuls / sampling / other / host gap; ~4 min
 #   qwen3      the same on Qwen3-8B's shape at 256 slots against the H200's 4.8 TB/s: the key
 #              generate.qwen3_8b.new_tok_per_s (steady decoding, every slot busy); ~4 min
 #   draft      bench/draft_context_cost.py: the batch-1 draft step's ms per round at contexts of
 #              256, 1K, 4K and 16K tokens, SmolLM2's 5-layer full-attention drafter as it is and
 #              decoded with a 2,048-token window (--draft-window): eval.draft_ms_per_round_by_context; ~3 min
-#     bash bench/device/decode_profile.sh            # all three; results in $OUT: gen_smollm2_<slots>.json,
+#     bash bench/device/decode_profile.sh            # all three; results in $OUT: gen_smollm2_<slots>[_sampled].json,
 #                                                    # gen_qwen3_8b_256.json, draft_context_cost.json, decode_profile.log
 #     PART=draft bash bench/device/decode_profile.sh # one part
 # DRY=1: the plumbing on CPU with the tiny preset (~1 min; PY=.venv/bin/python in a checkout).
@@ -35,6 +37,8 @@ if [ "$PART" = all ] || [ "$PART" = generate ]; then
     stage gen_${SMOL}_$n 200 $PY bench/profile_generate.py preset:$SMOL --slots $n $GEN $CPU \
       --out $OUT/gen_${SMOL//-/_}_$n.json
   done
+  stage gen_${SMOL}_${SLOTS}_sampled 200 $PY bench/profile_generate.py preset:$SMOL --slots $SLOTS $GEN $CPU \
+    --sampled-share ${SAMPLED_SHARE:-0.3} --out $OUT/gen_${SMOL//-/_}_${SLOTS}_sampled.json
 fi
 if [ "$PART" = all ] || [ "$PART" = qwen3 ]; then
   stage gen_${QWEN}_256 300 $PY bench/profile_generate.py preset:$QWEN --slots 256 $GEN --peak-gbs 4800 $CPU \

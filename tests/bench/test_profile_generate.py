@@ -80,3 +80,37 @@ def test_weight_bytes_leave_out_an_untied_input_embedding():
     assert profile_generate.weight_bytes(tied) == every
     assert profile_generate.weight_bytes(untied) == every  # + the LM head, - the embedding: the same size
     assert sum(p.numel() * 4 for p in untied.parameters()) == every + 100 * 16 * 4
+
+
+def _filled_tokens(share: float):
+    """The tiny preset's engine on CPU, filled with `share` of 4 slots sampling, after 6 steps:
+    (slots that sample, tokens each slot wrote)."""
+    import torch
+
+    args = profile_generate.parse_args(["preset:tiny", "--slots", "4", "--prompt-len", "24", "--warmup", "2",
+                                        "--steps", "2", "--device", "cpu", "--sampled-share", str(share)])
+    torch.manual_seed(0)  # random weights: the same model for every share
+    engine = profile_generate.build(args, torch.device("cpu"))
+    sampled = profile_generate.fill(engine, args.prompt_len, engine.max_new_tokens, engine.decoder.embed_w.shape[0],
+                                    args.sampled_share)
+    profile_generate.decode(engine, 6)
+    table = engine.table
+    assert sampled == len(engine._sampling)
+    return sorted(engine._sampling), [table.tokens[s, : table.count[s]].tolist() for s in range(4)]
+
+
+def test_sampled_share_makes_that_many_slots_sample_and_leaves_the_others_greedy():
+    """Half the slots sample (the user turns' sampling, from GenerateConfig): the greedy slots
+    write exactly the all-greedy run's tokens, the sampling ones write other tokens."""
+    assert profile_generate.USER_TURN_SAMPLING.temperature > 0 and profile_generate.USER_TURN_SAMPLING.top_p < 1
+    none, greedy = _filled_tokens(0.0)
+    sampling, mixed = _filled_tokens(0.5)
+    assert none == [] and len(sampling) == 2
+    assert all(len(t) == 7 for t in greedy)  # the prefill's token, then 6 steps
+    assert all(mixed[s] == greedy[s] for s in range(4) if s not in sampling)
+    assert all(mixed[s] != greedy[s] for s in sampling)
+
+
+def test_sampled_share_outside_0_1_is_refused():
+    with pytest.raises(SystemExit, match="sampled-share"):
+        profile_generate.main(["preset:tiny", "--sampled-share", "1.5", "--device", "cpu"])
