@@ -185,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8, help="decode steps before the measured ones")
     p.add_argument("--steps", type=int, default=20, help="measured (and profiled) decode steps")
     p.add_argument("--sampled-share", type=float, default=0.0,
-                   help="share of the slots that sample (temperature 1, top-p 0.95), the rest greedy")
+                   help="share of the slots that sample as generate's self-instructed user turns do, the rest greedy")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
@@ -194,7 +194,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--out", type=Path)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.sampled_share <= 1.0:
+        p.error(f"--sampled-share must be in [0, 1], got {args.sampled_share}")  # exit status 2
+    return args
 
 
 def build(args, device: torch.device) -> BuiltinEngine:
@@ -285,8 +288,6 @@ def report(t: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not 0.0 <= args.sampled_share <= 1.0:
-        raise SystemExit(f"--sampled-share must be in [0, 1], got {args.sampled_share}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if args.threads:

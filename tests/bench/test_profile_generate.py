@@ -111,6 +111,7 @@ def test_sampled_share_makes_that_many_slots_sample_and_leaves_the_others_greedy
     assert all(mixed[s] != greedy[s] for s in sampling)
 
 
-def test_sampled_share_outside_0_1_is_refused():
-    with pytest.raises(SystemExit, match="sampled-share"):
+def test_sampled_share_outside_0_1_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         profile_generate.main(["preset:tiny", "--sampled-share", "1.5", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "--sampled-share must be in [0, 1], got 1.5" in capsys.readouterr().err
