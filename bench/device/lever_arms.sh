@@ -77,7 +77,7 @@ eval)
   done
   for p in "${pids[@]}"; do wait "$p"; done
   for name in ${BATCH1_ARMS:-}; do  # batch 1 beside plain greedy: timed, so one at a time
-    ln -sfn "$W/$name/final" "/tmp/drafter-kept/$name-batch1"
+    mkdir -p /tmp/drafter-kept && ln -sfn "$W/$name/final" "/tmp/drafter-kept/$name-batch1"
     env SETS=humaneval SOURCE_SETS=0 GREEDY=1 TIMING_REPEATS=1 PART=eval EVAL_NAME="$name-batch1" bash $QSS >> "$LOG" 2>&1
   done
   for name in $(arm_names); do
