@@ -109,6 +109,48 @@ def test_synthesis_filters_dedupes_and_resumes(tmp_path, tokenizer):
     assert normalize_prompt(rows[2]["messages"][1]["content"]) == "why is the sky blue today?"
 
 
+class KeyedEngine(FakeEngine):
+    """Writes each synthetic conversation's user turn from its id, as the built-in engine does
+    (its sampling is keyed by the attempt): an attempt made again gets the same user turn."""
+
+    def __init__(self, user_turns_by_id: dict[str, Completion]) -> None:
+        super().__init__()
+        self.by_id = user_turns_by_id
+
+    def run(self, next_request, on_complete) -> None:
+        while (req := next_request()) is not None:
+            self.seen.append(req)
+            if req.text is not None:
+                on_complete(req, self.by_id.get(req.tag[0].id, Completion("", "length", new_tokens=128)))
+            else:
+                on_complete(req, Completion("answer", "stop", new_tokens=4))
+
+
+def test_a_rerun_makes_new_attempts_not_the_rejected_ones_again(tmp_path, tokenizer):
+    turns = {"syn-3-2": Completion("How do tides work?", "stop", new_tokens=6),
+             "syn-3-4": Completion("Why is the sky blue?", "stop", new_tokens=7)}  # attempts 0, 1 and 3 never end
+    out = tmp_path / "synth.jsonl"
+    first = run_generate(GenerateConfig(output=str(out), synthesize=1, seed=3, progress=False),
+                         engine=KeyedEngine(turns), tokenizer=tokenizer)
+    assert first["synthetic_attempts"] == 3 and first["rejected_prompts"] == {"no end of turn": 2}
+    # every token the target wrote, and the tokens of the rows kept (user turn and answer)
+    assert first["new_tokens"] == 2 * 128 + 6 + 4 and first["kept_tokens"] == 6 + 4
+
+    engine = KeyedEngine(turns)
+    second = run_generate(GenerateConfig(output=str(out), synthesize=2, seed=3, progress=False),
+                          engine=engine, tokenizer=tokenizer)
+    # attempts 0 and 1 would be rejected again: the rerun starts after attempt 2, the last written
+    assert [req.tag[0].id for req in engine.seen if req.text is not None] == ["syn-3-3", "syn-3-4"]
+    assert second["written"] == 1 and second["rejected_prompts"] == {"no end of turn": 1}
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["syn-3-2", "syn-3-4"]
+
+    # another seed's rows do not move this seed's attempts
+    other = KeyedEngine({"syn-30-0": Completion("What is a prime number?", "stop")})
+    run_generate(GenerateConfig(output=str(out), synthesize=1, seed=30, progress=False), engine=other,
+                 tokenizer=tokenizer)
+    assert [req.tag[0].id for req in other.seen if req.text is not None] == ["syn-30-0"]
+
+
 def test_synthesis_gives_up_when_the_target_repeats_itself(tmp_path, tokenizer):
     cfg = GenerateConfig(output=str(tmp_path / "s.jsonl"), synthesize=2, progress=False, max_attempts_factor=2)
     summary = run_generate(cfg, engine=FakeEngine([Completion("The same question every time?", "stop")] * 100), tokenizer=tokenizer)

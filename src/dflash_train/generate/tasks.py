@@ -12,7 +12,9 @@ Two sources of conversations feed one engine:
     is made.
 
 Ids are stable, so a rerun skips finished conversations: (a) a hash of the source file
-name, row number and the row's messages; (b) `syn-{seed}-{attempt}`.
+name, row number and the row's messages; (b) `syn-{seed}-{attempt}`. A user turn's sampling is
+keyed by its attempt, so an attempt rejected once would be rejected again: a rerun makes new
+attempts after the last one written, not the earlier run's rejected ones.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class _Conversation:
     messages: list[dict[str, str]]
     turn: int = -1  # index of the assistant message being written
     synthetic: bool = False
+    user_tokens: int = 0  # a synthetic conversation's user turn, written by the target
     source: dict[str, Any] | None = None
     finish_reasons: list[str] = field(default_factory=list)
     new_tokens: int = 0
@@ -86,7 +89,8 @@ class Counters:
     bad_rows: int = 0
     rejected_prompts: dict[str, int] = field(default_factory=dict)
     synth_attempts: int = 0
-    new_tokens: int = 0
+    new_tokens: int = 0  # every token the target wrote, rejected user turns included
+    kept_tokens: int = 0  # the target's tokens in the rows written (user turns and answers)
 
 
 class Driver:
@@ -105,6 +109,7 @@ class Driver:
         tokenizer=None,
         seen_prompts: set[str] | None = None,
         synth_done: int = 0,
+        first_attempt: int = 0,
         on_row: Callable[[int], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
     ) -> None:
@@ -136,7 +141,7 @@ class Driver:
         self.synth_at_start = synth_done  # --mix paces what is left of each, from where a resume begins
         remaining = max(0, cfg.synthesize - synth_done)
         self.synth_max_attempts = math.ceil(remaining * cfg.max_attempts_factor) + (16 if remaining else 0)
-        self._next_attempt = 0
+        self._next_attempt = first_attempt
 
     # --- requests -----------------------------------------------------------------------
 
@@ -270,6 +275,7 @@ class Driver:
         self.seen.add(key)
         system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
         conv.messages = system + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        conv.user_tokens = completion.new_tokens
         conv.turn = len(conv.messages) - 1
         self._ready.append(self._answer_request(conv))
 
@@ -287,6 +293,7 @@ class Driver:
         row["new_tokens"] = conv.new_tokens
         self.write(row)
         self.counts.written += 1
+        self.counts.kept_tokens += conv.user_tokens + conv.new_tokens
         if self.on_row is not None:
             self.on_row(conv.new_tokens)
 
@@ -370,24 +377,35 @@ def _check_prompts(cfg: GenerateConfig) -> None:
                         "no prompt to answer (no conversation row; plain 'text' rows are skipped): nothing to generate")
 
 
-def _rows_done(cfg: GenerateConfig) -> tuple[set[str], set[str], int, int]:
-    """What an earlier run wrote to `cfg.output` (a resume): the ids done, the normalised
-    synthetic prompts seen, the synthetic rows of this seed, and the number of rows."""
-    done_ids: set[str] = set()
-    seen: set[str] = set()
-    synth_done, existing = 0, 0
+@dataclass
+class _Resume:
+    """What an earlier run wrote to the output, read before a rerun starts."""
+
+    done_ids: set[str] = field(default_factory=set)
+    seen_prompts: set[str] = field(default_factory=set)  # the synthetic user turns, normalised
+    synth_done: int = 0  # synthetic rows of this seed
+    next_attempt: int = 0  # one past the highest attempt of this seed written
+    rows: int = 0
+
+
+def _rows_done(cfg: GenerateConfig) -> _Resume:
+    """What an earlier run wrote to `cfg.output` (a resume)."""
+    done = _Resume()
     synth_prefix = f"syn-{cfg.seed}-"
     for row in read_rows(cfg.output):
-        existing += 1
-        done_ids.add(row["id"])
+        done.rows += 1
+        done.done_ids.add(row["id"])
         if row.get("synthetic"):
             users = [m.get("content", "") for m in row.get("messages", []) if m.get("role") == "user"]
             if users:
-                seen.add(normalize_prompt(users[0]))
-            synth_done += row["id"].startswith(synth_prefix)
-    if existing:
-        log.info("%s: %d rows already done, resuming", cfg.output, existing)
-    return done_ids, seen, synth_done, existing
+                done.seen_prompts.add(normalize_prompt(users[0]))
+            attempt = row["id"].removeprefix(synth_prefix)
+            if row["id"].startswith(synth_prefix) and attempt.isdigit():
+                done.synth_done += 1
+                done.next_attempt = max(done.next_attempt, int(attempt) + 1)
+    if done.rows:
+        log.info("%s: %d rows already done, resuming", cfg.output, done.rows)
+    return done
 
 
 def _summary(cfg: GenerateConfig, driver: Driver, engine, bad: list[DataError], *, existing: int,
@@ -409,6 +427,8 @@ def _summary(cfg: GenerateConfig, driver: Driver, engine, bad: list[DataError], 
         "new_tokens": counts.new_tokens,
         "seconds": round(seconds, 2),
         "new_tokens_per_second": round(counts.new_tokens / max(seconds, 1e-9), 1),
+        "kept_tokens": counts.kept_tokens,
+        "kept_tokens_per_second": round(counts.kept_tokens / max(seconds, 1e-9), 1),
         "stopped_by": driver.stopped_by,
     }
     stats = getattr(engine, "stats", None)
@@ -445,10 +465,10 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
         _check_prompts(cfg)  # before the output file is touched
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
         recover(cfg.output)  # under the lock: no other run is appending
-        done_ids, seen, synth_done, existing = _rows_done(cfg)
+        done = _rows_done(cfg)
 
-        prompt_todo = _count_prompt_rows(cfg, done_ids) if cfg.prompts else 0
-        todo = prompt_todo + max(0, cfg.synthesize - synth_done)
+        prompt_todo = _count_prompt_rows(cfg, done.done_ids) if cfg.prompts else 0
+        todo = prompt_todo + max(0, cfg.synthesize - done.synth_done)
         if engine is None:
             engine, tokenizer = build_engine(cfg, need_tokenizer=cfg.synthesize > 0)
         header = user_header(tokenizer, cfg.system_prompt) if cfg.synthesize > 0 else None
@@ -470,7 +490,8 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
             if not interval or now - last[0] < interval:
                 return
             last[0] = now
-            rate = f"{driver.counts.new_tokens / max(now - t0, 1e-9):,.0f} new tok/s"
+            elapsed = max(now - t0, 1e-9)
+            rate = f"{driver.counts.new_tokens / elapsed:,.0f} new tok/s ({driver.counts.kept_tokens / elapsed:,.0f} kept)"
             if cfg.progress:
                 bar.set_postfix_str(rate)
             else:
@@ -478,12 +499,13 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
                          now - t0)
 
         driver = Driver(
-            cfg, out.add, engine.describe(), done_ids=done_ids, records=records, records_total=prompt_todo, header=header,
-            tokenizer=tokenizer, seen_prompts=seen, synth_done=synth_done, on_row=on_row, should_stop=should_stop,
+            cfg, out.add, engine.describe(), done_ids=done.done_ids, records=records, records_total=prompt_todo,
+            header=header, tokenizer=tokenizer, seen_prompts=done.seen_prompts, synth_done=done.synth_done,
+            first_attempt=done.next_attempt, on_row=on_row, should_stop=should_stop,
         )  # fmt: skip
         try:
             engine.run(driver.next_request, driver.on_complete)
         finally:
             bar.close()
         seconds = time.perf_counter() - t0
-    return _summary(cfg, driver, engine, bad, existing=existing, seconds=seconds)
+    return _summary(cfg, driver, engine, bad, existing=done.rows, seconds=seconds)
