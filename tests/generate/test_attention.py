@@ -60,6 +60,32 @@ def test_attention_equals_loops(rule, kind):
     torch.testing.assert_close(got.double(), reference(RULES[rule], q, k, v, positions, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 16])
+def test_flex_gets_gqa_folded_into_query_rows(t):
+    """The compiler takes FlexAttention's decoding kernel (KV split across thread blocks) only for
+    fewer than 128 query rows and a power-of-two group of query heads per kv head; SmolLM2's
+    9 heads over 3 kv heads are not one. So the flex kernel is handed GQA folded into query rows:
+    as many query heads as kv heads, rep*T rows each, no enable_gqa (group 1), same numbers."""
+    torch.manual_seed(0)
+    S, H, KV, D, L = 2, 9, 3, 16, FLEX_BLOCK
+    positions = torch.tensor([0, 90])
+    q, k, v = torch.randn(S, t, H, D), torch.randn(S, KV, L, D), torch.randn(S, KV, L, D)
+    rule = causal_rule if t == 1 else block_rule(t, None, False)
+    att = CacheAttention(rule, "flex", slots=S, q_len=t, max_len=L, n_heads=H, n_kv=KV, head_dim=D, scale=0.25,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    calls, kernel = [], att._kernel
+
+    def spy(query, key, value, **kwargs):
+        calls.append((tuple(query.shape), kwargs.get("enable_gqa", False), tuple(kwargs["block_mask"].shape)))
+        return kernel(query, key, value, **kwargs)
+
+    att._kernel = spy
+    att.prepare(positions, L)
+    got = att.attend(q, k, v)
+    assert calls == [((S, KV, 3 * t, D), False, (S, 1, 3 * t, L))]
+    torch.testing.assert_close(got.double(), reference(rule, q, k, v, positions, 0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_dense_attention_takes_sdpa_outputs_in_any_memory_layout(monkeypatch):
     """CUDA's SDPA kernels may return [S, kv, rep*T, D] laid out as [S, rep*T, kv, D] in memory
     (the GPU engine test caught a `view` that only CPU's layout allowed): same numbers either way."""

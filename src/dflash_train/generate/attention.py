@@ -7,18 +7,23 @@ The engines' steps (StaticDecoder.verify, StaticDrafter.propose) attend T querie
 
 Which keys a query sees is one rule, `visible(p, q, key)` of the block's first position p,
 the query's index q in the block and the key's position (broadcasting tensors -> bool).
-Two kernels apply it:
+
+Both kernels see GQA folded into query rows: the `rep` query heads of a kv head become rep*T
+query rows of that head (row r*T + t is query head j*rep + r at block index t), so the cache
+is never repeated and every kv head is read once per slot. q and the output are permuted
+around the kernel (views when T = 1, two copies per layer when T > 1). For FlexAttention the
+fold is what lets plain decoding use its decoding kernel (KV split across thread blocks, a
+16-row query tile): the compiler takes that kernel only for fewer than 128 query rows and a
+power-of-two query-heads-per-kv-head group, and SmolLM2's 9 heads over 3 kv heads are not one;
+folded, the group is 1. Two kernels apply the rule:
 
     dense   SDPA over cache positions [0, kv_len) with an additive mask built from the rule
-            once per step (shared by all layers). GQA without repeating the cache: the `rep`
-            query heads of a kv head become rep*T query rows of that head, so q and the
-            output are permuted around the kernel (two copies per layer when T > 1).
-            CPU (no fused FlexAttention kernel there), and CUDA without torch.compile.
+            once per step (shared by all layers). CPU (no fused FlexAttention kernel there),
+            and CUDA without torch.compile.
     flex    compiled FlexAttention over the whole cache, the rule as its mask_mod, and per
             slot the number of 128-key blocks up to the block's last position, computed on
             device from the positions: the kernel reads only the blocks a slot has reached.
-            Native GQA, and the output comes back in the layout of q: no copies. Only
-            CUDA (a fused kernel needs torch.compile; its CPU build costs seconds per shape).
+            Only CUDA (a fused kernel needs torch.compile; its CPU build costs seconds per shape).
 
 Both are fixed-shape and free of host synchronisation, so a step using them can be captured
 in a CUDA graph. The rule must make a query see at least one key (its own position).
@@ -121,6 +126,7 @@ class CacheAttention:
         self.rule, self.kind = rule, kind
         self.slots, self.q_len, self.max_len = slots, q_len, max_len
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
+        self.rep = n_heads // n_kv  # query heads per kv head: folded into rep * q_len query rows
         self.dtype, self.device = dtype, device
         self.key_positions = torch.arange(max_len, device=device)
         self.kv_len = max_len
@@ -135,10 +141,10 @@ class CacheAttention:
             start = self.start
 
             def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return rule(start[b], q_idx, kv_idx)
+                return rule(start[b], q_idx % q_len, kv_idx)  # folded row r*T + t is block index t
 
             self.block_mask = BlockMask.from_kv_blocks(self.num_blocks, indices, BLOCK_SIZE=FLEX_BLOCK,
-                                                       mask_mod=mask_mod, seq_lengths=(q_len, max_len))
+                                                       mask_mod=mask_mod, seq_lengths=(self.rep * q_len, max_len))
             self._kernel = _flex_kernel() if device.type == "cuda" else flex_attention
 
     def visible(self, positions: Tensor, kv_len: int) -> Tensor:
@@ -155,22 +161,21 @@ class CacheAttention:
             self.start.copy_(positions)
             self.num_blocks[:, 0, 0] = blocks_needed(positions + self.q_len - 1, self.max_len)
             return
-        s, t, rep = positions.shape[0], self.q_len, self.n_heads // self.n_kv
+        s, t, rep = positions.shape[0], self.q_len, self.rep
         hidden = ~self.visible(positions, kv_len)
         bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
-        # row r*T + t of kv head j is query head j*rep + r at block index t (see attend)
-        self.bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)
+        self.bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)  # folded rows
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q [S, T, heads, D] over k/v_cache [S, kv_heads, max_len, D] -> [S, T, heads * D]."""
         s, t, h, d = q.shape
+        q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, self.rep * t, d)  # [S, kv, rep*T, D], GQA folded
         if self.kind == "flex":
-            o = self._kernel(q.transpose(1, 2), k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
-                             enable_gqa=True)  # [S, h, T, D], laid out as q: [S, T, h, D] in memory
-            return o.transpose(1, 2).reshape(s, t, h * d)
-        rep, n = h // self.n_kv, self.kv_len
-        q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, rep * t, d)
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=self.bias,
-                                           scale=self.scale)  # [S, kv, rep*T, D]
-        # reshape, not view: CUDA's SDPA kernels may return o with strides that do not merge
+            o = self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale)
+        else:
+            n = self.kv_len
+            o = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=self.bias,
+                                               scale=self.scale)
+        # [S, kv, rep*T, D] -> [S, T, heads * D]; reshape, not view: CUDA's SDPA kernels may
+        # return o with strides that do not merge
         return o.reshape(s, h, t, d).transpose(1, 2).reshape(s, t, h * d)
