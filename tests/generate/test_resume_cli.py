@@ -63,7 +63,7 @@ def test_sigkill_then_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, 
     with out.open("ab") as fh:  # what a write cut short by the kill would leave behind
         fh.write(b'{"id": "r-torn", "messages": [{"role": "us')
 
-    # SIGTERM: no new prompt, the rows in flight are finished and written, the summary, exit 0
+    # SIGTERM: no new prompt, the conversations started are finished and written, the summary, exit 0
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_lines(proc, out, killed_at + 3)
     os.kill(proc.pid, signal.SIGTERM)

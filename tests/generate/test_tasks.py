@@ -113,15 +113,17 @@ class KeyedEngine(FakeEngine):
     """Writes each synthetic conversation's user turn from its id, as the built-in engine does
     (its sampling is keyed by the attempt): an attempt made again gets the same user turn."""
 
-    def __init__(self, user_turns_by_id: dict[str, Completion]) -> None:
+    def __init__(self, user_turns_by_id: dict[str, Completion], after_user_turn=None) -> None:
         super().__init__()
-        self.by_id = user_turns_by_id
+        self.by_id, self.after_user_turn = user_turns_by_id, after_user_turn
 
     def run(self, next_request, on_complete) -> None:
         while (req := next_request()) is not None:
             self.seen.append(req)
             if req.text is not None:
                 on_complete(req, self.by_id.get(req.tag[0].id, Completion("", "length", new_tokens=128)))
+                if self.after_user_turn:
+                    self.after_user_turn()
             else:
                 on_complete(req, Completion("answer", "stop", new_tokens=4))
 
@@ -143,6 +145,15 @@ def test_a_rerun_makes_new_attempts_not_the_rejected_ones_again(tmp_path, tokeni
     assert [req.tag[0].id for req in engine.seen if req.text is not None] == ["syn-3-3", "syn-3-4"]
     assert second["written"] == 1 and second["rejected_prompts"] == {"no end of turn": 1}
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["syn-3-2", "syn-3-4"]
+
+    # a stop between a user turn and its answer: the answer is still written, the next run goes on after it
+    signals = SimpleNamespace(received=None)
+    stopping = KeyedEngine({"syn-3-5": Completion("What makes a rainbow?", "stop")},
+                           after_user_turn=lambda: setattr(signals, "received", "SIGTERM"))
+    third = run_generate(GenerateConfig(output=str(out), synthesize=4, seed=3, progress=False), engine=stopping,
+                         tokenizer=tokenizer, signals=signals)
+    assert third["stopped_by"] == "SIGTERM" and third["synthetic_attempts"] == 1 and third["written"] == 1
+    assert [req.tag[0].id for req in stopping.seen] == ["syn-3-5", "syn-3-5"]  # the user turn, then its answer
 
     # another seed's rows do not move this seed's attempts
     other = KeyedEngine({"syn-30-0": Completion("What is a prime number?", "stop")})
@@ -259,7 +270,7 @@ def test_max_minutes_stops_taking_prompts_and_a_rerun_finishes_the_rest(tmp_path
     assert _rows(cfg.output) == _rows(reference.output)
 
 
-def test_a_stop_signal_drops_the_cut_conversation_and_a_rerun_redoes_it_whole(tmp_path, tokenizer):
+def test_a_stop_signal_finishes_the_conversation_started_and_a_rerun_does_the_rest(tmp_path, tokenizer):
     prompts = _multi_turn_prompts(tmp_path)
     reference = GenerateConfig(output=str(tmp_path / "ref.jsonl"), prompts=[prompts], progress=False)
     run_generate(reference, engine=FakeEngine(), tokenizer=tokenizer)
@@ -273,11 +284,12 @@ def test_a_stop_signal_drops_the_cut_conversation_and_a_rerun_redoes_it_whole(tm
     cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False)
     engine = TickingEngine([0.0], on_done=sigterm_after)
     first = run_generate(cfg, engine=engine, tokenizer=tokenizer, signals=signals)
-    assert first["stopped_by"] == "SIGTERM" and first["written"] == 3 and len(engine.seen) == 4
-    assert list(_rows(cfg.output)) == list(_rows(reference.output))[:3]  # row 4 had one of two turns: not written
+    # row 4's second turn is still asked for (no new row is): the turn already written is not thrown away
+    assert first["stopped_by"] == "SIGTERM" and first["written"] == 4 and len(engine.seen) == 5
+    assert list(_rows(cfg.output)) == list(_rows(reference.output))[:4]
 
     second = run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer, signals=SimpleNamespace(received=None))
-    assert second["written"] == 3 and _rows(cfg.output) == _rows(reference.output)
+    assert second["written"] == 2 and _rows(cfg.output) == _rows(reference.output)
 
 
 def test_without_a_progress_bar_progress_is_logged(tmp_path, tokenizer, caplog):

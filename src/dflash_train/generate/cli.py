@@ -5,8 +5,8 @@
     dflash-train generate --engine http --base-url http://localhost:8000/v1 --prompts p.jsonl --output gen.jsonl
     dflash-train generate --prompts data/ --output gen.jsonl --max-minutes 30 --progress false
 
-SIGINT/SIGTERM or --max-minutes end a run cleanly: no new prompt is taken, the rows in flight
-finish and are written, the summary (with `stopped_by`) is printed and the exit code is 0.
+SIGINT/SIGTERM or --max-minutes end a run cleanly: no new prompt is taken, the conversations
+started finish (every turn) and are written, the summary (with `stopped_by`) is printed and the exit code is 0.
 A second Ctrl-C stops at once (exit 130); finished rows are kept either way.
 
 Every field below is an option, spelled `--max_new_tokens` or `--max-new-tokens`;

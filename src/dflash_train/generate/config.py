@@ -66,7 +66,7 @@ class GenerateConfig:
     log_every_seconds: float = field(default=60.0, metadata=_help(
         "without the progress bar: a progress line (rows, new tok/s) this often; 0 = none"))
     max_minutes: float = field(default=0.0, metadata=_help(
-        "time box: after this many minutes take no new prompt, finish the rows in flight and end "
+        "time box: after this many minutes take no new prompt, finish the conversations started and end "
         "with the summary (a rerun resumes); 0 = no limit"))
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
-STOP_ANNOUNCE = ("taking no new prompts, finishing the rows in flight, then the summary "
+STOP_ANNOUNCE = ("taking no new prompts, finishing the conversations started, then the summary "
                  "(Ctrl-C again to stop at once; finished rows are saved either way)")
 
 
@@ -149,12 +149,14 @@ class Driver:
         if self.stopped_by is None and self.should_stop is not None:
             self.stopped_by = self.should_stop()
             if self.stopped_by:
-                log.info("generate: stopping (%s): taking no new prompts, finishing the rows in flight", self.stopped_by)
-        if self.stopped_by:
-            # follow-up turns too: a conversation cut here is not written and a rerun redoes it whole
-            return None
+                log.info("generate: stopping (%s): taking no new prompts, finishing the conversations started",
+                         self.stopped_by)
+        # a started conversation's next turn, also after a stop: no turn already written is thrown
+        # away (a rerun does not make a synthetic conversation's attempt again)
         if self._ready:
             return self._ready.popleft()
+        if self.stopped_by:
+            return None
         if self.cfg.mix and self._synthesis_behind():
             req = self._start_synthetic()
             if req is not None:
@@ -448,7 +450,7 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
 
     Stops early, cleanly, on SIGINT/SIGTERM (recorded by `signals`, installed here unless
     given) or when `cfg.max_minutes` of the job have passed (`clock`): no new prompt is taken,
-    the rows in flight finish and are written, and the summary says why (`stopped_by`)."""
+    the conversations started finish (every turn) and are written, and the summary says why (`stopped_by`)."""
     if signals is None:
         with StopSignals(announce=STOP_ANNOUNCE) as own:
             return run_generate(cfg, engine=engine, tokenizer=tokenizer, signals=own, clock=clock)
