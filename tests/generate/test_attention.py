@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.generate import attention
 from dflash_train.generate.attention import (
     FLEX_BLOCK,
     CacheAttention,
@@ -15,6 +16,7 @@ from dflash_train.generate.attention import (
     causal_rule,
     decode_attention_for,
     flat,
+    folds_gqa,
     write_cache,
 )
 from dflash_train.speculative.engine import SpecEngine
@@ -46,9 +48,17 @@ RULES = {"causal": causal_rule, "block": block_rule(4, None, False), "block_caus
          "block_window": block_rule(4, 37, False)}
 
 
+def keep_flex_unfolded(monkeypatch) -> None:
+    """Flex with q in its own layout (native GQA), as a GPU with more SMs than slots x kv heads runs it."""
+    monkeypatch.setattr(attention, "folds_gqa", lambda kind, *_: kind == "dense")
+
+
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("kind", ["dense", "flex"])
-def test_attention_equals_loops(rule, kind):
+@pytest.mark.parametrize("kind", ["dense", "flex", "flex-native-gqa"])
+def test_attention_equals_loops(rule, kind, monkeypatch):
+    if kind == "flex-native-gqa":
+        keep_flex_unfolded(monkeypatch)
+        kind = "flex"
     torch.manual_seed(0)
     S, T, H, KV, D, L = 3, 4, 6, 2, 8, 2 * FLEX_BLOCK
     positions = torch.tensor([0, 61, 200])  # block starts: the first slot sees only its own block
@@ -61,11 +71,14 @@ def test_attention_equals_loops(rule, kind):
 
 
 @pytest.mark.parametrize("t", [1, 16])
-def test_flex_gets_gqa_folded_into_query_rows(t):
-    """The compiler takes FlexAttention's decoding kernel (KV split across thread blocks) only for
-    fewer than 128 query rows and a power-of-two group of query heads per kv head; SmolLM2's
-    9 heads over 3 kv heads are not one. So the flex kernel is handed GQA folded into query rows:
-    as many query heads as kv heads, rep*T rows each, no enable_gqa (group 1), same numbers."""
+@pytest.mark.parametrize("folded", [True, False])
+def test_flex_gets_gqa_folded_into_query_rows_or_native(t, folded, monkeypatch):
+    """Folded (many slots), the flex kernel is handed as many query heads as kv heads, rep*T rows
+    each, no enable_gqa: a group of 1, which the compiler's decoding kernel takes (it needs a
+    power of two; SmolLM2's 9 heads over 3 are not). Unfolded (a few slots), q keeps its layout
+    with enable_gqa. The same numbers either way."""
+    if not folded:
+        keep_flex_unfolded(monkeypatch)
     torch.manual_seed(0)
     S, H, KV, D, L = 2, 9, 3, 16, FLEX_BLOCK
     positions = torch.tensor([0, 90])
@@ -82,8 +95,25 @@ def test_flex_gets_gqa_folded_into_query_rows(t):
     att._kernel = spy
     att.prepare(positions, L)
     got = att.attend(q, k, v)
-    assert calls == [((S, KV, 3 * t, D), False, (S, 1, 3 * t, L))]
+    want = [((S, KV, 3 * t, D), False, (S, 1, 3 * t, L))] if folded else [((S, H, t, D), True, (S, 1, t, L))]
+    assert calls == want
     torch.testing.assert_close(got.double(), reference(rule, q, k, v, positions, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_folds_gqa_exactly_where_the_decoding_kernel_would_not_split_keys(monkeypatch):
+    """Flex folds GQA exactly for the slot counts at which the compiler's decoding kernel
+    (torch's own split heuristic, on an H200's 132 SMs) covers the GPU without splitting a
+    slot's keys across thread blocks; dense always folds."""
+    from types import SimpleNamespace
+
+    get_split_k = pytest.importorskip("torch._inductor.kernel.flex.flex_decoding").get_split_k
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(multi_processor_count=132))
+    gpu = torch.device("cuda", 0)
+    for n_kv in (3, 8):
+        for slots in range(1, 300):
+            assert folds_gqa("flex", slots, n_kv, gpu) == (get_split_k(slots, n_kv, 4096) == 1), (slots, n_kv)
+            assert folds_gqa("dense", slots, n_kv, gpu)
+    assert folds_gqa("flex", 1536, 3, gpu) and not folds_gqa("flex", 1, 3, gpu)  # generate's slots; batch 1
 
 
 def test_dense_attention_takes_sdpa_outputs_in_any_memory_layout(monkeypatch):

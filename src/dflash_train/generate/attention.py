@@ -8,22 +8,24 @@ The engines' steps (StaticDecoder.verify, StaticDrafter.propose) attend T querie
 Which keys a query sees is one rule, `visible(p, q, key)` of the block's first position p,
 the query's index q in the block and the key's position (broadcasting tensors -> bool).
 
-Both kernels see GQA folded into query rows: the `rep` query heads of a kv head become rep*T
-query rows of that head (row r*T + t is query head j*rep + r at block index t), so the cache
-is never repeated and every kv head is read once per slot. q and the output are permuted
-around the kernel (views when T = 1, two copies per layer when T > 1). For FlexAttention the
-fold is what lets plain decoding use its decoding kernel (KV split across thread blocks, a
-16-row query tile): the compiler takes that kernel only for fewer than 128 query rows and a
-power-of-two query-heads-per-kv-head group, and SmolLM2's 9 heads over 3 kv heads are not one;
-folded, the group is 1. Two kernels apply the rule:
+GQA without repeating the cache: the `rep` query heads of a kv head can become rep*T query
+rows of that head (row r*T + t is query head j*rep + r at block index t), q and the output
+permuted around the kernel (views when T = 1, two copies per layer when T > 1). Two kernels
+apply the rule:
 
     dense   SDPA over cache positions [0, kv_len) with an additive mask built from the rule
-            once per step (shared by all layers). CPU (no fused FlexAttention kernel there),
-            and CUDA without torch.compile.
+            once per step (shared by all layers), GQA always folded. CPU (no fused
+            FlexAttention kernel there), and CUDA without torch.compile.
     flex    compiled FlexAttention over the whole cache, the rule as its mask_mod, and per
             slot the number of 128-key blocks up to the block's last position, computed on
             device from the positions: the kernel reads only the blocks a slot has reached.
             Only CUDA (a fused kernel needs torch.compile; its CPU build costs seconds per shape).
+            GQA folded only at many slots (`folds_gqa`): there the fold lets the compiler take
+            its decoding kernel, which it does only for a power-of-two group of query heads per
+            kv head (SmolLM2: 9 over 3 is not one; folded, the group is 1) and which then reads
+            each kv head once per slot, where the main kernel reads it once per query head. At
+            a few slots q keeps its layout (native GQA, no copies), as batch-1 speculative
+            rounds were tuned.
 
 Both are fixed-shape and free of host synchronisation, so a step using them can be captured
 in a CUDA graph. The rule must make a query see at least one key (its own position).
@@ -54,6 +56,17 @@ FLEX_BLOCK = 128  # keys per FlexAttention block; `max_len` must be a multiple o
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
     return compiled_once(flex_attention)
+
+
+def folds_gqa(kind: AttentionKind, slots: int, n_kv: int, device: torch.device) -> bool:
+    """Whether q reaches the kernel with GQA folded into query rows. Always for dense. For flex
+    when slots x kv heads exceed the device's SMs: there the compiler's decoding kernel covers
+    the GPU without splitting a slot's keys across thread blocks. With fewer, it would split
+    them and reduce the splits in extra kernels, a cost in launch-bound batch-1 steps (a few
+    hundred kernels of a few us each, over keys that fill a few 128-key blocks), so q keeps
+    its layout there and the main kernel runs, one per layer. (On a CPU, every slot count.)"""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    return kind == "dense" or slots * n_kv > sms
 
 
 def causal_rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
@@ -126,7 +139,8 @@ class CacheAttention:
         self.rule, self.kind = rule, kind
         self.slots, self.q_len, self.max_len = slots, q_len, max_len
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
-        self.rep = n_heads // n_kv  # query heads per kv head: folded into rep * q_len query rows
+        self.rep = n_heads // n_kv  # query heads per kv head
+        self.folded = folds_gqa(kind, slots, n_kv, torch.device(device))  # q as [S, kv, rep*T, D]
         self.dtype, self.device = dtype, device
         self.key_positions = torch.arange(max_len, device=device)
         self.kv_len = max_len
@@ -143,8 +157,9 @@ class CacheAttention:
             def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return rule(start[b], q_idx % q_len, kv_idx)  # folded row r*T + t is block index t
 
+            rows = self.rep * q_len if self.folded else q_len
             self.block_mask = BlockMask.from_kv_blocks(self.num_blocks, indices, BLOCK_SIZE=FLEX_BLOCK,
-                                                       mask_mod=mask_mod, seq_lengths=(self.rep * q_len, max_len))
+                                                       mask_mod=mask_mod, seq_lengths=(rows, max_len))
             self._kernel = _flex_kernel() if device.type == "cuda" else flex_attention
 
     def visible(self, positions: Tensor, kv_len: int) -> Tensor:
@@ -169,7 +184,11 @@ class CacheAttention:
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q [S, T, heads, D] over k/v_cache [S, kv_heads, max_len, D] -> [S, T, heads * D]."""
         s, t, h, d = q.shape
-        q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, self.rep * t, d)  # [S, kv, rep*T, D], GQA folded
+        if not self.folded:  # flex, native GQA: the output comes back laid out as q, no copies
+            o = self._kernel(q.transpose(1, 2), k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
+                             enable_gqa=True)  # [S, h, T, D], laid out as q: [S, T, h, D] in memory
+            return o.transpose(1, 2).reshape(s, t, h * d)
+        q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, self.rep * t, d)  # [S, kv, rep*T, D]
         if self.kind == "flex":
             o = self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale)
         else:
