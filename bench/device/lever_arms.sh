@@ -11,8 +11,10 @@
 # machine; every arm is one of its detached `ours` runs, on $W/data unless its args say otherwise):
 #   STEP=start  ARMS (one arm a line: NAME ARGS...), COMMON (args every arm gets), TRAIN_MINUTES:
 #               start the arms, arm i on cores i*C..i*C+C-1 (C = the cores / the arms)  (~5 s)
-#   STEP=wait   follow the arms up to WAIT_SECONDS (default 540): each arm's last step line, its
-#               first-step memory line, and the GPU's memory; exit 0 either way, call again
+#   STEP=wait   follow the arms up to WAIT_SECONDS (default 540): each arm's state (running, or
+#               ended with its exit status), last step line, first-step memory line, and the
+#               GPU's memory; an arm whose log holds a traceback sends the whole log back to $OUT;
+#               exit 0 either way, call again
 #   STEP=eval   once every arm has ended: each arm's tau-only evals (EVAL_SLOTS, default 16:
 #               HumanEval, chat, held-out and training source prompts) at once, one process an
 #               arm; then BATCH1_ARMS (names) one after another at batch 1 with plain greedy
@@ -60,7 +62,10 @@ wait)
     sleep 30
   done
   for name in $(arm_names); do
-    state=ended; kill -0 "$(cat $W/$name.pid)" 2>/dev/null && state=running
+    state="ended rc=$(cat "$W/$name.rc" 2>/dev/null || echo '?')"; kill -0 "$(cat $W/$name.pid)" 2>/dev/null && state=running
+    if grep -q Traceback "$W/$name.train.log"; then  # its whole log comes back: where it failed, and what it did after
+      cp "$W/$name.train.log" "$OUT/$name.train.log"; state="$state; a traceback: \$OUT/$name.train.log"
+    fi
     echo "--- $name ($state): $(grep -E '^first step done' $W/$name.train.log | head -1 | cut -c1-120)"
     grep -E "^step|held-out|stopped at|Traceback|rror" $W/$name.train.log | tail -2 | cut -c1-200
   done | tee -a "$LOG"
@@ -84,7 +89,8 @@ eval)
     echo "--- $name"; grep -E "^steps [0-9]|tau by speculative decoding" "$W/$name.train.log" | tail -2 | cut -c1-200
     python3 scripts/recipe_eval_summary.py "$W/eval-$name"
   done | tee -a "$LOG"
-  # a call brings back 8 files: every arm's reports, metrics and logs in one
+  for name in $(arm_names); do cp "$W/$name.train.log" "$OUT/$name.train.log"; done
+  # a call brings back 8 files: every arm's reports, metrics and logs (training's too) in one
   (cd "$OUT" && ls | grep -v -E '^arms' > /tmp/arms-files && tar -cJf /tmp/arms-results.tar.xz -T /tmp/arms-files \
      && mv /tmp/arms-results.tar.xz . && xargs rm -f < /tmp/arms-files)
   ls -l "$OUT" ;;
