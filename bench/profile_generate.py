@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dflash_train.generate.attention import FLEX_BLOCK
+from dflash_train.generate.attention import FLEX_BLOCK, folds_gqa
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Request
@@ -293,13 +293,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build(args, device)
+    # the query layout the attention kernel gets (flex: folded GQA lets the compiler take its decoding kernel)
+    folded = folds_gqa(engine.attention, engine.slots, engine.decoder.n_kv, device)
     print(f"profile_generate: {args.target}, {args.slots} slots ({args.sampled_share:.0%} sampling), "
-          f"prompts of {args.prompt_len} tokens, "
-          f"{engine.attention} attention, {'CUDA graphs' if engine.step.use_graphs else 'eager'}, {device}", flush=True)
+          f"prompts of {args.prompt_len} tokens, {engine.attention} attention (GQA {'folded' if folded else 'native'}), "
+          f"{'CUDA graphs' if engine.step.use_graphs else 'eager'}, {device}", flush=True)
     table = measure(engine, args, device)
     table["config"] = {"target": args.target, "slots": args.slots, "sampled_share": args.sampled_share,
                        "prompt_len": args.prompt_len, "steps": args.steps,
-                       "attention": engine.attention, "cuda_graphs": engine.step.use_graphs, "device": str(device),
+                       "attention": engine.attention, "gqa_folded": folded,
+                       "cuda_graphs": engine.step.use_graphs, "device": str(device),
                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                        "torch": torch.__version__}
     report(table)

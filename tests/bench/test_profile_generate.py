@@ -60,6 +60,7 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
     t = profile_generate.main(["preset:tiny", "--slots", "4", "--prompt-len", "24", "--warmup", "2", "--steps", "3",
                                "--device", "cpu", "--threads", "1", "--out", str(out)])
     assert out.exists() and t["config"]["attention"] == "dense" and t["profiled"] == "as run"
+    assert t["config"]["gqa_folded"] is True  # dense always folds
     assert t["kernels_per_step"] > 100 and t["busy_ms_per_step"] == pytest.approx(t["device_ms_per_step"])
     assert set(t["share_of_wall"]) == {"attention", "matmul", "sampling", "other", "host_gap"}
     assert sum(t["share_of_wall"].values()) == pytest.approx(1.0)
