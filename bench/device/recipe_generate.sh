@@ -32,7 +32,8 @@ m = re.search(r"^\{\n.*?^\}", text, re.S | re.M)  # the summary JSON printed at 
 if not m:
     print("probe", sys.argv[2], "no summary"); sys.exit()
 s = json.loads(m.group(0)); e = s.get("engine_stats", {})
-print("probe", sys.argv[2], "new_tok_s", s["new_tokens_per_second"], "written", s["written"], "stopped_by", s["stopped_by"],
+print("probe", sys.argv[2], "new_tok_s", s["new_tokens_per_second"], "kept_tok_s", s.get("kept_tokens_per_second"),
+      "written", s["written"], "stopped_by", s["stopped_by"],
       "ms_per_step", e.get("ms_per_decode_step"), "util", e.get("slot_utilisation"), "prefill_s", e.get("prefill_seconds"),
       "decode_s", e.get("decode_seconds"))
 PY
