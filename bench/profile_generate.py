@@ -9,8 +9,8 @@
 
 The built-in engine (generate/builtin.py) exactly as `generate` runs it (CUDA graphs, compiled
 layer functions and FlexAttention on a GPU; every slot busy; greedy, or with `--sampled-share`
-that share of the slots sampling as `generate` samples self-instructed user turns (about 0.3 of
-the slot-steps of the recipe's `--mix` runs)) is filled with `--slots`
+that share of the slots sampling as `generate` samples self-instructed user turns (0.3 of the
+slot-steps of the recipe's `--mix` runs while reruns repeated dropped attempts)) is filled with `--slots`
 random prompts of `--prompt-len` tokens, decodes `--warmup` steps, then `--steps` more in its
 own loop (one step launched ahead of the read-back), timed by the wall clock and then again
 under torch.profiler. Reported per step:

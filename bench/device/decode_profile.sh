@@ -2,7 +2,7 @@
 # Decoding speed, seen from the inside (random weights: time depends on shapes only):
 #   generate   bench/profile_generate.py on the generate target's shape (SmolLM2-135M) at SLOTS
 #              (default 1536) and at 256 slots, greedy, and at SLOTS with SAMPLED_SHARE (default
-#              0.3, the recipe's --mix runs) of the slots sampling as self-instructed user turns:
+#              0.3, the recipe's --mix runs of 2026-12-03) of the slots sampling as user turns:
 #              kernels and device ms per decode step, achieved HBM GB/s, the split attention /
 #              matmuls / sampling / other / host gap; ~4 min
 #   qwen3      the same on Qwen3-8B's shape at 256 slots against the H200's 4.8 TB/s: the key

@@ -93,6 +93,17 @@ class Counters:
     kept_tokens: int = 0  # the target's tokens in the rows written (user turns and answers)
 
 
+@dataclass
+class Resumed:
+    """What an earlier run wrote to the output, read before a rerun starts."""
+
+    done_ids: set[str] = field(default_factory=set)
+    seen_prompts: set[str] = field(default_factory=set)  # the synthetic user turns, normalised
+    synth_done: int = 0  # synthetic rows of this seed
+    next_attempt: int = 0  # one past the highest attempt of this seed written
+    rows: int = 0
+
+
 class Driver:
     """Feeds an engine (`next_request`) and turns its completions into rows (`on_complete`)."""
 
@@ -102,18 +113,15 @@ class Driver:
         write: Callable[[dict[str, Any]], None],
         engine_info: dict[str, Any],
         *,
-        done_ids: set[str],
+        done: Resumed,
         records: Iterator[Record] | None = None,
         records_total: int = 0,
         header: str | None = None,
         tokenizer=None,
-        seen_prompts: set[str] | None = None,
-        synth_done: int = 0,
-        first_attempt: int = 0,
         on_row: Callable[[int], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
     ) -> None:
-        self.cfg, self.write, self.done_ids = cfg, write, done_ids
+        self.cfg, self.write, self.done_ids = cfg, write, done.done_ids
         # asked before every new request: a reason (signal, time box) ends the intake for good
         self.should_stop = should_stop
         self.stopped_by: str | None = None
@@ -122,7 +130,7 @@ class Driver:
         self.records_total, self.records_started = records_total, 0
         self.header = header
         self.specials = special_strings(tokenizer)
-        self.seen = seen_prompts if seen_prompts is not None else set()
+        self.seen = done.seen_prompts
         self.counts = Counters()
         self.on_row = on_row
         self._ready: deque[Request] = deque()  # follow-up turns, served before new conversations
@@ -137,11 +145,11 @@ class Driver:
         self.generator = base
         self.synth_generator = {**base, "prompt_sampling": {**cfg.prompt_sampling.to_dict(), "max_tokens": cfg.prompt_max_tokens}}
         # synthesis accounting: rows already written + attempts in flight must not pass the target
-        self.synth_have, self.synth_inflight = synth_done, 0
-        self.synth_at_start = synth_done  # --mix paces what is left of each, from where a resume begins
-        remaining = max(0, cfg.synthesize - synth_done)
+        self.synth_have, self.synth_inflight = done.synth_done, 0
+        self.synth_at_start = done.synth_done  # --mix paces what is left of each, from where a resume begins
+        remaining = max(0, cfg.synthesize - done.synth_done)
         self.synth_max_attempts = math.ceil(remaining * cfg.max_attempts_factor) + (16 if remaining else 0)
-        self._next_attempt = first_attempt
+        self._next_attempt = done.next_attempt  # past every attempt of this seed already written
 
     # --- requests -----------------------------------------------------------------------
 
@@ -210,27 +218,21 @@ class Driver:
         return self._answer_request(conv)
 
     def _start_synthetic(self) -> Request | None:
-        if self.header is None:
+        if self.header is None or self.synth_have + self.synth_inflight >= self.cfg.synthesize:
             return None
-        while self.synth_have + self.synth_inflight < self.cfg.synthesize:
-            if self.counts.synth_attempts >= self.synth_max_attempts:
-                return None
-            attempt = self._next_attempt
-            self._next_attempt += 1
-            cid = synthetic_id(self.cfg.seed, attempt)
-            if cid in self.done_ids:
-                continue
-            self.counts.synth_attempts += 1
-            self.synth_inflight += 1
-            conv = _Conversation(cid, [], synthetic=True)
-            return Request(
-                text=self.header,
-                sampling=self.cfg.prompt_sampling,
-                max_new_tokens=self.cfg.prompt_max_tokens,
-                key=request_key(self.cfg.seed, cid, "user"),
-                tag=(conv, "user"),
-            )
-        return None
+        if self.counts.synth_attempts >= self.synth_max_attempts:
+            return None
+        cid = synthetic_id(self.cfg.seed, self._next_attempt)
+        self._next_attempt += 1
+        self.counts.synth_attempts += 1
+        self.synth_inflight += 1
+        return Request(
+            text=self.header,
+            sampling=self.cfg.prompt_sampling,
+            max_new_tokens=self.cfg.prompt_max_tokens,
+            key=request_key(self.cfg.seed, cid, "user"),
+            tag=(_Conversation(cid, [], synthetic=True), "user"),
+        )
 
     # --- completions --------------------------------------------------------------------
 
@@ -379,20 +381,9 @@ def _check_prompts(cfg: GenerateConfig) -> None:
                         "no prompt to answer (no conversation row; plain 'text' rows are skipped): nothing to generate")
 
 
-@dataclass
-class _Resume:
-    """What an earlier run wrote to the output, read before a rerun starts."""
-
-    done_ids: set[str] = field(default_factory=set)
-    seen_prompts: set[str] = field(default_factory=set)  # the synthetic user turns, normalised
-    synth_done: int = 0  # synthetic rows of this seed
-    next_attempt: int = 0  # one past the highest attempt of this seed written
-    rows: int = 0
-
-
-def _rows_done(cfg: GenerateConfig) -> _Resume:
+def _rows_done(cfg: GenerateConfig) -> Resumed:
     """What an earlier run wrote to `cfg.output` (a resume)."""
-    done = _Resume()
+    done = Resumed()
     synth_prefix = f"syn-{cfg.seed}-"
     for row in read_rows(cfg.output):
         done.rows += 1
@@ -501,9 +492,8 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
                          now - t0)
 
         driver = Driver(
-            cfg, out.add, engine.describe(), done_ids=done.done_ids, records=records, records_total=prompt_todo,
-            header=header, tokenizer=tokenizer, seen_prompts=done.seen_prompts, synth_done=done.synth_done,
-            first_attempt=done.next_attempt, on_row=on_row, should_stop=should_stop,
+            cfg, out.add, engine.describe(), done=done, records=records, records_total=prompt_todo, header=header,
+            tokenizer=tokenizer, on_row=on_row, should_stop=should_stop,
         )  # fmt: skip
         try:
             engine.run(driver.next_request, driver.on_complete)
