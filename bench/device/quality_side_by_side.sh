@@ -322,7 +322,7 @@ data)
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
   [ "$GEN_SECONDS" -gt 0 ] && generate_more
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
-  [ "${PREPARE:-1}" = 0 ] && exit 0  # a data-only session: PART=generate calls follow, no training here
+  [ "${PREPARE:-1}" = 0 ] && exit 0  # generation alone: PART=generate calls follow, no training here
   stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
   # the eval's source sets: the first 16 held-out and training prompts of each of EVAL_SOURCES
   mkdir -p $W/eval-sets
