@@ -191,12 +191,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--peak-gbs", type=float, default=None,
                    help="the device's memory bandwidth in GB/s for the bound (default: 4800 on CUDA, the H200's)")
+    p.add_argument("--prefill-shapes", nargs="*", default=None, metavar="ROWSxWIDTH",
+                   help="prefill chunks timed after the decode steps (rows x tokens, at most --slots x --prompt-len; "
+                        "default: the engine's 16,384-token chunks of 64 and of --prompt-len tokens a row, and one row)")
+    p.add_argument("--prefill-reps", type=int, default=10)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not 0.0 <= args.sampled_share <= 1.0:
         p.error(f"--sampled-share must be in [0, 1], got {args.sampled_share}")  # exit status 2
+    if args.prefill_shapes is None:
+        widths = sorted({min(64, args.prompt_len), args.prompt_len})
+        args.prefill_shapes = [f"{min(args.slots, max(1, 16384 // w))}x{w}" for w in widths] + [f"1x{args.prompt_len}"]
+    try:
+        args.prefill_shapes = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.prefill_shapes]
+    except ValueError:
+        p.error(f"--prefill-shapes: ROWSxWIDTH, e.g. 128x128; got {args.prefill_shapes}")
+    for rows, width in args.prefill_shapes:
+        if not (1 <= rows <= args.slots and 1 <= width <= args.prompt_len):
+            p.error(f"--prefill-shapes {rows}x{width}: rows must be in [1, --slots] and width in [1, --prompt-len]")
     return args
 
 
@@ -267,6 +281,29 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     return table
 
 
+def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: int, device: torch.device) -> list[dict]:
+    """Each prefill chunk shape, `reps` times as the engine runs it (one forward of a right-padded
+    [rows, width] batch into the first `rows` slots, eager or with its compiled layer functions):
+    wall ms a chunk, and the host's ms issuing it (what the host thread cannot spend launching
+    decode steps). Run after the decode steps: it overwrites those slots' caches."""
+    dec, out = engine.decoder, []
+    for rows, width in shapes:
+        ids = torch.randint(0, dec.embed_w.shape[0], (rows, width), device=device)
+        lengths = torch.full((rows,), width, device=device)
+        with torch.no_grad():
+            dec.prefill(ids, lengths, dec.rows[:rows])  # warm-up (a compile of a new shape, allocator)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dec.prefill(ids, lengths, dec.rows[:rows])
+            host = time.perf_counter() - t0
+            sync(device)
+            wall = time.perf_counter() - t0
+        out.append({"rows": rows, "width": width, "wall_ms": round(1e3 * wall / reps, 3),
+                    "host_ms": round(1e3 * host / reps, 3), "tok_per_s": round(rows * width * reps / wall, 1)})
+    return out
+
+
 def report(t: dict) -> None:
     rows = [("new tok/s", f"{t['new_tok_per_s']:.1f}"),
             ("ms / step", f"{t['timed_ms_per_step']:.3f}; profiled {t['wall_ms_per_step']:.3f} (busy "
@@ -284,6 +321,9 @@ def report(t: dict) -> None:
     print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
     for name, cat, count, us in t["top_kernels"][:8]:
         print(f"  {us:10.1f} us  {count:6.1f} x  {cat:<9}  {name}")
+    for c in t.get("prefill", []):
+        print(f"prefill {c['rows']} x {c['width']}: {c['wall_ms']:.3f} ms a chunk (host {c['host_ms']:.3f} ms), "
+              f"{c['tok_per_s']:.0f} prompt tok/s")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -299,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"prompts of {args.prompt_len} tokens, {engine.attention} attention (GQA {'folded' if folded else 'native'}), "
           f"{'CUDA graphs' if engine.step.use_graphs else 'eager'}, {device}", flush=True)
     table = measure(engine, args, device)
+    table["prefill"] = prefill_times(engine, args.prefill_shapes, args.prefill_reps, device)
     table["config"] = {"target": args.target, "slots": args.slots, "sampled_share": args.sampled_share,
                        "prompt_len": args.prompt_len, "steps": args.steps,
                        "attention": engine.attention, "gqa_folded": folded,

@@ -7,11 +7,16 @@
 #              matmuls / sampling / other / host gap; ~4 min
 #   qwen3      the same on Qwen3-8B's shape at 256 slots against the H200's 4.8 TB/s: the key
 #              generate.qwen3_8b.new_tok_per_s (steady decoding, every slot busy); ~4 min
+#   prefill    prefill chunks as the engine runs them (profile_generate's --prefill-shapes: 16,384-token
+#              chunks of 64- and 256-token rows, one 256-token row) at SmolLM2's shape, with its layer
+#              functions compiled for dynamic shapes and eager (--no-compile): ms a chunk and the
+#              host's ms issuing it; ~2 min
 #   draft      bench/draft_context_cost.py: the batch-1 draft step's ms per round at contexts of
 #              256, 1K, 4K and 16K tokens, SmolLM2's 5-layer full-attention drafter as it is and
 #              decoded with a 2,048-token window (--draft-window): eval.draft_ms_per_round_by_context; ~3 min
-#     bash bench/device/decode_profile.sh            # all three; results in $OUT: gen_smollm2_<slots>[_sampled].json,
-#                                                    # gen_qwen3_8b_256.json, draft_context_cost.json, decode_profile.log
+#     bash bench/device/decode_profile.sh            # all four; results in $OUT: gen_smollm2_<slots>[_sampled].json,
+#                                                    # prefill_smollm2_135m_{compiled,eager}.json, gen_qwen3_8b_256.json,
+#                                                    # draft_context_cost.json, decode_profile.log
 #     PART=draft bash bench/device/decode_profile.sh # one part
 # DRY=1: the plumbing on CPU with the tiny preset (~1 min; PY=.venv/bin/python in a checkout).
 # A failed stage makes the exit status 1, after the summary.
@@ -40,6 +45,13 @@ if [ "$PART" = all ] || [ "$PART" = generate ]; then
   stage gen_${SMOL}_${SLOTS}_sampled 200 $PY bench/profile_generate.py preset:$SMOL --slots $SLOTS $GEN $CPU \
     --sampled-share ${SAMPLED_SHARE:-0.3} --out $OUT/gen_${SMOL//-/_}_${SLOTS}_sampled.json
 fi
+if [ "$PART" = all ] || [ "$PART" = prefill ]; then
+  for how in compiled eager; do
+    flag=(); [ "$how" = eager ] && flag=(--no-compile)
+    stage prefill_${SMOL}_$how 200 $PY bench/profile_generate.py preset:$SMOL --slots $((SLOTS < 256 ? SLOTS : 256)) $GEN $CPU \
+      "${flag[@]}" --out $OUT/prefill_${SMOL//-/_}_$how.json
+  done
+fi
 if [ "$PART" = all ] || [ "$PART" = qwen3 ]; then
   stage gen_${QWEN}_256 300 $PY bench/profile_generate.py preset:$QWEN --slots 256 $GEN --peak-gbs 4800 $CPU \
     --out $OUT/gen_${QWEN//-/_}_256.json
@@ -48,6 +60,6 @@ if [ "$PART" = all ] || [ "$PART" = draft ]; then
   stage draft_context_cost 240 $PY bench/draft_context_cost.py preset:$SMOL --layers 5 $DRAFT $CPU \
     --out $OUT/draft_context_cost.json
 fi
-grep -E "^===|^profile_generate|^new tok/s|^ms / step|^kernels|^share|^bytes|^HBM|^bound|^draft window|rror|Traceback" $LOG \
-  | cut -c1-220 | tail -60
+grep -E "^===|^profile_generate|^new tok/s|^ms / step|^kernels|^share|^bytes|^HBM|^bound|^prefill|^draft window|rror|Traceback" $LOG \
+  | cut -c1-220 | tail -70
 stages_status

@@ -68,6 +68,10 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
     assert t["bytes_per_step"]["kv"] == 4 * 64 * 2 * 6 * 2 * 16 * 4
     assert t["context_positions_mid"] == 24 + 2 + 3 + 1  # prompt, warm-up, timed run, half the profiled
     assert "bound" not in t and t["new_tok_per_s"] > 0
+    # prefill chunks: the engine's 16,384-token budget caps rows at the 4 slots; then one row
+    assert [(c["rows"], c["width"]) for c in t["prefill"]] == [(4, 24), (1, 24)]
+    assert all(0 < c["host_ms"] <= c["wall_ms"] for c in t["prefill"])
+    assert all(c["tok_per_s"] == pytest.approx(c["rows"] * c["width"] / (c["wall_ms"] / 1e3), rel=1e-2) for c in t["prefill"])
 
 
 def test_weight_bytes_leave_out_an_untied_input_embedding():
@@ -110,6 +114,12 @@ def test_sampled_share_makes_that_many_slots_sample_and_leaves_the_others_greedy
     assert all(len(t) == 7 for t in greedy)  # the prefill's token, then 6 steps
     assert all(mixed[s] == greedy[s] for s in range(4) if s not in sampling)
     assert all(mixed[s] != greedy[s] for s in sampling)
+
+
+def test_prefill_shapes_outside_the_engine_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        profile_generate.main(["preset:tiny", "--slots", "4", "--prefill-shapes", "8x16", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "--prefill-shapes 8x16: rows must be in [1, --slots]" in capsys.readouterr().err
 
 
 def test_sampled_share_outside_0_1_is_refused(capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import pytest
@@ -95,6 +96,40 @@ def test_chat_requests_per_request_limits_and_bad_prompts(tokenizer):
     assert len(results["text"].token_ids) <= 3
 
 
+def test_prompts_tokenised_in_one_call_equal_one_by_one(tokenizer):
+    model = make_model("llama", vocab=len(tokenizer), seed=5)
+    engine = BuiltinEngine(model, tokenizer, slots=2, max_prompt_tokens=80, max_new_tokens=4)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort a list, please."}]
+    reqs = [Request(messages=chat), Request(prompt_ids=[7, 8, 9]), Request(text="<|im_start|>user\n"),
+            Request(messages=[{"role": "user", "content": "What is gravity?"}])]
+    one = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    template = lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    want = [one(template(chat)), [7, 8, 9], one("<|im_start|>user\n"), one(template(reqs[3].messages))]
+    assert engine.encode_many(reqs) == want
+    assert [engine.encode(r) for r in reqs] == want
+    assert engine.encode_many([]) == []
+    with pytest.raises(ValueError, match="no tokenizer"):
+        BuiltinEngine(model, None, slots=1, max_prompt_tokens=8, max_new_tokens=2, stop_ids=set()).encode_many(reqs[:1])
+
+
+def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split():
+    model = make_model("llama", vocab=256, seed=6)
+    # lengths 2, 3, 10, 20 under a 20-token budget: rows x the chunk's longest <= 20 gives
+    # chunks [2, 3], [10], [20]: three forwards for the one admission that fills the 4 slots
+    prompts = [[5] * 10, [6] * 2, [7] * 20, [8] * 3]
+    engine = BuiltinEngine(model, None, slots=4, max_prompt_tokens=20, max_new_tokens=3, stop_ids=set(),
+                           ignore_eos=True, prefill_tokens=20)
+    t0 = time.perf_counter()
+    results = run_engine(engine, [Request(prompt_ids=p, tag=i) for i, p in enumerate(prompts)])
+    wall = time.perf_counter() - t0
+    model.generation_config.eos_token_id = None
+    assert [results[i].token_ids for i in range(4)] == [hf_greedy(model, p, None)[:3] for p in prompts]
+    st = engine.stats
+    assert st.prefill_forwards == 3 and st.prompt_tokens == 35 and st.completed == 4
+    assert st.host_prefill_seconds > 0 and st.host_admit_seconds >= 0 and st.host_finish_seconds > 0
+    assert st.host_admit_seconds + st.host_prefill_seconds + st.host_finish_seconds < wall
+
+
 def test_ignore_eos_runs_every_row_to_the_limit():
     model = make_model("llama", vocab=256, seed=4)
     engine = BuiltinEngine(model, None, slots=4, max_prompt_tokens=8, max_new_tokens=9, stop_ids=set(range(256)), ignore_eos=True)
@@ -125,24 +160,35 @@ def test_fp8_target_is_refused_so_the_training_probe_is_skipped():
 def test_compiled_layer_functions_trace_once_and_match():
     """The GPU path compiles the per-layer functions; check on CPU (with a backend that
     does not fuse) that they trace as one graph each, are reused by every layer and step
-    without recompiling, and give the same tokens."""
+    without recompiling, and give the same tokens. Prefill's two are traced for dynamic
+    shapes when compiled: one graph for every chunk of two rows or more, one for a lone row
+    (a size of 1 is specialised); prefill chunks of other shapes reuse them."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     model = make_model("qwen3", vocab=256, seed=6)
-    prompts = [[3, 4, 5, 6], [9], [20, 21]]
+    # 3 slots: chunks of 3 rows x 4, then lone rows and pairs of widths 2-7 as slots free up
+    prompts = [[3, 4, 5, 6], [9, 8], [20, 21], [5] * 7, [6, 6, 6], [1, 2, 3, 4, 5], [7, 7]]
+    graphs: list[int] = []
 
     def tokens(compiled: bool):
-        engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=6, stop_ids=set())
+        engine = BuiltinEngine(model, None, slots=3, max_prompt_tokens=8, max_new_tokens=6, stop_ids=set())
         if compiled:
             engine._compile_layer_functions(backend="aot_eager")
             assert engine.decoder.pre_attention is not _pre_attention  # the compiled one is in use
-        return {i: c.token_ids for i, c in run_engine(engine, [Request(prompt_ids=p, max_new_tokens=6, tag=i) for i, p in enumerate(prompts)]).items()}
+            assert engine.decoder.prefill_pre_attention is not _pre_attention
+            graphs.append(counters["stats"]["unique_graphs"])
+        reqs = [Request(prompt_ids=p, max_new_tokens=2 + i % 4, tag=i) for i, p in enumerate(prompts)]
+        out = {i: c.token_ids for i, c in run_engine(engine, reqs).items()}
+        if compiled:
+            assert engine.stats.prefill_forwards >= 4  # chunks of several shapes went through the graphs
+        return out
 
     torch._dynamo.reset()
     counters.clear()
     assert tokens(True) == tokens(False)
-    assert counters["stats"]["unique_graphs"] == 2
+    # decode: pre_attention, post_attention; prefill: the same two, for >= 2 rows and for 1
+    assert graphs == [6] and counters["stats"]["unique_graphs"] == 6  # none traced during the run
 
 
 def test_flex_decode_compiles_its_three_functions_once_and_matches_dense():
@@ -165,13 +211,14 @@ def test_flex_decode_compiles_its_three_functions_once_and_matches_dense():
         if compiled:
             engine._compile_layer_functions(backend=recording_backend)
             assert engine.attention == "flex" and engine.decoder.q_writing_kv is not _q_writing_kv
+            assert len(traced) == 7  # decode: q_writing_kv, post_attention, final_logits; prefill: 2 x 2 shapes
         reqs = [Request(prompt_ids=p, max_new_tokens=6, tag=i) for i, p in enumerate(prompts)]
         return {i: c.token_ids for i, c in run_engine(engine, reqs).items()}
 
     dense = tokens("dense", False)
     torch._dynamo.reset()
     assert tokens("flex", True) == dense
-    assert len(traced) == 3  # q_writing_kv, post_attention, final_logits: no recompilation
+    assert len(traced) == 7  # no recompilation during the run
 
 
 def test_a_failing_compiler_falls_back_to_eager():
