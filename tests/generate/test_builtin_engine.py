@@ -231,6 +231,28 @@ def test_a_failing_compiler_falls_back_to_eager():
     assert engine.attention == "dense"  # auto on a CPU
 
 
+def test_a_prefill_the_compiler_fails_on_stays_eager_beside_a_compiled_decode_step():
+    import torch._dynamo
+
+    def static_shapes_only(gm, example_inputs):  # a backend that refuses prefill's dynamic shapes
+        if any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+               for x in example_inputs):
+            raise RuntimeError("no dynamic shapes")
+        return gm.forward
+
+    model = make_model("llama", vocab=256, seed=7)
+    reqs = lambda: [Request(prompt_ids=p, max_new_tokens=4, tag=i) for i, p in enumerate([[5, 6], [7, 8, 9], [3]])]  # noqa: E731
+    want = run_engine(BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set()), reqs())
+    torch._dynamo.reset()
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set())
+    with pytest.warns(UserWarning, match="torch.compile of prefill failed, running it uncompiled"):
+        engine._compile_layer_functions(backend=static_shapes_only)
+    assert engine.decoder.pre_attention is not _pre_attention  # the decode step stays compiled
+    assert engine.decoder.prefill_pre_attention is _pre_attention and engine.attention == "dense"
+    got = run_engine(engine, reqs())
+    assert {i: c.token_ids for i, c in got.items()} == {i: c.token_ids for i, c in want.items()}
+
+
 def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():
     model = make_model("llama", vocab=256, seed=7)
     want = run_engine(BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set()),

@@ -168,18 +168,13 @@ class BuiltinEngine:
         # token: q_writing_kv + FlexAttention + post_attention + final_logits
         names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
             else ("pre_attention", "post_attention")
-        originals = {name: getattr(dec, name) for name in (*names, "prefill_pre_attention", "prefill_post_attention")}
+        originals = {name: getattr(dec, name) for name in names}
         try:  # compile now, with the exact inputs of a step, so any failure falls back cleanly
             for name in names:
                 setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=False, fullgraph=True))
-            for name in ("prefill_pre_attention", "prefill_post_attention"):
-                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=True, fullgraph=True))
             with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
-                # all slots are idle: the k/v these write at their first positions are overwritten by prefill
+                # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
                 dec.decode(self.tokens, self.positions, dec.max_len)
-                for rows in sorted({min(2, self.slots), 1}):  # one row is a shape of its own (sizes 1 are specialised)
-                    dec.prefill(torch.zeros(rows, 3, dtype=torch.long, device=dec.device),
-                                torch.full((rows,), 3, device=dec.device), dec.rows[:rows])
             if dec.device.type == "cuda":
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled, dense attention
@@ -189,6 +184,29 @@ class BuiltinEngine:
                 setattr(dec, name, fn)
             self.attention = "dense"
             use_dense_attention(dec)
+            return
+        self._compile_prefill(backend)
+
+    def _compile_prefill(self, backend: str) -> None:
+        """Prefill's two layer functions, compiled for dynamic shapes and traced now (a chunk of
+        two rows and one of a lone row: sizes of 1 are specialised); a failure leaves prefill
+        eager and the decode step compiled."""
+        dec = self.decoder
+        names = ("prefill_pre_attention", "prefill_post_attention")
+        originals = {name: getattr(dec, name) for name in names}
+        try:
+            for name in names:
+                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=True, fullgraph=True))
+            with torch.no_grad():  # idle slots: what this writes is overwritten by their prefill
+                for rows in sorted({min(2, self.slots), 1}):
+                    dec.prefill(torch.zeros(rows, 3, dtype=torch.long, device=dec.device),
+                                torch.full((rows,), 3, device=dec.device), dec.rows[:rows])
+            if dec.device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: eager prefill
+            warnings.warn(f"torch.compile of prefill failed, running it uncompiled: {exc}", stacklevel=2)
+            for name, fn in originals.items():
+                setattr(dec, name, fn)
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model_name}
