@@ -158,11 +158,9 @@ class BuiltinEngine:
         """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
         Only the per-layer functions (and, with flex, the logits head) are compiled: their
         shapes do not depend on the attention length, so one compilation serves every layer
-        and every kv bucket. Prefill's two are compiled for dynamic shapes: eager, a prefill
-        is ~60 small ops a layer, each a kernel launch from the one host thread that also
-        launches every decode step (~1,900 at SmolLM2's 30 layers). (The CPU tests run this
-        with a non-fusing backend to check that it traces as one graph per function and
-        never recompiles.)"""
+        and every kv bucket. Then prefill's (`_compile_prefill`). (The CPU tests run this with
+        a non-fusing backend to check that it traces as one graph per function and never
+        recompiles.)"""
         dec = self.decoder
         # dense decode: pre_attention + SDPA + post_attention; flex decode = `verify` of one
         # token: q_writing_kv + FlexAttention + post_attention + final_logits
@@ -189,8 +187,10 @@ class BuiltinEngine:
 
     def _compile_prefill(self, backend: str) -> None:
         """Prefill's two layer functions, compiled for dynamic shapes and traced now (a chunk of
-        two rows and one of a lone row: sizes of 1 are specialised); a failure leaves prefill
-        eager and the decode step compiled."""
+        two rows and one of a lone row: sizes of 1 are specialised). Eager, a prefill forward is
+        ~60 small ops a layer (~1,900 at SmolLM2's 30 layers), each launched from the one host
+        thread that also launches every decode step. A failure leaves prefill eager and the
+        decode step compiled."""
         dec = self.decoder
         names = ("prefill_pre_attention", "prefill_post_attention")
         originals = {name: getattr(dec, name) for name in names}
