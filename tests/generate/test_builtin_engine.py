@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.builtin import BuiltinEngine, decode_rows
 from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.speculative.evaluate import HeldOutProbe
@@ -110,6 +110,22 @@ def test_prompts_tokenised_in_one_call_equal_one_by_one(tokenizer):
     assert engine.encode_many([]) == []
     with pytest.raises(ValueError, match="no tokenizer"):
         BuiltinEngine(model, None, slots=1, max_prompt_tokens=8, max_new_tokens=2, stop_ids=set()).encode_many(reqs[:1])
+
+
+def test_rows_detokenised_in_one_call_equal_one_by_one(tokenizer):
+    kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+    texts = ["Name three fruits.", "<|im_start|>user\nhi<|im_end|>", " spaces  and\nnewlines ", ""]
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] + [[3, 4, 5]]
+    want = [tokenizer.decode(r, **kw) for r in rows]
+    assert want[:4] == texts  # the byte-level tokenizer round-trips exactly
+    assert decode_rows(tokenizer, rows) == want  # the Rust backend, one call
+
+    class SlowTokenizer:  # no backend: one decode a row
+        def decode(self, row, **kw):
+            return ",".join(map(str, row)) + ("!" if kw == {"skip_special_tokens": False, "clean_up_tokenization_spaces": False} else "?")
+
+    assert decode_rows(SlowTokenizer(), [[1, 2], [3]]) == ["1,2!", "3!"]
+    assert decode_rows(tokenizer, []) == []
 
 
 def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split():

@@ -33,6 +33,16 @@ from dflash_train.target.chat_template import stop_token_ids
 
 log = logging.getLogger(__name__)
 
+def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
+    """Each row's text, as `tokenizer.decode(row, skip_special_tokens=False,
+    clean_up_tokenization_spaces=False)` gives it. A fast tokenizer's Rust backend decodes the
+    batch in one call (in parallel); `batch_decode` would only loop over `decode` in Python."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and rows:
+        return backend.decode_batch(rows, skip_special_tokens=False)
+    return [tokenizer.decode(row, skip_special_tokens=False, clean_up_tokenization_spaces=False) for row in rows]
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -427,7 +437,7 @@ class BuiltinEngine:
 
     def _finish(self, slots: list[int], reasons: list[str], on_complete: OnComplete) -> None:
         """Free `slots` and hand each row's completion to `on_complete`, in slot order; the
-        texts are detokenised in one call."""
+        texts are detokenised in one call (`decode_rows`)."""
         rows, outs = [], []
         for slot in slots:
             row = self._rows[slot]
@@ -436,9 +446,7 @@ class BuiltinEngine:
             outs.append(self.table.release(slot))
             self._track_sampling(slot, row.request, False)
             rows.append(row)
-        texts = [""] * len(outs)
-        if self.tokenizer is not None:
-            texts = self.tokenizer.batch_decode(outs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        texts = decode_rows(self.tokenizer, outs) if self.tokenizer is not None else [""] * len(outs)
         for row, out, text, reason in zip(rows, outs, texts, reasons):
             new_tokens = len(out) + (reason == "stop")
             self.stats.new_tokens += new_tokens
