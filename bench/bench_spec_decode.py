@@ -19,7 +19,8 @@ the timed runs):
 * lossless: each speculative output against the greedy one; the first divergence and the
   target's top-1 minus top-2 margin there, classified near-tie / mismatch (speculative/decoders.py).
 * batched: `--batch-prompts` prompts through `--batch-slots` slots, refilled as sequences
-  finish; committed tok/s over the wall clock of the whole run, greedy and speculative.
+  finish; committed tok/s over the wall clock of the whole run, greedy and speculative, and the
+  speedup's ratio to tau.
 * `--overlap-rounds both`: all of it with the engine's pipelined rounds (round r+1 launched
   before round r is read, the default) and one round at a time, on the same engine and graphs:
   keys `batch1` / `batched` and `batch1_sequential` / `batched_sequential`.
@@ -182,6 +183,8 @@ def batched(engine, prompts, max_new: int, device, reference: dict[tuple, list[i
                      "same_as_batch1_greedy": round(sum(same) / len(same), 3) if same else None}
         say(f"  batched {mode}: {len(ids)} prompts, {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
     out["speedup"] = round(out["spec"]["committed_tok_s"] / out["greedy"]["committed_tok_s"], 3)
+    tau = out["spec"]["tau"]
+    out["speedup_over_tau"] = round(out["speedup"] / tau, 3) if tau else None  # 1.0: no overhead at all
     return out
 
 
@@ -295,7 +298,7 @@ def report(results: dict) -> None:
             bt, tag = results["batched" + suffix], suffix.replace("_", " ")
             rows += [(f"batched greedy ({bt['slots']} slots){tag}", f"{bt['greedy']['committed_tok_s']:.1f} tok/s", ""),
                      (f"batched speculative ({bt['slots']} slots){tag}", f"{bt['spec']['committed_tok_s']:.1f} tok/s",
-                      f"tau {bt['spec']['tau']}, speedup {bt['speedup']}x")]
+                      f"tau {bt['spec']['tau']}, speedup {bt['speedup']}x = {bt['speedup_over_tau']} x tau")]
     width = max(len(r[0]) for r in rows)
     say("\n" + "\n".join(f"{a:<{width}}  {b:<22}  {c}" for a, b, c in rows))
 

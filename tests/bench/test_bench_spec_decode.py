@@ -1,0 +1,47 @@
+"""bench/bench_spec_decode.py: the CPU smoke run end to end, and the batched table's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_spec_decode.py"
+_spec = importlib.util.spec_from_file_location("bench_spec_decode", SCRIPT)
+bench_spec_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_spec_decode)
+
+
+def test_cpu_smoke_run_is_lossless_and_fills_both_tables(tmp_path):
+    out = tmp_path / "b.json"
+    r = bench_spec_decode.main(["preset:tiny", "--random-drafter", "--device", "cpu", "--num-prompts", "3",
+                                "--max-new-tokens", "24", "--batch-slots", "4", "--batch-prompts", "6",
+                                "--out", str(out)])
+    assert out.exists()
+    b1, bt = r["batch1"], r["batched"]
+    assert b1["lossless"] == {"identical": 3, "near_tie": 0, "mismatch": 0}
+    assert b1["greedy"]["tokens"] == b1["spec"]["tokens"] == 3 * 24
+    assert b1["speedup_over_tau"] == round(b1["speedup"] / b1["spec"]["tau"], 3)
+    assert bt["slots"] == 4 and bt["greedy"]["prompts"] == bt["spec"]["prompts"] == 6
+    assert bt["greedy"]["same_as_batch1_greedy"] == bt["spec"]["same_as_batch1_greedy"] == 1.0
+    assert bt["speedup_over_tau"] == round(bt["speedup"] / bt["spec"]["tau"], 3)
+
+
+class _Engine:
+    """Two rows of 11 tokens: greedy in 10 rounds each, speculative in 4 (tau (22 - 2) / 8 = 2.5)."""
+
+    def generate_batch(self, ids, max_new, speculative):
+        rounds = 4 if speculative else 10
+        return [SimpleNamespace(tokens=list(range(11)), rounds=[None] * rounds) for _ in ids]
+
+
+def test_batched_speedup_is_divided_by_the_speculative_tau():
+    prompts = [("a", [1, 2]), ("b", [3, 4])]  # (name, ids), as prompt_ids gives them
+    out = bench_spec_decode.batched(_Engine(), prompts, 11, torch.device("cpu"), {(1, 2): list(range(11))})
+    assert out["spec"]["tau"] == 2.5 and out["greedy"]["tau"] == 1.0
+    assert out["spec"]["same_as_batch1_greedy"] == 1.0  # the one prompt with a reference
+    assert out["speedup"] == pytest.approx(out["spec"]["committed_tok_s"] / out["greedy"]["committed_tok_s"], abs=1e-3)
+    assert out["speedup_over_tau"] == round(out["speedup"] / 2.5, 3)
