@@ -16,7 +16,6 @@ default), cycled to fill `--batch`; the rows to detokenise are the prompts' own 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.data.prompts import load_prompts
+from dflash_train.eval.report import write_json
 from dflash_train.generate.builtin import BuiltinEngine, decode_rows
 from dflash_train.generate.engine import Request
 from dflash_train.target.loading import load_target_model, load_tokenizer
@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"encode  one by one {result['encode_one_by_one_ms']:.3f} ms a request, batched {result['encode_batched_ms']:.3f}")
     print(f"decode  one by one {result['decode_one_by_one_ms']:.3f} ms a row, batched {result['decode_batched_ms']:.3f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        print(f"wrote {write_json(result, args.out)}")
     return result
 
 
