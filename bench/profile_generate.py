@@ -41,7 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_train.generate.attention import FLEX_BLOCK, folds_gqa
-from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.builtin import PREFILL_TOKENS, BuiltinEngine
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Request
 from dflash_train.generate.sampling import Sampling
@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sampled-share must be in [0, 1], got {args.sampled_share}")  # exit status 2
     if args.prefill_shapes is None:
         widths = sorted({min(64, args.prompt_len), args.prompt_len})
-        args.prefill_shapes = [f"{min(args.slots, max(1, 16384 // w))}x{w}" for w in widths] + [f"1x{args.prompt_len}"]
+        args.prefill_shapes = [f"{min(args.slots, max(1, PREFILL_TOKENS // w))}x{w}" for w in widths] + [f"1x{args.prompt_len}"]
     try:
         args.prefill_shapes = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.prefill_shapes]
     except ValueError:

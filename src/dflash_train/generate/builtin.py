@@ -33,6 +33,9 @@ from dflash_train.target.chat_template import stop_token_ids
 
 log = logging.getLogger(__name__)
 
+# a refill's prompts are prefilled in length-sorted chunks of at most this many (padded) tokens
+PREFILL_TOKENS = 16384
+
 def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
     """Each row's text, as `tokenizer.decode(row, skip_special_tokens=False,
     clean_up_tokenization_spaces=False)` gives it. A fast tokenizer's Rust backend decodes the
@@ -99,7 +102,7 @@ class BuiltinEngine:
         ignore_eos: bool = False,
         cuda_graphs: bool = True,
         compile: bool = False,
-        prefill_tokens: int = 16384,
+        prefill_tokens: int = PREFILL_TOKENS,
         refill_fraction: float = 0.125,
         attention: AttentionKind | Literal["auto"] = "auto",
         model_name: str = "",
@@ -168,55 +171,53 @@ class BuiltinEngine:
         """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
         Only the per-layer functions (and, with flex, the logits head) are compiled: their
         shapes do not depend on the attention length, so one compilation serves every layer
-        and every kv bucket. Then prefill's (`_compile_prefill`). (The CPU tests run this with
-        a non-fusing backend to check that it traces as one graph per function and never
+        and every kv bucket. Then prefill's two, for dynamic shapes: eager, a prefill forward
+        is ~60 small ops a layer (~1,900 at SmolLM2's 30 layers), each launched from the one
+        host thread that also launches every decode step. (The CPU tests run this with a
+        non-fusing backend to check that it traces as one graph per function and never
         recompiles.)"""
         dec = self.decoder
         # dense decode: pre_attention + SDPA + post_attention; flex decode = `verify` of one
         # token: q_writing_kv + FlexAttention + post_attention + final_logits
         names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
             else ("pre_attention", "post_attention")
-        originals = {name: getattr(dec, name) for name in names}
-        try:  # compile now, with the exact inputs of a step, so any failure falls back cleanly
-            for name in names:
-                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=False, fullgraph=True))
-            with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
-                # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
-                dec.decode(self.tokens, self.positions, dec.max_len)
-            if dec.device.type == "cuda":
-                torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: run uncompiled, dense attention
+        # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
+        exc = self._compiled(names, backend, dynamic=False, trace=lambda: dec.decode(self.tokens, self.positions, dec.max_len))
+        if exc is not None:  # run uncompiled, dense attention
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled with dense attention: "
                           f"{exc}", stacklevel=2)
-            for name, fn in originals.items():
-                setattr(dec, name, fn)
             self.attention = "dense"
             use_dense_attention(dec)
             return
-        self._compile_prefill(backend)
 
-    def _compile_prefill(self, backend: str) -> None:
-        """Prefill's two layer functions, compiled for dynamic shapes and traced now (a chunk of
-        two rows and one of a lone row: sizes of 1 are specialised). Eager, a prefill forward is
-        ~60 small ops a layer (~1,900 at SmolLM2's 30 layers), each launched from the one host
-        thread that also launches every decode step. A failure leaves prefill eager and the
-        decode step compiled."""
+        def trace_prefill() -> None:  # a chunk of two rows and one of a lone row (sizes of 1 are specialised)
+            for rows in sorted({min(2, self.slots), 1}):
+                dec.prefill(torch.zeros(rows, 3, dtype=torch.long, device=dec.device),
+                            torch.full((rows,), 3, device=dec.device), dec.rows[:rows])
+
+        exc = self._compiled(("prefill_pre_attention", "prefill_post_attention"), backend, dynamic=True,
+                             trace=trace_prefill)
+        if exc is not None:  # prefill eager, the decode step compiled
+            warnings.warn(f"torch.compile of prefill failed, running it uncompiled: {exc}", stacklevel=2)
+
+    def _compiled(self, names: tuple[str, ...], backend: str, *, dynamic: bool, trace) -> Exception | None:
+        """Swap the decoder's functions `names` for compiled ones and trace them now with `trace`
+        (so a compiler failure shows here, not mid-run); on a failure, put the originals back and
+        return it."""
         dec = self.decoder
-        names = ("prefill_pre_attention", "prefill_post_attention")
         originals = {name: getattr(dec, name) for name in names}
         try:
             for name in names:
-                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=True, fullgraph=True))
-            with torch.no_grad():  # idle slots: what this writes is overwritten by their prefill
-                for rows in sorted({min(2, self.slots), 1}):
-                    dec.prefill(torch.zeros(rows, 3, dtype=torch.long, device=dec.device),
-                                torch.full((rows,), 3, device=dec.device), dec.rows[:rows])
+                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=dynamic, fullgraph=True))
+            with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
+                trace()
             if dec.device.type == "cuda":
                 torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: eager prefill
-            warnings.warn(f"torch.compile of prefill failed, running it uncompiled: {exc}", stacklevel=2)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure
             for name, fn in originals.items():
                 setattr(dec, name, fn)
+            return exc
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model_name}
