@@ -11,7 +11,7 @@ from dflash_train.drafter import loss as loss_module
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
-from dflash_train.drafter.loss import LossConfig, head_cross_entropy
+from dflash_train.drafter.loss import LossConfig, head_cross_entropy, weighted_head_cross_entropy
 from dflash_train.drafter.markov import markov_bias, markov_drafts, previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
@@ -76,6 +76,46 @@ def test_head_with_a_trainable_tail_matches_full_logits(chunk, soft):
     assert torch.equal(pred, logits.argmax(-1))
     torch.testing.assert_close(got[0], hidden.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got[1], tail.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("also_per_row", [False, True])
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, also_per_row, monkeypatch):
+    """The weighted sum's gradients (hidden and tail) equal autograd's on the full logits, and the
+    backward pass computes no logits when the loss reads the weighted sum alone; when the per-row
+    CEs feed the loss too, their part of the tail's gradient is added (chunks computed again)."""
+    calls = []
+    head_logits = loss_module._head_logits
+    monkeypatch.setattr(loss_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
+    g = torch.Generator().manual_seed(chunk + 10 * soft)
+    M, Hh, r, Vv = 13, 8, 3, 29
+    hidden = torch.randn(M, Hh + r, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
+    tail = torch.randn(Vv, r, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, Vv, (M,), generator=g)
+    target = torch.randn(M, Hh, generator=g, dtype=torch.float64) if soft else None
+    weights = torch.rand(M, generator=g, dtype=torch.float64) * (torch.arange(M) % 4 != 0)  # some rows weigh 0
+    up = torch.rand(M, generator=g, dtype=torch.float64)
+    ce, pred, weighted = weighted_head_cross_entropy(hidden, w, None if soft else labels, weights, target,
+                                                     chunk_rows=chunk, tail=tail)
+    forward_calls = len(calls)
+    assert forward_calls == -(-M // chunk)
+    (3.0 * weighted + ((ce * up).sum() if also_per_row else 0)).backward()
+    assert len(calls) == forward_calls * (2 if also_per_row else 1)
+    got = hidden.grad.clone(), tail.grad.clone()
+    hidden.grad = tail.grad = None
+    logits = hidden[:, :Hh] @ w.T + hidden[:, Hh:] @ tail.T
+    if soft:
+        ref = -(torch.softmax(target @ w.T, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    else:
+        ref = F.cross_entropy(logits, labels, reduction="none")
+    (3.0 * (ref * weights).sum() + ((ref * up).sum() if also_per_row else 0)).backward()
+    # the CE statistics are float32 by design (drafter/loss.py): that bounds the agreement
+    torch.testing.assert_close(weighted.double(), (ref * weights).sum(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(pred, logits.argmax(-1))
+    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], tail.grad, rtol=1e-5, atol=1e-5)
 
 
 def _dspark_model(seed):

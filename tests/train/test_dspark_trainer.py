@@ -1,5 +1,6 @@
 """The trainer with drafter.variant=dspark on CPU: the loss goes down, a run resumed from a
-checkpoint continues exactly as the uninterrupted run (the bigram head included), and a DFlash
+checkpoint continues exactly as the uninterrupted run (the bigram head and its own learning
+rate included), and a DFlash
 drafter starts a dspark run, or one with more layers (drafter.init_from), drafting as it did."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_dspark_loss_goes_down(tiny_targets, tiny_datasets, tmp_path):
 
 
 def test_dspark_resume_equals_the_uninterrupted_run(tiny_targets, tiny_datasets, tmp_path):
-    overrides = {"run.max_steps": 8, "run.save_every": 4, **DSPARK}
+    # the head in its own parameter group: both groups' moments and lrs go through the checkpoint
+    overrides = {"run.max_steps": 8, "run.save_every": 4, "optim.markov_lr_scale": 4.0, **DSPARK}
     full = tmp_path / "full"
     Trainer(make_config(tiny_targets["llama"], tiny_datasets["llama"], full, **overrides)).fit()
     resumed = tmp_path / "resumed"

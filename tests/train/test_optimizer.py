@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from dflash_train.train import optimizer as optimizer_module
-from dflash_train.train.config import OptimConfig
-from dflash_train.train.optimizer import CompiledAdamW, build_lr_scheduler, build_optimizer
+from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.train.config import OptimConfig, TrainConfig
+from dflash_train.train.optimizer import CompiledAdamW, build_lr_scheduler, build_optimizer, build_param_groups
+
+from ..drafter.test_model import tiny_config
 
 HYPER = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -87,3 +90,45 @@ def test_a_checkpoint_moves_between_the_two(first_compiled):
         other.step()
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_markov_lr_scale_trains_the_bigram_head_at_its_own_lr(compiled):
+    """optim.markov_lr_scale: markov_w1/w2 step exactly as AdamW at lr * scale, every other
+    parameter as AdamW at lr, and the schedule keeps the ratio."""
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config(variant="dspark", markov_rank=5))
+    ref = copy.deepcopy(model)
+    cfg = OptimConfig(lr=0.01, warmup_steps=2, markov_lr_scale=10.0)
+    groups = build_param_groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in groups[1]["params"]) == ["markov_head.markov_w1.weight",
+                                                                  "markov_head.markov_w2.weight"]
+    assert len(groups[0]["params"]) + 2 == len([p for p in model.parameters() if p.requires_grad])
+    opt = build_optimizer(groups, cfg, compiled=compiled)
+    sched = build_lr_scheduler(opt, cfg, lambda: 5)
+    hyper = dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    ref_head = [p for n, p in ref.named_parameters() if n.startswith("markov_head.")]
+    ref_rest = [p for n, p in ref.named_parameters() if not n.startswith("markov_head.")]
+    ref_opts = [torch.optim.AdamW(ref_rest, lr=cfg.lr, **hyper), torch.optim.AdamW(ref_head, lr=cfg.lr * 10, **hyper)]
+    ref_scheds = [build_lr_scheduler(o, cfg, lambda: 5) for o in ref_opts]
+    for k in range(3):
+        set_grads(list(model.parameters()), k)
+        set_grads(list(ref.parameters()), k)
+        for o in (opt, *ref_opts):
+            o.step()
+        for s_ in (sched, *ref_scheds):
+            s_.step()
+        assert opt.param_groups[1]["lr"] == pytest.approx(10 * opt.param_groups[0]["lr"])
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=n)
+
+
+def test_markov_lr_scale_is_refused_without_the_head():
+    assert len(build_param_groups(DFlashDrafter(tiny_config()), OptimConfig())) == 1
+    with pytest.raises(ValueError, match="no trainable markov_head"):
+        build_param_groups(DFlashDrafter(tiny_config()), OptimConfig(markov_lr_scale=3.0))
+    with pytest.raises(ValueError, match="markov_lr_scale must be > 0"):
+        OptimConfig(markov_lr_scale=0.0)
+    with pytest.raises(ValueError, match="drafter.variant is 'dflash'"):
+        TrainConfig(optim=OptimConfig(markov_lr_scale=3.0))

@@ -134,17 +134,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
     is read twice and its gradient written once: against hard labels the statistics
     (drafter/row_stats.py), then the gradient; with `compiled` (fixed shapes: compiled mode)
     the gradient's pointwise math, and the soft target's whole chunk math, are torch.compile'd.
+
+    The third output is the weighted sum of the CEs, `row_weights` @ ce, when the weights are
+    known before the loss (the static weightings). Its gradient is one scalar, so a trainable
+    tail's gradient (dspark's markov_w2), sum over rows of weight * (softmax - target) (x) code,
+    is accumulated in the same forward loop and only scaled in the backward pass. Without the
+    weights, a tail's gradient needs each row's incoming gradient, known only in the backward
+    pass, which then computes every chunk's logits again (`_tail_grad`).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool, compiled: bool,
-                tail=None):
+                tail=None, row_weights=None):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
         tail_w = tail.detach().to(w.dtype) if tail is not None else None  # [V, r], small
+        train_tail = tail is not None and need_grad and tail.requires_grad
+        folded = torch.zeros(tail.shape, dtype=torch.promote_types(tail.dtype, torch.float32), device=tail.device) \
+            if train_tail and row_weights is not None else None
         chunk_fn = _chunk_fn(target_hidden is None, compiled)
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
@@ -155,18 +165,35 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 ce[sl], pred[sl], grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
             if need_grad:
                 grad_hidden[sl] = _head_back(grad_logits, w, tail_w).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
+            if folded is not None:  # weight each row on the small [c, r] codes, not the [c, V] gradient
+                codes = hidden[sl, w.shape[1]:] * row_weights[sl, None].to(hidden.dtype)
+                folded += grad_logits.T @ codes.to(grad_logits.dtype)
+        weighted = (ce * row_weights).sum() if row_weights is not None else ce.new_zeros(())
+        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0),
+                              row_weights if row_weights is not None else ce.new_empty(0))
         ctx.mark_non_differentiable(pred)
-        ctx.tail_args = None
-        if tail is not None and need_grad and tail.requires_grad:
-            ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn)
-        return ce, pred
+        ctx.set_materialize_grads(False)
+        ctx.folded = folded
+        ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn) if train_tail else None
+        return ce, pred, weighted
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
-        (grad_hidden,) = ctx.saved_tensors
-        grad_tail = _tail_grad(grad_ce, *ctx.tail_args) if ctx.tail_args is not None else None
-        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None, None, grad_tail
+    def backward(ctx, grad_ce, grad_pred, grad_weighted):
+        grad_hidden, row_weights = ctx.saved_tensors
+        grad_rows = grad_ce  # [rows]: d loss / d ce, from the per-row output and the weighted sum
+        if grad_weighted is not None:
+            by_weight = grad_weighted * row_weights
+            grad_rows = by_weight if grad_rows is None else grad_rows + by_weight
+        grad_tail = None
+        if ctx.tail_args is not None:
+            if ctx.folded is not None and grad_weighted is not None:
+                grad_tail = ctx.folded * grad_weighted
+            if grad_ce is not None:  # the CEs themselves feed the loss: every chunk once more
+                by_row = _tail_grad(grad_ce, *ctx.tail_args)
+                grad_tail = by_row if grad_tail is None else grad_tail + by_row
+            grad_tail = grad_tail.to(ctx.tail_args[2].dtype) if grad_tail is not None else None
+        grad_h = None if grad_rows is None else grad_hidden * grad_rows[:, None].to(grad_hidden.dtype)
+        return grad_h, None, None, None, None, None, None, grad_tail, None
 
 
 def _chunk_fn(hard: bool, compiled: bool):
@@ -196,7 +223,7 @@ def _head_back(grad_logits: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor 
 def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chunk_fn) -> torch.Tensor:
     """dLoss/dtail [V, r] (dspark's markov_w2, trainable, unlike the frozen LM head). Its gradient
     needs each row's incoming weight, known only now, so each chunk's logits are computed again:
-    sum over rows of grad_ce * (softmax - target) (x) markov code, accumulated in float32."""
+    sum over rows of grad_ce * (softmax - target) (x) markov code, in float32."""
     H = w.shape[1]
     tail_w = tail.detach().to(w.dtype)
     grad = torch.zeros(tail.shape, dtype=torch.float32, device=tail.device)
@@ -209,7 +236,7 @@ def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chun
             grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, True)[2]
         scaled = grad_logits.float() * grad_ce[sl, None].float()  # [c, V]
         grad += scaled.T @ hidden[sl, H:].float()
-    return grad.to(tail.dtype)
+    return grad
 
 
 def head_cross_entropy(
@@ -222,13 +249,33 @@ def head_cross_entropy(
     tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2 (trainable); hidden is then [M, H + r]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
+    ce, pred, _ = _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, None)
+    return ce, pred
+
+
+def weighted_head_cross_entropy(
+    hidden: torch.Tensor,  # [M, H] (or [M, H + r] with a tail)
+    lm_head_weight: torch.Tensor,  # [V, H], frozen
+    labels: torch.Tensor | None,  # [M]
+    row_weights: torch.Tensor,  # [M] float32, known before the loss (no gradient)
+    target_hidden: torch.Tensor | None = None,  # [M, H] for distillation
+    chunk_rows: int = 4096,
+    compiled: bool = False,
+    tail: torch.Tensor | None = None,  # [V, r]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_cross_entropy plus the differentiable sum row_weights @ ce; a loss built on that sum
+    alone trains a tail without computing the logits a second time (_HeadCrossEntropy)."""
+    return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights.detach())
+
+
+def _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights):
     if (labels is None) == (target_hidden is None):
         raise ValueError("give exactly one of labels and target_hidden")
     if labels is not None:
         labels = labels.clamp(min=0)  # IGNORE slots carry weight 0; any id is fine there
     need_grad = hidden.requires_grad or (tail is not None and tail.requires_grad)
     return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows,
-                                   need_grad, compiled, tail)
+                                   need_grad, compiled, tail, row_weights)
 
 
 def slot_weights(
@@ -320,17 +367,23 @@ def drafter_loss(
     lab = labels[:, :, 1:].reshape(-1)
     valid = label_valid[:, :, 1:]
     soft = target_states.reshape(-1, target_states.shape[-1]) if target_states is not None else None
-    ce, pred = head_cross_entropy(hidden, lm_head_weight, None if soft is not None else lab, soft, cfg.chunk_rows,
-                                  compiled=compiled and cfg.fused_head, tail=tail)
-    ce = ce.view(R, N, B - 1)
-    p_correct = torch.exp(-ce.detach()) if cfg.weighting in CONFIDENCE_WEIGHTINGS else None
-    weights = slot_weights(cfg, B, valid, p_correct)
+    head_args = (hidden, lm_head_weight, None if soft is not None else lab)
+    head_kwargs = dict(target_hidden=soft, chunk_rows=cfg.chunk_rows, compiled=compiled and cfg.fused_head, tail=tail)
+    if cfg.weighting in CONFIDENCE_WEIGHTINGS:  # the weights need the CEs: the loss is formed after the head
+        ce, pred = head_cross_entropy(*head_args, **head_kwargs)
+        ce = ce.view(R, N, B - 1)
+        weights = slot_weights(cfg, B, valid, torch.exp(-ce.detach()))
+        loss_sum = (weights * ce).sum()
+    else:  # static weights, known first: the head forms the weighted sum (and a tail's gradient) itself
+        weights = slot_weights(cfg, B, valid, None)
+        ce, pred, loss_sum = weighted_head_cross_entropy(*head_args, weights.reshape(-1), **head_kwargs)
+        ce = ce.view(R, N, B - 1)
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     has_label = valid.any(dim=-1)
     leading = leading_hits(hits)
     return StepStats(
-        loss_sum=(weights * ce).sum(),
+        loss_sum=loss_sum,
         weight_sum=weights.sum().detach(),
         ce_sum=(ce.detach() * vf).sum(),
         correct=hits.sum(dim=(0, 1)),

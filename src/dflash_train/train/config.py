@@ -63,6 +63,11 @@ class OptimConfig:
     """clip the global gradient norm to this (0 disables clipping)"""
     grad_accum: int = 1
     """micro-batches per optimizer step"""
+    markov_lr_scale: float = 1.0
+    """drafter.variant dspark: the bigram head's tables (markov_w1, markov_w2) train at lr times
+    this, in their own parameter group under the same schedule. markov_w2 starts at zero and
+    AdamW moves each entry by about lr a step, so in a short run the head's bias may stay far
+    below the LM head's logits at the backbone's lr"""
     compiled_step: bool = True
     """in compiled mode (run.compile): the AdamW step as one Inductor-generated pass per tensor
     (train/optimizer.CompiledAdamW, ~1.4x faster than the fused kernel on an H200); false: torch's
@@ -80,6 +85,8 @@ class OptimConfig:
             raise ValueError("optim betas must be in [0, 1)")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ValueError("optim.eps must be > 0 and optim.weight_decay >= 0")
+        if not self.markov_lr_scale > 0:
+            raise ValueError(f"optim.markov_lr_scale must be > 0, got {self.markov_lr_scale}")
 
 
 @dataclass
@@ -184,6 +191,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.optim.markov_lr_scale != 1.0 and self.drafter.variant != "dspark":
+            raise ValueError(f"optim.markov_lr_scale ({self.optim.markov_lr_scale}) scales the dspark bigram head's "
+                             f"learning rate; drafter.variant is {self.drafter.variant!r}, which has no such head")
         if self.step.label_source == "distill" and self.loss.weighting in CONFIDENCE_WEIGHTINGS:
             raise ValueError(f"loss.weighting '{self.loss.weighting}' needs hard labels; use decay with "
                              "label_source=distill")

@@ -45,7 +45,7 @@ from dflash_train.train.config import TrainConfig
 from dflash_train.train.evaluate import Evaluator
 from dflash_train.train.metrics_log import (STAGES, ConsumedSamples, MetricsLogger, Window, first_step_line,
                                             format_train_line, read_records)
-from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer
+from dflash_train.train.optimizer import build_lr_scheduler, build_optimizer, build_param_groups
 from dflash_train.train.profiling import StepProfiler
 from dflash_train.train.step import GradientStep, apply_gradients, batch_seed, micro_step
 from dflash_train.train.stopping import RecentRate, StopControl, WeightAndStop, fitted_total, refit_due, schedule_fit
@@ -144,7 +144,8 @@ class Trainer:
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile,
                                         autotune=cfg.run.compile_autotune)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim, compiled=cfg.run.compile and cfg.optim.compiled_step)
+        self.optimizer = build_optimizer(build_param_groups(self.drafter, cfg.optim), cfg.optim,
+                                         compiled=cfg.run.compile and cfg.optim.compiled_step)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.state = TrainState()
         if resume_from is not None:
