@@ -8,8 +8,9 @@ drafter with the same backbone, on the static engine's drafter (speculative/stat
 
 Measured per round, warm-up excluded: `propose` (the block forward over the drafter's cache and
 the drafts) for each variant, and the part of it after the backbone (the head): DFlash's one
-argmax over slots 1..B-1 against dspark's B-1 sequential bias-and-argmax steps. The backbone
-weights are the same in both (same seed), so the difference is the bigram head alone. No CUDA
+argmax over slots 1..B-1 against dspark's B-1 sequential bias-and-argmax steps, with the vanilla
+head and the gated one (`gated`). The backbone weights are the same in all (same seed), so the
+difference is the bigram head alone. No CUDA
 graphs here: on a GPU the sequential head's B-1 small launches are its main cost, which a
 captured round (the engine's default) mostly removes; bench_spec_decode.py measures that.
 """
@@ -45,15 +46,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def drafters(model, args, device, dtype) -> dict[str, DFlashDrafter]:
-    """The two variants, with identical backbones (the bigram head is built and drawn last)."""
+    """DFlash and dspark with each head, with identical backbones (the bigram head is built and drawn last)."""
     rows = model.get_input_embeddings().weight.shape[0]
     out = {}
-    for variant in ("dflash", "dspark"):
+    for name, variant, head in (("dflash", "dflash", "vanilla"), ("dspark", "dspark", "vanilla"),
+                                ("gated", "dspark", "gated")):
         cfg = drafter_config_from_target(model.config, mask_token_id=rows - 1, block_size=args.block_size,
                                          num_hidden_layers=args.layers, variant=variant,
-                                         markov_rank=args.markov_rank)
+                                         markov_rank=args.markov_rank, markov_head_type=head)
         torch.manual_seed(0)
-        out[variant] = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+        out[name] = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
     return out
 
 
@@ -90,9 +92,12 @@ def measure(model, drafter: DFlashDrafter, slots: int, args, device) -> dict[str
             return _draft_head(x, static.norm_w, lm, eps=static.norm_eps)
     else:
         def head_only():
-            return markov_drafts(drafter.markov_head, _norm(x[:, 1:], static.norm_w, static.norm_eps), tokens, lm)
+            return markov_drafts(_norm(x[:, 1:], static.norm_w, static.norm_eps), tokens, lm,
+                                 *drafter.markov_head.weights())
+    # the head timed alone is the one propose() runs: the same drafts
+    same = bool(torch.equal(head_only(), static.propose(tokens, positions, ctx + B)))
     return {"propose_ms": timed(lambda: static.propose(tokens, positions, ctx + B), args.repeats, device),
-            "head_ms": timed(head_only, args.repeats, device)}
+            "head_ms": timed(head_only, args.repeats, device), "head_drafts_as_propose": same}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -12,7 +12,7 @@ from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
 from dflash_train.drafter.loss import LossConfig, head_cross_entropy, weighted_head_cross_entropy
-from dflash_train.drafter.markov import markov_bias, markov_drafts, previous_tokens
+from dflash_train.drafter.markov import markov_drafts, previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step, head_operands
@@ -118,17 +118,29 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     torch.testing.assert_close(got[1], tail.grad, rtol=1e-5, atol=1e-5)
 
 
-def _dspark_model(seed):
+def _dspark_model(seed, head="vanilla"):
     torch.manual_seed(seed)
-    model = DFlashDrafter(tiny_config(variant="dspark", markov_rank=5)).double()
+    model = DFlashDrafter(tiny_config(variant="dspark", markov_rank=5, markov_head_type=head)).double()
+    m = model.markov_head
     with torch.no_grad():  # a bias as large as the backbone's logits, so a wrong previous token shows
-        model.markov_head.markov_w1.weight.normal_(0, 1)
-        model.markov_head.markov_w2.weight.normal_(0, 1)
+        m.markov_w1.weight.normal_(0, 1)
+        m.markov_w2.weight.normal_(0, 1)
+        if m.gate_proj is not None:  # gates spread over (0, 1), so a wrong hidden state or code shows
+            m.gate_proj.weight.normal_(0, 1)
+            m.gate_proj.bias.normal_(0, 1)
     return model
 
 
+def code_ref(m, h, prev):
+    """One slot's bigram code: markov_w1[prev], gated by sigmoid(gate_proj([h ; code]))."""
+    code = m.markov_w1.weight[prev]
+    if m.gate_proj is None:
+        return code
+    return torch.sigmoid(m.gate_proj.weight @ torch.cat([h, code]) + m.gate_proj.bias) * code
+
+
 def step_ref(model, heads, fwd, ids, gamma):
-    """The loss sum, one valid slot at a time: CE of lm_head(h) + w2 @ w1[prev] against the label."""
+    """The loss sum, one valid slot at a time: CE of lm_head(h) + w2 @ code(h, prev) against the label."""
     labels, lv = fwd.labels, fwd.label_valid
     prev = prev_ref(ids, fwd.anchors, labels, lv)
     hid = fwd.hidden.view(R, -1, B, H)
@@ -139,20 +151,22 @@ def step_ref(model, heads, fwd, ids, gamma):
             for k in range(1, B):
                 if not lv[r, j, k]:
                     continue
-                logits = heads.lm_head_weight @ hid[r, j, k] + m.markov_w2.weight @ m.markov_w1.weight[prev[r, j, k]]
+                h = hid[r, j, k]
+                logits = heads.lm_head_weight @ h + m.markov_w2.weight @ code_ref(m, h, prev[r, j, k])
                 ce = torch.logsumexp(logits, 0) - logits[labels[r, j, k]]
                 total = total + torch.exp(torch.tensor(-(k - 1) / gamma, dtype=torch.float64)) * ce
     return total
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
 @pytest.mark.parametrize("label_source,fixed_shape", [("data", False), ("target", False), ("target", True)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_source, fixed_shape, monkeypatch):
+def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_source, fixed_shape, head, monkeypatch):
     """fixed_shape: compiled mode's step (fixed-shape anchors, padding blocks, the head's chunk
     math through `compiled_once`, here the identity: compiling on a CPU costs tens of seconds)."""
     wrapped = []
     monkeypatch.setattr(loss_module, "compiled_once", lambda fn: wrapped.append(fn.__name__) or fn)
-    model = _dspark_model(seed)
+    model = _dspark_model(seed, head)
     ids, pos, doc, loss, _, _ = _batch(seed + 10)
     g = torch.Generator().manual_seed(seed)
     heads = FrozenHeads(torch.randn(V, H, generator=g, dtype=torch.float64),
@@ -183,6 +197,8 @@ def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_sou
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert got["markov_head.markov_w2.weight"].abs().sum() > 0
     assert got["markov_head.markov_w1.weight"].abs().sum() > 0
+    if head == "gated":
+        assert got["markov_head.gate_proj.weight"].abs().sum() > 0
 
 
 def test_dflash_variant_has_no_head_and_reads_the_hidden_states_unchanged():
@@ -200,18 +216,19 @@ def test_dflash_variant_has_no_head_and_reads_the_hidden_states_unchanged():
     assert hidden is fwd.hidden and tail is None
 
 
-def test_markov_drafts_are_sequential_greedy():
-    model = _dspark_model(3)
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_markov_drafts_are_sequential_greedy(head):
+    model = _dspark_model(3, head)
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(3, B - 1, H, generator=g, dtype=torch.float64)
     lm = torch.randn(V, H, generator=g, dtype=torch.float64)
     anchors = torch.tensor([1, 5, 9])
     m = model.markov_head
-    got = markov_drafts(hidden, anchors, lm, m.markov_w1.weight, m.markov_w2.weight)
+    got = markov_drafts(hidden, anchors, lm, *m.weights())
     for s in range(3):
         prev = int(anchors[s])
         for k in range(B - 1):
-            logits = lm @ hidden[s, k] + m.markov_w2.weight @ m.markov_w1.weight[prev]
+            logits = lm @ hidden[s, k] + m.markov_w2.weight @ code_ref(m, hidden[s, k], prev)
             prev = int(logits.argmax())
             assert got[s, k] == prev
 
@@ -224,17 +241,22 @@ def test_bad_variant_fields_are_rejected(kw, match):
         DrafterSpec(**kw)
 
 
-def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path):
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path, head):
     """save -> config.json in vLLM's Qwen3 DSpark layout -> load -> the same block logits, bit for bit."""
-    model = _dspark_model(4).float()
+    model = _dspark_model(4, head).float()
     out = save_drafter(model, tmp_path / "d", dtype=torch.float32)
     data = json.loads((out / "config.json").read_text())
     assert data["architectures"] == ["DSparkDraftModel"] and data["model_type"] == "qwen3"
-    assert (data["markov_rank"], data["markov_head_type"], data["sample_from_anchor"]) == (5, "vanilla", False)
+    assert (data["markov_rank"], data["markov_head_type"], data["sample_from_anchor"]) == (5, head, False)
     assert data["dflash_config"]["projector_type"] == "dspark" and data["draft_vocab_size"] == V
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("markov_head.markov_w1.weight").shape == (V, 5)
         assert f.get_tensor("markov_head.markov_w2.weight").shape == (V, 5)
+        gate_names = {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"}
+        assert (gate_names <= set(f.keys())) == (head == "gated")
+        if head == "gated":
+            assert f.get_tensor("markov_head.gate_proj.weight").shape == (5, H + 5)
     loaded = load_drafter(out)
     assert loaded.config == model.config and loaded.config.variant == "dspark"
     ids, pos, doc, loss, anchors, valid = _batch(4)
@@ -247,8 +269,7 @@ def test_export_round_trip_gives_identical_logits_in_the_vllm_layout(tmp_path):
         masks = build_layer_masks(m.config, doc, pos, anchors, valid, backend="dense")
         h = m(taps, pos, emb[block_input_ids(ids, anchors, B, m.config.mask_token_id)],
               block_positions(pos, anchors, B), masks)
-        head = m.markov_head
-        return h @ lm.T + markov_bias(prev, head.markov_w1.weight, head.markov_w2.weight, h.dtype)
+        return m.markov_head.widen(h, prev) @ torch.cat([lm, m.markov_head.markov_w2.weight], dim=1).T
 
     with torch.no_grad():
         assert torch.equal(logits(model), logits(loaded))

@@ -24,7 +24,9 @@ def test_growth_says_what_each_config_adds():
     assert growth(saved, tiny_config(num_hidden_layers=4, layer_types=[SLIDING, FULL, FULL, SLIDING])) == [
         "2 layer(s) after its 2 (o_proj and down_proj zero)"]
     assert growth(saved, tiny_config(variant="dspark", markov_rank=5)) == [
-        "the dspark bigram head (rank 5, markov_w2 zero)"]
+        "the dspark bigram head (vanilla, rank 5, markov_w2 zero)"]
+    assert growth(saved, tiny_config(variant="dspark", markov_rank=5, markov_head_type="gated")) == [
+        "the dspark bigram head (gated, rank 5, markov_w2 zero)"]
     assert len(growth(saved, tiny_config(num_hidden_layers=3, layer_types=[SLIDING, FULL, FULL],
                                          variant="dspark", markov_rank=5))) == 2
     # not a growth: fewer layers, the saved layers' types changed, another shape, dspark -> dflash
@@ -32,6 +34,8 @@ def test_growth_says_what_each_config_adds():
     assert growth(saved, tiny_config(num_hidden_layers=3, layer_types=[FULL, FULL, FULL])) is None
     assert growth(saved, tiny_config(num_hidden_layers=3, layer_types=[SLIDING, FULL, FULL], intermediate_size=32)) is None
     assert growth(tiny_config(variant="dspark", markov_rank=5), saved) is None
+    assert growth(tiny_config(variant="dspark", markov_rank=5),
+                  tiny_config(variant="dspark", markov_rank=5, markov_head_type="gated")) is None
 
 
 def _block_hidden(model, seed=0):

@@ -9,6 +9,8 @@ code and serving engines load. Writes are atomic: a temporary directory renamed 
 
 The dspark variant adds `markov_head.markov_w{1,2}.weight` ([V, r] each) and the fields of
 `_add_dspark_fields` (architecture `DSparkDraftModel`): vLLM's Qwen3 DSpark drafter's layout.
+Its gated head adds `markov_head.gate_proj.{weight,bias}` ([r, H + r], [r]) under
+`markov_head_type: "gated"`, the names of DeepSeek's DeepSpec trainer (vLLM loads the vanilla head).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.config import MARKOV_HEADS, DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import atomic_directory_write
@@ -77,7 +79,7 @@ def _add_dspark_fields(out: dict, cfg: DrafterConfig) -> None:
     bigram head's rank and kind, and `sample_from_anchor: false` (slot 0 is the anchor and slots
     1..B-1 are drafted, DFlash's block; vLLM's own default drafts from the anchor slot)."""
     out["architectures"] = [DSPARK_ARCHITECTURE]
-    fields = {"projector_type": "dspark", "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+    fields = {"projector_type": "dspark", "markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
               "sample_from_anchor": False}
     # dspark_bonus_anchor: the same block layout under the name other vLLM builds read
     out.update(fields, draft_vocab_size=cfg.vocab_size, dspark_bonus_anchor=True)
@@ -110,6 +112,7 @@ def from_hf_config(data: dict) -> DrafterConfig:
         causal_in_block_sliding=causal.get("sliding_attention", True),
         variant="dspark" if dflash.get("projector_type", data.get("projector_type")) == "dspark" else "dflash",
         markov_rank=int(dflash.get("markov_rank", data.get("markov_rank", 256))),
+        markov_head_type=dflash.get("markov_head_type", data.get("markov_head_type", "vanilla")),
         extra=dflash.get("extra", {}),
     )
 
@@ -141,8 +144,9 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
     if not {DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE} & set(data.get("architectures") or []):
         raise ModelError(f"{path}: architectures is {data.get('architectures')}, expected "
                          f"{DFLASH_ARCHITECTURE} or {DSPARK_ARCHITECTURE}")
-    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("markov_head_type", "vanilla") != "vanilla":
-        raise ModelError(f"{path}: markov_head_type {data['markov_head_type']!r} is not supported (vanilla only)")
+    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("markov_head_type", "vanilla") not in MARKOV_HEADS:
+        raise ModelError(f"{path}: markov_head_type {data['markov_head_type']!r} is not supported "
+                         f"(one of {list(MARKOV_HEADS)})")
     if DSPARK_ARCHITECTURE in data["architectures"] and data.get("sample_from_anchor", True):
         raise ModelError(f"{path}: a DSpark drafter that drafts from the anchor slot (sample_from_anchor) "
                          "is not this project's block layout (sample_from_anchor: false)")
@@ -160,8 +164,9 @@ def growth(saved: DrafterConfig, config: DrafterConfig) -> list[str] | None:
     [] when the configs are equal, None when `config` is not `saved` grown."""
     added, grown = [], saved
     if saved.variant == "dflash" and config.variant == "dspark":
-        grown = dataclasses.replace(grown, variant="dspark", markov_rank=config.markov_rank)
-        added.append(f"the dspark bigram head (rank {config.markov_rank}, markov_w2 zero)")
+        grown = dataclasses.replace(grown, variant="dspark", markov_rank=config.markov_rank,
+                                    markov_head_type=config.markov_head_type)
+        added.append(f"the dspark bigram head ({config.markov_head_type}, rank {config.markov_rank}, markov_w2 zero)")
     n = saved.num_hidden_layers
     if config.num_hidden_layers > n and config.layer_types[:n] == saved.layer_types:
         grown = dataclasses.replace(grown, num_hidden_layers=config.num_hidden_layers,

@@ -17,6 +17,7 @@ LAYER_TYPES = (FULL, SLIDING)
 # low-rank bigram head that conditions each slot on the token before it (docs/dflash-spec.md,
 # "Variant: dspark").
 VARIANTS = ("dflash", "dspark")
+MARKOV_HEADS = ("vanilla", "gated")  # dspark's head: the bigram bias alone, or gated by the slot's hidden state
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -65,6 +66,9 @@ class DrafterConfig:
     variant: str = "dflash"
     # dspark only: width r of the bigram head (markov_w1 [V, r], markov_w2 [V, r]).
     markov_rank: int = 256
+    # dspark only: "vanilla" (the bias reads the previous token alone) or "gated" (its code gated
+    # by the slot's hidden state: gate_proj [r, H + r] and bias [r]).
+    markov_head_type: str = "vanilla"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,7 +115,7 @@ class DrafterConfig:
                 raise ValueError("sliding_attention layers need sliding_window >= 1")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
-        _check_variant(self.variant, self.markov_rank)
+        _check_variant(self.variant, self.markov_rank, self.markov_head_type)
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -134,9 +138,11 @@ class DrafterConfig:
         return seen
 
 
-def _check_variant(variant: str, markov_rank: int) -> None:
+def _check_variant(variant: str, markov_rank: int, markov_head_type: str) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"drafter variant must be one of {list(VARIANTS)}, got {variant!r}")
+    if markov_head_type not in MARKOV_HEADS:
+        raise ValueError(f"drafter markov_head_type must be one of {list(MARKOV_HEADS)}, got {markov_head_type!r}")
     if not isinstance(markov_rank, int) or isinstance(markov_rank, bool) or markov_rank < 1:
         raise ValueError(f"drafter markov_rank must be an integer >= 1, got {markov_rank!r}")
 
@@ -257,6 +263,9 @@ class DrafterSpec:
     slot on the token before it (docs/dflash-spec.md, "Variant: dspark")"""
     markov_rank: int = 256
     """dspark only: rank r of the bigram head (two [vocab, r] tables)"""
+    markov_head: Literal["vanilla", "gated"] = "vanilla"
+    """dspark only: vanilla = the bias reads the previous token alone; gated = its code is gated by
+    the slot's hidden state (DSpark's gated head: one [r, H + r] projection more)"""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_taps < 1:
@@ -284,6 +293,8 @@ class DrafterSpec:
             raise ValueError(f"drafter.variant must be one of {list(VARIANTS)}, got {self.variant!r}")
         if self.markov_rank < 1:
             raise ValueError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
+        if self.markov_head not in MARKOV_HEADS:
+            raise ValueError(f"drafter.markov_head must be one of {list(MARKOV_HEADS)}, got {self.markov_head!r}")
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -329,6 +340,7 @@ def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: i
         causal_in_block_sliding=spec.causal_in_block_sliding,
         variant=spec.variant,
         markov_rank=spec.markov_rank,
+        markov_head_type=spec.markov_head,
     )
 
 

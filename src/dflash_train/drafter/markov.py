@@ -6,8 +6,13 @@ dependency inside the block. The logits of slot k are
     lm_head(h_k) + markov_w2 @ markov_w1[x_{k-1}]         (markov_w1, markov_w2: [V, r])
 
 where x_{k-1} is the token before slot k: the anchor for k = 1, then the token drafted (at
-inference) or taught (in training) for slot k - 1. Both parts are one matmul over the
-concatenation [h_k ; markov_w1[x_{k-1}]] against [lm_head | markov_w2]: the loss
+inference) or taught (in training) for slot k - 1. The gated head (DSpark's "gated") scales
+that code per slot by the slot's hidden state:
+
+    code_k = sigmoid(gate_proj([h_k ; e])) * e,   e = markov_w1[x_{k-1}]
+
+(gate_proj [r, H + r]), so the bias of a previous token depends on the context. Both parts are
+one matmul over the concatenation [h_k ; code_k] against [lm_head | markov_w2]: the loss
 (drafter/loss.py) takes the wider hidden state and markov_w2 as a trainable tail of the head.
 """
 
@@ -21,30 +26,50 @@ from dflash_train.drafter.labels import block_label_positions
 
 
 class MarkovHead(nn.Module):
-    """markov_w1: token -> r-dim code; markov_w2: code -> a bias over the vocabulary. The names
-    are the tensors' names in the exported checkpoint (`markov_head.markov_w{1,2}.weight`)."""
+    """markov_w1: token -> r-dim code; markov_w2: code -> a bias over the vocabulary; gated:
+    gate_proj, [h ; code] -> the code's per-slot gate. The names are the tensors' names in the
+    exported checkpoint (`markov_head.markov_w{1,2}.weight`, `markov_head.gate_proj.{weight,bias}`)."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str = "vanilla"):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # weight [V, r]
+        self.gate_proj = nn.Linear(hidden_size + rank, rank) if head_type == "gated" else None  # [r, H + r]
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         self.markov_w1.weight.normal_(0.0, std)
         self.markov_w2.weight.normal_(0.0, std)
+        if self.gate_proj is not None:  # every gate starts at sigmoid(~0) = 1/2
+            self.gate_proj.weight.normal_(0.0, std)
+            self.gate_proj.bias.zero_()
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(markov_w1, markov_w2, gate weight or None, gate bias or None): `markov_drafts`' arguments."""
+        gate = self.gate_proj
+        return (self.markov_w1.weight, self.markov_w2.weight,
+                None if gate is None else gate.weight, None if gate is None else gate.bias)
 
     def widen(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """[..., H] hidden states, [...] previous tokens -> [..., H + r] = [h ; markov_w1[prev]]."""
+        """[..., H] hidden states, [...] previous tokens -> [..., H + r] = [h ; code]."""
         code = self.markov_w1(prev_ids).to(hidden.dtype)
+        if self.gate_proj is not None:
+            code = torch.sigmoid(self.gate_proj(torch.cat([hidden, code], dim=-1))) * code
         return torch.cat([hidden, code], dim=-1)
 
 
 def markov_bias(prev_ids: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """[...] previous tokens -> [..., V] logit bias markov_w2 @ markov_w1[prev] (weights [V, r];
-    inference, one slot at a time): plain tensors, so that the engine's compiled head can take them."""
-    return F.embedding(prev_ids, markov_w1).to(dtype) @ markov_w2.to(dtype).T
+                dtype: torch.dtype, gate_w: torch.Tensor | None = None,
+                gate_from_hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """[...] previous tokens -> [..., V] logit bias markov_w2 @ code (weights [V, r]; inference, one
+    slot at a time): code = markov_w1[prev], gated when `gate_w` is given by sigmoid of
+    `gate_from_hidden` (the slot's hidden part of the gate with its bias, [..., r]) plus the
+    code's part. Plain tensors, so that the engine's compiled head can take them."""
+    code = F.embedding(prev_ids, markov_w1).to(dtype)
+    if gate_w is not None:
+        H = gate_w.shape[1] - code.shape[-1]
+        code = torch.sigmoid(gate_from_hidden + code @ gate_w[:, H:].to(dtype).T) * code
+    return code @ markov_w2.to(dtype).T
 
 
 def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
@@ -66,16 +91,23 @@ def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torc
 
 @torch.no_grad()
 def markov_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor,
-                  markov_w1: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
+                  markov_w1: torch.Tensor, markov_w2: torch.Tensor, gate_w: torch.Tensor | None = None,
+                  gate_b: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy drafts of slots 1..B-1, left to right: hidden [S, B-1, H] (final normed states of
-    slots 1..B-1), anchor_ids [S], the head's weights [V, r] -> drafts [S, B-1]. The backbone
-    logits of all slots come from one matmul; only the bias ([S, r] -> [S, V] per slot) runs
-    sequentially. Plain tensors: the engine compiles this as one function (its `dspark_head`)."""
+    slots 1..B-1), anchor_ids [S], the head's weights (MarkovHead.weights) -> drafts [S, B-1]. The
+    backbone logits of all slots come from one matmul, and so do the hidden state's part of the
+    gates; only the bias ([S, r] -> [S, V] per slot) runs sequentially. Plain tensors: the engine
+    compiles this as one function (its `dspark_head`)."""
     base = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T  # [S, B-1, V]
     markov_w2 = markov_w2.to(base.dtype)  # once, not once a slot (a no-op when the drafter runs in bf16)
+    gates = None
+    if gate_w is not None:  # [S, B-1, r]
+        gates = torch.addmm(gate_b.to(base.dtype), hidden.to(base.dtype).flatten(0, 1),
+                            gate_w[:, :hidden.shape[-1]].to(base.dtype).T).view(*hidden.shape[:2], -1)
     prev = anchor_ids
     drafts = []
     for k in range(base.shape[1]):
-        prev = (base[:, k] + markov_bias(prev, markov_w1, markov_w2, base.dtype)).argmax(-1)  # [S]
+        bias = markov_bias(prev, markov_w1, markov_w2, base.dtype, gate_w, None if gates is None else gates[:, k])
+        prev = (base[:, k] + bias).argmax(-1)  # [S]
         drafts.append(prev)
     return torch.stack(drafts, dim=1)

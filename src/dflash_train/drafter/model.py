@@ -188,7 +188,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         # dspark: the bigram head over the block (drafter/markov.py); applied on the logits, after forward()
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.variant == "dspark" else None
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, cfg.markov_head_type) \
+            if cfg.variant == "dspark" else None
         self.reset_parameters()
 
     @torch.no_grad()

@@ -154,9 +154,8 @@ class DFlashProposer:
         hidden = self.block_hidden(sequence[-1], position)[1:]  # slots 1..B-1: the tokens after the anchor
         if self.drafter.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
             anchor = torch.tensor([int(sequence[-1])], device=hidden.device)
-            head = self.drafter.markov_head
-            return markov_drafts(hidden[None], anchor, self.lm_head_weight, head.markov_w1.weight,
-                                 head.markov_w2.weight)[0].tolist()
+            return markov_drafts(hidden[None], anchor, self.lm_head_weight,
+                                 *self.drafter.markov_head.weights())[0].tolist()
         logits = hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
         return logits.argmax(-1).tolist()
 

@@ -214,10 +214,11 @@ def _draft_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, *, eps: float) -> 
 
 
 def _dspark_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, anchors: Tensor, markov_w1: Tensor,
-                 markov_w2: Tensor, *, eps: float) -> Tensor:
+                 markov_w2: Tensor, gate_w: Tensor | None, gate_b: Tensor | None, *, eps: float) -> Tensor:
     """The dspark variant's `_draft_head`: slots 1..B-1 drafted left to right, each slot's bigram
-    bias read from the token drafted before it (anchors [S] for slot 1; drafter/markov.py)."""
-    return markov_drafts(_norm(x[:, 1:], norm_w, eps), anchors, lm_head_w, markov_w1, markov_w2)
+    bias read from the token drafted before it (anchors [S] for slot 1; the gate's weights None
+    for the vanilla head; drafter/markov.py)."""
+    return markov_drafts(_norm(x[:, 1:], norm_w, eps), anchors, lm_head_w, markov_w1, markov_w2, gate_w, gate_b)
 
 
 class StaticDrafter:
@@ -370,6 +371,5 @@ class StaticDrafter:
         x = self._block_residual(tokens, positions, kv_len)
         markov = self.module.markov_head
         if markov is not None:  # dspark: slots drafted left to right (drafter/markov.py)
-            return self.dspark_head(x, self.norm_w, self.lm_head_w, tokens, markov.markov_w1.weight,
-                                    markov.markov_w2.weight, eps=self.norm_eps)
+            return self.dspark_head(x, self.norm_w, self.lm_head_w, tokens, *markov.weights(), eps=self.norm_eps)
         return self.head(x, self.norm_w, self.lm_head_w, eps=self.norm_eps)
