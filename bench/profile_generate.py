@@ -282,24 +282,32 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
 
 
 def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: int, device: torch.device) -> list[dict]:
-    """Each prefill chunk shape, `reps` times as the engine runs it (one forward of a right-padded
-    [rows, width] batch into the first `rows` slots, eager or with its compiled layer functions):
-    wall ms a chunk, and the host's ms issuing it (what the host thread cannot spend launching
-    decode steps). Run after the decode steps: it overwrites those slots' caches."""
-    dec, out = engine.decoder, []
+    """Each prefill chunk shape, `reps` times as the engine runs it (a right-padded [rows, width]
+    chunk into the first `rows` slots, padded to its bucket shape: a captured step on CUDA, eager
+    without CUDA graphs): wall ms a chunk, and the host's ms issuing it (what the host thread
+    cannot spend launching decode steps). Each call starts on an idle device and is timed alone,
+    so the host's time is the issue time (back to back, the launch queue fills and the host
+    waits for the device: host = wall whatever bounds it). Run after the decode steps: it
+    overwrites those slots' caches."""
+    out = []
     for rows, width in shapes:
-        ids = torch.randint(0, dec.embed_w.shape[0], (rows, width), device=device)
-        lengths = torch.full((rows,), width, device=device)
+        padded = engine._prefill_shape(rows, width)
+        r, w = padded
+        stage = engine._prefill_stage
+        stage[:r] = torch.arange(r, device=device)  # slots
+        stage[r : 2 * r] = width  # lengths
+        stage[2 * r : 2 * r + r * w] = torch.randint(0, engine.decoder.embed_w.shape[0], (r * w,), device=device)
+        host = wall = 0.0
         with torch.no_grad():
-            dec.prefill(ids, lengths, dec.rows[:rows])  # warm-up (a compile of a new shape, allocator)
-            sync(device)
-            t0 = time.perf_counter()
+            engine.prefill_step(padded)  # warm-up (the capture of a new shape, the allocator)
             for _ in range(reps):
-                dec.prefill(ids, lengths, dec.rows[:rows])
-            host = time.perf_counter() - t0
-            sync(device)
-            wall = time.perf_counter() - t0
-        out.append({"rows": rows, "width": width, "wall_ms": round(1e3 * wall / reps, 3),
+                sync(device)
+                t0 = time.perf_counter()
+                engine.prefill_step(padded)
+                host += time.perf_counter() - t0
+                sync(device)
+                wall += time.perf_counter() - t0
+        out.append({"rows": rows, "width": width, "padded": list(padded), "wall_ms": round(1e3 * wall / reps, 3),
                     "host_ms": round(1e3 * host / reps, 3), "tok_per_s": round(rows * width * reps / wall, 1)})
     return out
 
@@ -322,7 +330,8 @@ def report(t: dict) -> None:
     for name, cat, count, us in t["top_kernels"][:8]:
         print(f"  {us:10.1f} us  {count:6.1f} x  {cat:<9}  {name}")
     for c in t.get("prefill", []):
-        print(f"prefill {c['rows']} x {c['width']}: {c['wall_ms']:.3f} ms a chunk (host {c['host_ms']:.3f} ms), "
+        print(f"prefill {c['rows']} x {c['width']} (as {c['padded'][0]} x {c['padded'][1]}): {c['wall_ms']:.3f} ms a chunk "
+              f"(host {c['host_ms']:.3f} ms), "
               f"{c['tok_per_s']:.0f} prompt tok/s")
 
 

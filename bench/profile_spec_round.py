@@ -9,6 +9,11 @@ torch.profiler (compiled layer functions, no CUDA graph, so every kernel is visi
 count and summed kernel time per step, and the top kernels. Then each step replayed from its
 CUDA graph, timed with CUDA events: what a round really costs. Weights are random (timing
 depends on shapes only); all slots idle, so the steps commit nothing and can repeat.
+`--position N` puts every slot at position N before each step (an idle slot's step sets it back
+to 0; one fill kernel more a step), so attention reads N cached keys a slot, as mid-answer
+(default 0), e.g. the batched case:
+
+    python bench/profile_spec_round.py preset:smollm2-135m --slots 64 --position 384 --max-len 1024
 """
 
 from __future__ import annotations
@@ -46,12 +51,13 @@ def kernels(fn, iters: int) -> dict:
             "top": [(name[:90], round(len(v) / iters, 1), round(sum(v) / iters, 1)) for name, v in top]}
 
 
-def replay_ms(step, kv: int, iters: int = 300) -> float:
+def replay_ms(step, kv: int, reset, iters: int = 300) -> float:
     step(kv)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
+        reset()
         step(kv)
     end.record()
     end.synchronize()
@@ -65,6 +71,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--slots", type=int, default=1, help="engine slots (1: the latency case)")
+    p.add_argument("--position", type=int, default=0, help="every slot's position (the keys its attention reads)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -76,12 +83,15 @@ def main() -> int:
     for kind in args.attention:
         engine = SpecEngine(model, drafter, set(), slots=args.slots, max_len=args.max_len, compile=True,
                             attention=kind)
-        kv = engine.buckets[-1] if kind == "flex" else engine.buckets[0]
+        if not 0 <= args.position <= args.max_len - 2 * args.block_size:
+            p.error(f"--position must be in [0, --max-len - 2 x --block-size], got {args.position}")
+        reset = lambda: engine.positions.fill_(args.position)  # noqa: E731
+        kv = next(b for b in engine.buckets if b >= args.position + 2 * args.block_size)
         steps = {"greedy": engine._verify[1], "verify": engine._verify[args.block_size], "draft": engine._draft}
         out = {}
         for name, step in steps.items():
-            out[name] = kernels(lambda: step.fn(kv), 20)
-            out[name]["graph_ms"] = replay_ms(step, kv)
+            out[name] = kernels(lambda: (reset(), step.fn(kv)), 20)
+            out[name]["graph_ms"] = replay_ms(step, kv, reset)
             print(f"{kind:5s} {name:6s}: {out[name]['kernels']:6.1f} kernels, {out[name]['kernel_us']:8.1f} us of "
                   f"kernels, {out[name]['graph_ms']:.4f} ms per graph replay", flush=True)
         g, v, d = (out[k]["graph_ms"] for k in ("greedy", "verify", "draft"))

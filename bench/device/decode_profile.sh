@@ -7,15 +7,15 @@
 #              matmuls / sampling / other / host gap; ~4 min
 #   qwen3      the same on Qwen3-8B's shape at 256 slots against the H200's 4.8 TB/s: the key
 #              generate.qwen3_8b.new_tok_per_s (steady decoding, every slot busy); ~4 min
-#   prefill    prefill chunks as the engine runs them (profile_generate's --prefill-shapes: 16,384-token
-#              chunks of 64- and 256-token rows, one 256-token row) at SmolLM2's shape, with its layer
-#              functions compiled for dynamic shapes and eager (--no-compile): ms a chunk and the
-#              host's ms issuing it; ~2 min
+#   prefill    prefill chunks as the engine runs them (profile_generate's --prefill-shapes: the recipe's
+#              widths up to 2,048 tokens in 16,384-token chunks, one 256-token row, two chunks that pad
+#              up to their bucket shapes) at SmolLM2's shape, each shape a captured step and eager
+#              (--no-cuda-graphs): ms a chunk and the host's ms issuing it; ~2 min
 #   draft      bench/draft_context_cost.py: the batch-1 draft step's ms per round at contexts of
 #              256, 1K, 4K and 16K tokens, SmolLM2's 5-layer full-attention drafter as it is and
 #              decoded with a 2,048-token window (--draft-window): eval.draft_ms_per_round_by_context; ~3 min
 #     bash bench/device/decode_profile.sh            # all four; results in $OUT: gen_smollm2_<slots>[_sampled].json,
-#                                                    # prefill_smollm2_135m_{compiled,eager}.json, gen_qwen3_8b_256.json,
+#                                                    # prefill_smollm2_135m_{graphs,eager}.json, gen_qwen3_8b_256.json,
 #                                                    # draft_context_cost.json, decode_profile.log
 #     PART=draft bash bench/device/decode_profile.sh # one part
 # DRY=1: the plumbing on CPU with the tiny preset (~1 min; PY=.venv/bin/python in a checkout).
@@ -46,9 +46,12 @@ if [ "$PART" = all ] || [ "$PART" = generate ]; then
     --sampled-share ${SAMPLED_SHARE:-0.3} --out $OUT/gen_${SMOL//-/_}_${SLOTS}_sampled.json
 fi
 if [ "$PART" = all ] || [ "$PART" = prefill ]; then
-  for how in compiled eager; do
-    flag=(); [ "$how" = eager ] && flag=(--no-compile)
-    stage prefill_${SMOL}_$how 200 $PY bench/profile_generate.py preset:$SMOL --slots $((SLOTS < 256 ? SLOTS : 256)) $GEN $CPU \
+  if [ "${DRY:-0}" = 1 ]; then PREFILL="--prompt-len 24 --warmup 2 --steps 3 --prefill-shapes 4x24 1x24 3x20"
+  else PREFILL="--prompt-len 2048 --warmup 2 --steps 3 --prefill-reps 5 --prefill-shapes 8x2048 16x1024 32x512 64x256 128x128 1x256 3x700 5x1500"
+  fi
+  for how in graphs eager; do
+    flag=(); [ "$how" = eager ] && flag=(--no-cuda-graphs)
+    stage prefill_${SMOL}_$how 200 $PY bench/profile_generate.py preset:$SMOL --slots $((SLOTS < 256 ? SLOTS : 256)) $PREFILL $CPU \
       "${flag[@]}" --out $OUT/prefill_${SMOL//-/_}_$how.json
   done
 fi

@@ -8,6 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from dflash_train.generate import builtin
 from dflash_train.generate.builtin import BuiltinEngine, decode_rows
 from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
 from dflash_train.generate.engine import Completion, Request
@@ -128,20 +129,26 @@ def test_rows_detokenised_in_one_call_equal_one_by_one(tokenizer):
     assert decode_rows(tokenizer, []) == []
 
 
-def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split():
+def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split(monkeypatch):
+    """Chunks are padded to bucket shapes (rows and width each a power of two, capped) and fill
+    the token budget padded; a padding row repeats the chunk's first row, so its cache writes
+    are that row's: the tokens stay plain greedy's."""
+    monkeypatch.setattr(builtin, "PREFILL_MIN_WIDTH", 4)
     model = make_model("llama", vocab=256, seed=6)
-    # lengths 2, 3, 10, 20 under a 20-token budget: rows x the chunk's longest <= 20 gives
-    # chunks [2, 3], [10], [20]: three forwards for the one admission that fills the 4 slots
-    prompts = [[5] * 10, [6] * 2, [7] * 20, [8] * 3]
-    engine = BuiltinEngine(model, None, slots=4, max_prompt_tokens=20, max_new_tokens=3, stop_ids=set(),
-                           ignore_eos=True, prefill_tokens=20)
+    # lengths 2, 3, 5, 10, 20 under a 40-token budget, widths 4, 8, 16, 20, rows 1, 2, 4, 5:
+    # [2, 3, 5] padded to 4 x 8 = 32 (adding 10 would make 4 x 16 = 64), then [10, 20] as 2 x 20
+    prompts = [[5] * 10, [6] * 2, [7] * 20, [8] * 3, [9] * 5]
+    engine = BuiltinEngine(model, None, slots=5, max_prompt_tokens=20, max_new_tokens=3, stop_ids=set(),
+                           ignore_eos=True, prefill_tokens=40)
+    assert (engine.prefill_widths, engine.prefill_rows) == ([4, 8, 16, 20], [1, 2, 4, 5])
     t0 = time.perf_counter()
     results = run_engine(engine, [Request(prompt_ids=p, tag=i) for i, p in enumerate(prompts)])
     wall = time.perf_counter() - t0
     model.generation_config.eos_token_id = None
-    assert [results[i].token_ids for i in range(4)] == [hf_greedy(model, p, None)[:3] for p in prompts]
+    assert [results[i].token_ids for i in range(5)] == [hf_greedy(model, p, None)[:3] for p in prompts]
     st = engine.stats
-    assert st.prefill_forwards == 3 and st.prompt_tokens == 35 and st.completed == 4
+    assert st.prefill_forwards == 2 and st.prompt_tokens == 40 and st.prefill_padded_tokens == 32 + 40
+    assert st.completed == 5
     assert st.host_prefill_seconds > 0 and st.host_admit_seconds >= 0 and st.host_finish_seconds > 0
     assert st.host_admit_seconds + st.host_prefill_seconds + st.host_finish_seconds < wall
 
@@ -176,9 +183,7 @@ def test_fp8_target_is_refused_so_the_training_probe_is_skipped():
 def test_compiled_layer_functions_trace_once_and_match():
     """The GPU path compiles the per-layer functions; check on CPU (with a backend that
     does not fuse) that they trace as one graph each, are reused by every layer and step
-    without recompiling, and give the same tokens. Prefill's two are traced for dynamic
-    shapes when compiled: one graph for every chunk of two rows or more, one for a lone row
-    (a size of 1 is specialised); prefill chunks of other shapes reuse them."""
+    without recompiling, and give the same tokens. Prefill stays eager: nothing of it is traced."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -192,7 +197,6 @@ def test_compiled_layer_functions_trace_once_and_match():
         if compiled:
             engine._compile_layer_functions(backend="aot_eager")
             assert engine.decoder.pre_attention is not _pre_attention  # the compiled one is in use
-            assert engine.decoder.prefill_pre_attention is not _pre_attention
             graphs.append(counters["stats"]["unique_graphs"])
         reqs = [Request(prompt_ids=p, max_new_tokens=2 + i % 4, tag=i) for i, p in enumerate(prompts)]
         out = {i: c.token_ids for i, c in run_engine(engine, reqs).items()}
@@ -203,8 +207,8 @@ def test_compiled_layer_functions_trace_once_and_match():
     torch._dynamo.reset()
     counters.clear()
     assert tokens(True) == tokens(False)
-    # decode: pre_attention, post_attention; prefill: the same two, for >= 2 rows and for 1
-    assert graphs == [6] and counters["stats"]["unique_graphs"] == 6  # none traced during the run
+    # decode: pre_attention, post_attention
+    assert graphs == [2] and counters["stats"]["unique_graphs"] == 2  # none traced during the run
 
 
 def test_flex_decode_compiles_its_three_functions_once_and_matches_dense():
@@ -227,14 +231,14 @@ def test_flex_decode_compiles_its_three_functions_once_and_matches_dense():
         if compiled:
             engine._compile_layer_functions(backend=recording_backend)
             assert engine.attention == "flex" and engine.decoder.q_writing_kv is not _q_writing_kv
-            assert len(traced) == 7  # decode: q_writing_kv, post_attention, final_logits; prefill: 2 x 2 shapes
+            assert len(traced) == 3  # decode: q_writing_kv, post_attention, final_logits
         reqs = [Request(prompt_ids=p, max_new_tokens=6, tag=i) for i, p in enumerate(prompts)]
         return {i: c.token_ids for i, c in run_engine(engine, reqs).items()}
 
     dense = tokens("dense", False)
     torch._dynamo.reset()
     assert tokens("flex", True) == dense
-    assert len(traced) == 7  # no recompilation during the run
+    assert len(traced) == 3  # no recompilation during the run
 
 
 def test_a_failing_compiler_falls_back_to_eager():
@@ -245,28 +249,6 @@ def test_a_failing_compiler_falls_back_to_eager():
     assert engine.decoder.pre_attention is _pre_attention
     assert len(run_engine(engine, [Request(prompt_ids=[5, 6], max_new_tokens=4, tag=0)])[0].token_ids) == 4
     assert engine.attention == "dense"  # auto on a CPU
-
-
-def test_a_prefill_the_compiler_fails_on_stays_eager_beside_a_compiled_decode_step():
-    import torch._dynamo
-
-    def static_shapes_only(gm, example_inputs):  # a backend that refuses prefill's dynamic shapes
-        if any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
-               for x in example_inputs):
-            raise RuntimeError("no dynamic shapes")
-        return gm.forward
-
-    model = make_model("llama", vocab=256, seed=7)
-    reqs = lambda: [Request(prompt_ids=p, max_new_tokens=4, tag=i) for i, p in enumerate([[5, 6], [7, 8, 9], [3]])]  # noqa: E731
-    want = run_engine(BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set()), reqs())
-    torch._dynamo.reset()
-    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=8, max_new_tokens=4, stop_ids=set())
-    with pytest.warns(UserWarning, match="torch.compile of prefill failed, running it uncompiled"):
-        engine._compile_layer_functions(backend=static_shapes_only)
-    assert engine.decoder.pre_attention is not _pre_attention  # the decode step stays compiled
-    assert engine.decoder.prefill_pre_attention is _pre_attention and engine.attention == "dense"
-    got = run_engine(engine, reqs())
-    assert {i: c.token_ids for i, c in got.items()} == {i: c.token_ids for i, c in want.items()}
 
 
 def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():

@@ -26,7 +26,7 @@ from torch import Tensor
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
-from dflash_train.generate.graphs import GraphedStep, kv_buckets
+from dflash_train.generate.graphs import GraphedStep, bucket_of, kv_buckets
 from dflash_train.generate.sampling import select_tokens
 from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 # a refill's prompts are prefilled in length-sorted chunks of at most this many (padded) tokens
 PREFILL_TOKENS = 16384
+# a prefill chunk is padded to a power of two of rows and of tokens a row (at least this many),
+# so that few shapes serve every chunk: each a captured step on CUDA
+PREFILL_MIN_WIDTH = 64
 
 def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
     """Each row's text, as `tokenizer.decode(row, skip_special_tokens=False,
@@ -56,6 +59,7 @@ class EngineStats:
     decode_steps: int = 0
     slot_steps_active: int = 0  # sum over steps of active slots: utilisation = this / (steps * slots)
     prefill_forwards: int = 0  # one per length-sorted chunk of an admission
+    prefill_padded_tokens: int = 0  # rows x width of those chunks, padded to their shapes
     # The host's own time (the one thread that also launches every step): pulling and
     # tokenising prompts, issuing prefills, handing finished rows back (detokenising, the
     # callback). On a GPU the step in flight hides it only while it is shorter than the step.
@@ -146,6 +150,19 @@ class BuiltinEngine:
         self.buckets = kv_buckets(max_len) if self.attention == "dense" else [max_len]
         self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
                                 use_graphs=cuda_graphs and dev.type == "cuda", name="decode")
+        # Prefill: a chunk [rows, width] padded to bucket sizes (rows copies of its first row, so
+        # the cache writes of a padding row are its first row's, byte for byte; width right
+        # padding, which causal attention never lets a prompt see), and each shape a captured
+        # step on CUDA: eager, a forward is ~60 small ops a layer launched from the host thread
+        # (~25 ms for SmolLM2, whatever the chunk's size); a replay is one launch. Its inputs
+        # arrive in `_prefill_stage` by one copy: [slots, lengths, ids, the chunk's sampling fields].
+        self.prefill_widths = kv_buckets(max_prompt_tokens, smallest=PREFILL_MIN_WIDTH)
+        self.prefill_rows = kv_buckets(min(slots, max(1, self.prefill_tokens // self.prefill_widths[0])), smallest=1)
+        rows_cap = self.prefill_rows[-1]
+        self._prefill_stage = torch.zeros(6 * rows_cap + max(self.prefill_tokens, rows_cap * self.prefill_widths[0]),
+                                          dtype=torch.long, device=dev)
+        self.prefill_step = GraphedStep(self._prefill_forward, use_graphs=cuda_graphs and dev.type == "cuda",
+                                        name="prefill", shared_pool=True, describe=lambda key: "%d x %d tokens" % key)
         self._rows: list[_Row | None] = [None] * slots
         self.table = SlotTable(slots, max_new_tokens, () if ignore_eos else self.stop_ids)
         # two pinned buffers [2, slots] (a step's inputs, its tokens): one for the step in
@@ -169,38 +186,26 @@ class BuiltinEngine:
 
     def _compile_layer_functions(self, backend: str = "inductor") -> None:
         """Fuse the elementwise work around the matmuls (norms, RoPE, SiLU*up, residuals).
-        Only the per-layer functions (and, with flex, the logits head) are compiled: their
-        shapes do not depend on the attention length, so one compilation serves every layer
-        and every kv bucket. Then prefill's two, for dynamic shapes: eager, a prefill forward
-        is ~60 small ops a layer (~1,900 at SmolLM2's 30 layers), each launched from the one
-        host thread that also launches every decode step. (The CPU tests run this with a
-        non-fusing backend to check that it traces as one graph per function and never
-        recompiles.)"""
+        Only the decode step's per-layer functions (and, with flex, the logits head) are
+        compiled: their shapes do not depend on the attention length, so one compilation serves
+        every layer and every kv bucket. Prefill stays eager: its chunks come in many shapes
+        (compiled for dynamic shapes, they recompiled on new shapes and layouts, seconds each),
+        and each shape is a captured step anyway. (The CPU tests run this with a non-fusing
+        backend to check that it traces as one graph per function and never recompiles.)"""
         dec = self.decoder
         # dense decode: pre_attention + SDPA + post_attention; flex decode = `verify` of one
         # token: q_writing_kv + FlexAttention + post_attention + final_logits
         names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
             else ("pre_attention", "post_attention")
         # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
-        exc = self._compiled(names, backend, dynamic=False, trace=lambda: dec.decode(self.tokens, self.positions, dec.max_len))
+        exc = self._compiled(names, backend, trace=lambda: dec.decode(self.tokens, self.positions, dec.max_len))
         if exc is not None:  # run uncompiled, dense attention
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled with dense attention: "
                           f"{exc}", stacklevel=2)
             self.attention = "dense"
             use_dense_attention(dec)
-            return
 
-        def trace_prefill() -> None:  # a chunk of two rows and one of a lone row (sizes of 1 are specialised)
-            for rows in sorted({min(2, self.slots), 1}):
-                dec.prefill(torch.zeros(rows, 3, dtype=torch.long, device=dec.device),
-                            torch.full((rows,), 3, device=dec.device), dec.rows[:rows])
-
-        exc = self._compiled(("prefill_pre_attention", "prefill_post_attention"), backend, dynamic=True,
-                             trace=trace_prefill)
-        if exc is not None:  # prefill eager, the decode step compiled
-            warnings.warn(f"torch.compile of prefill failed, running it uncompiled: {exc}", stacklevel=2)
-
-    def _compiled(self, names: tuple[str, ...], backend: str, *, dynamic: bool, trace) -> Exception | None:
+    def _compiled(self, names: tuple[str, ...], backend: str, *, trace) -> Exception | None:
         """Swap the decoder's functions `names` for compiled ones and trace them now with `trace`
         (so a compiler failure shows here, not mid-run); on a failure, put the originals back and
         return it."""
@@ -208,7 +213,7 @@ class BuiltinEngine:
         originals = {name: getattr(dec, name) for name in names}
         try:
             for name in names:
-                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=dynamic, fullgraph=True))
+                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=False, fullgraph=True))
             with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
                 trace()
             if dec.device.type == "cuda":
@@ -295,20 +300,39 @@ class BuiltinEngine:
             batch.append((req, ids))
         batch.sort(key=lambda item: len(item[1]))
         start = 0
-        while start < len(batch):  # length-sorted chunks within the prefill token budget
+        while start < len(batch):  # length-sorted chunks within the prefill token budget, padded
             end = start + 1
-            while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
+            while end < len(batch) and self._fits(end + 1 - start, len(batch[end][1])):
                 end += 1
             self._prefill(batch[start:end])
             start = end
         self.stats.host_admit_seconds += time.perf_counter() - t0 - (self.stats.host_prefill_seconds - prefill_s)
         return len(pulled)
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> Tensor:
+    def _prefill_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """The padded shape [rows, width] of a prefill chunk."""
+        return bucket_of(rows, self.prefill_rows), bucket_of(width, self.prefill_widths)
+
+    def _fits(self, rows: int, width: int) -> bool:
+        """Whether a chunk of `rows` prompts, the longest `width` tokens, fits the prefill budget padded."""
+        if rows > self.prefill_rows[-1]:
+            return False
+        padded_rows, padded_width = self._prefill_shape(rows, width)
+        return padded_rows * padded_width <= self.prefill_tokens
+
+    def _prefill_forward(self, shape: tuple[int, int]) -> Tensor:
+        """The prefill of the chunk in `_prefill_stage` (`_prefill` put it there), padded to `shape`."""
+        rows, width = shape
+        stage = self._prefill_stage
+        return self.decoder.prefill(stage[2 * rows : 2 * rows + rows * width].view(rows, width),
+                                    stage[rows : 2 * rows], stage[:rows])
+
+    def _host_tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":  # pragma: no cover - pinned memory makes the copy async
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return t.pin_memory() if self.device.type == "cuda" else t  # pinned memory makes the copy async
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> Tensor:
+        return self._host_tensor(values, dtype).to(self.device, non_blocking=True)
 
     def _prefill(self, chunk: list[tuple[Request, list[int]]]) -> None:
         """Prefill `chunk` into free slots and choose each row's first token, without waiting
@@ -318,33 +342,37 @@ class BuiltinEngine:
             if self.device.type == "cuda" else None
         if timing is not None:  # pragma: no cover - CUDA only
             timing[0].record()
-        width = max(len(ids) for _, ids in chunk)
+        n = len(chunk)
+        rows, width = self._prefill_shape(n, max(len(ids) for _, ids in chunk))
         reqs = [req for req, _ in chunk]
         slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(req, len(prompt))
             self._track_sampling(slot, req, True)
-        # two host-to-device copies per chunk (integers, floats) rather than one per field
-        n = len(chunk)
+        # two host-to-device copies per chunk (integers into the stage, floats) rather than one per field
         sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]  # rows that sample
         k = len(sampling_at)
-        ints = self._to_device(slots + [len(p) for _, p in chunk] + [r.sampling.top_k for r in reqs]
-                               + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at
-                               + [t for _, p in chunk for t in p + [0] * (width - len(p))], torch.long)
-        slot_idx, lengths, top_k, keys = ints[: 4 * n].view(4, n)
-        ids = ints[4 * n + k :].view(n, width)
+        prompts = [p for _, p in chunk] + [chunk[0][1]] * (rows - n)  # padding rows: the first row again
+        ints = (slots + [slots[0]] * (rows - n) + [len(p) for p in prompts]
+                + [t for p in prompts for t in p + [0] * (width - len(p))]
+                + [r.sampling.top_k for r in reqs] + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at)
+        stage = self._prefill_stage[: len(ints)]
+        stage.copy_(self._host_tensor(ints, torch.long), non_blocking=True)
+        slot_idx, lengths = stage[:n], stage[rows : rows + n]
+        top_k, keys = stage[2 * rows + rows * width :].narrow(0, 0, 2 * n).view(2, n)
         floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
                                  torch.float32)
         self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]
         self.top_k[slot_idx], self.keys[slot_idx] = top_k, keys
         self.steps[slot_idx] = 0
 
-        logits = self.decoder.prefill(ids, lengths, slot_idx)
-        self.tokens[slot_idx] = self._select(logits, slot_idx, ints[4 * n : 4 * n + k] if k else None)
+        logits = self.prefill_step((rows, width))[:n]
+        self.tokens[slot_idx] = self._select(logits, slot_idx, stage[len(ints) - k :] if k else None)
         self.positions[slot_idx] = lengths
         self.steps[slot_idx] = 1
         self._fresh.extend(slots)
         self.stats.prompt_tokens += sum(len(p) for _, p in chunk)
+        self.stats.prefill_padded_tokens += rows * width
         self.stats.prefill_forwards += 1
         self.stats.host_prefill_seconds += time.perf_counter() - t0
         if timing is not None:  # pragma: no cover - the device time is read when the next step is

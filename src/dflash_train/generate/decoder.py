@@ -208,10 +208,6 @@ class StaticDecoder:
         self.v_flat = [flat(c) for c in self.v_cache]
         self.post_attention: Callable[..., Tensor] = _post_attention
         self.final_logits: Callable[..., Tensor] = _final_logits  # of `verify` (fixed shapes: compilable)
-        # `prefill`'s: its shape [rows, longest prompt] changes with every chunk, so the engine
-        # may swap in versions compiled for dynamic shapes (one trace serves every chunk).
-        self.prefill_pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = _pre_attention
-        self.prefill_post_attention: Callable[..., Tensor] = _post_attention
         self.attention_kind = attention  # of `verify` (generate/attention.py)
         self._attentions: dict[tuple[int, int], CacheAttention] = {}
 
@@ -262,7 +258,7 @@ class StaticDecoder:
         rep = self.n_heads // self.n_kv
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
-            q, k, v = self.prefill_pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
+            q, k, v = _pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv, T, D]
             self.k_cache[i, slot_ids, :, :t] = k
             self.v_cache[i, slot_ids, :, :t] = v
@@ -270,7 +266,7 @@ class StaticDecoder:
                 k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
                 v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
-            x = self.prefill_post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, eps=lay.ln2_eps)
+            x = _post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, eps=lay.ln2_eps)
             if i in tap_layers:
                 taps[i] = x
         last = x[torch.arange(b, device=x.device), lengths - 1]

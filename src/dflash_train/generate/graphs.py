@@ -8,9 +8,10 @@ and replayed afterwards: one launch instead of ~1,000 small kernels per step. Ea
 
 from __future__ import annotations
 
+import bisect
 import logging
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -28,10 +29,19 @@ def kv_buckets(max_len: int, smallest: int = 128) -> list[int]:
     return out + [max_len]
 
 
+def bucket_of(size: int, buckets: Sequence[int]) -> int:
+    """The smallest of the ascending `buckets` that holds `size`."""
+    i = bisect.bisect_left(buckets, size)
+    if i == len(buckets):
+        raise ValueError(f"size {size} is larger than the largest bucket, {buckets[-1]}")
+    return buckets[i]
+
+
 class GraphedStep:
-    """`fn(kv_len)` on static buffers, captured per kv bucket on CUDA (eager elsewhere or when
-    a capture fails: slower but correct beats a dead run). Returns what `fn` returns: on
-    replay, the tensors the capture produced, which every replay overwrites in place.
+    """`fn(key)` on static buffers, captured per key (a kv bucket, a prefill shape) on CUDA
+    (eager elsewhere or when a capture fails: slower but correct beats a dead run). Returns what
+    `fn` returns: on replay, the tensors the capture produced, which every replay overwrites in
+    place.
 
     Warm-up runs (on a side stream, as the CUDA-graph docs require: lazy init, cuBLAS handles,
     autotuning and torch.compile all happen there, never inside the capture) execute the
@@ -39,41 +49,56 @@ class GraphedStep:
     buffers in `state`: they are restored after every warm-up run, so the replay that follows
     the capture performs the step exactly once. Everything else a step writes (caches,
     outputs) is a function of that state, so writing it again is harmless: capturing
-    mid-run is safe."""
+    mid-run is safe.
 
-    def __init__(self, fn: Callable[[int], Any], state: Sequence[Tensor] = (), *, use_graphs: bool,
-                 name: str) -> None:
+    `shared_pool`: every key's graph allocates from one memory pool, for a step captured at
+    many keys (each graph's intermediates would otherwise keep their own memory). Then a
+    replay may overwrite what another key's replay returned: read each output before the next
+    replay (stream order does, for work queued in between)."""
+
+    def __init__(self, fn: Callable[[Any], Any], state: Sequence[Tensor] = (), *, use_graphs: bool,
+                 name: str, shared_pool: bool = False, describe: Callable[[Any], str] | None = None) -> None:
         self.fn, self.state, self.use_graphs, self.name = fn, list(state), use_graphs, name
-        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.shared_pool = shared_pool
+        self.describe = describe or (lambda kv_len: f"{kv_len} cache positions")
+        self._graphs: dict[Hashable, tuple[Any, Any]] = {}
+        self._pool: Any = None
 
-    def __call__(self, kv_len: int) -> Any:
+    def __call__(self, key: Hashable) -> Any:
         if not self.use_graphs:
-            return self.fn(kv_len)
-        if kv_len not in self._graphs:
+            return self.fn(key)
+        if key not in self._graphs:
             try:
-                self._graphs[kv_len] = self._capture(kv_len)
+                self._graphs[key] = self._capture(key)
             except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
                 warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
                               stacklevel=2)
                 self.use_graphs = False
-                return self.fn(kv_len)
-        graph, out = self._graphs[kv_len]
+                return self.fn(key)
+        graph, out = self._graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, kv_len: int) -> tuple[Any, Any]:  # pragma: no cover - CUDA only
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def _capture(self, key: Hashable) -> tuple[Any, Any]:  # pragma: no cover - CUDA only
         saved = [t.clone() for t in self.state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.fn(kv_len)
+                self.fn(key)
                 for t, s in zip(self.state, saved):
                     t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        if self.shared_pool and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.fn(kv_len)  # recorded, not run: the state is untouched until the replay
-        log.info("captured the %s step for %d cache positions in a CUDA graph", self.name, kv_len)
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.fn(key)  # recorded, not run: the state is untouched until the replay
+        log.log(logging.DEBUG if self.shared_pool else logging.INFO, "captured the %s step for %s in a CUDA graph",
+                self.name, self.describe(key))
         return graph, out
