@@ -291,7 +291,7 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
     overwrites those slots' caches."""
     out = []
     for rows, width in shapes:
-        padded = engine._prefill_shape(rows, width)
+        padded = engine.prefill_shapes.shape(rows, width)
         r, w = padded
         stage = engine._prefill_stage
         stage[:r] = torch.arange(r, device=device)  # slots

@@ -341,36 +341,43 @@ def test_capture_protocol_replays_each_step_exactly_once(targets, monkeypatch):
     assert sorted(captured) == sorted((name, kv) for name in ("draft", "verify", "greedy") for kv in (128, 256))
 
 
-def test_batch_one_prefill_is_a_captured_step_per_prompt_width(targets, monkeypatch):
-    """At batch 1 the prefill is a captured step per prompt-width bucket (the prompt right
-    padded): the same tokens and rounds as the eager prefill of a multi-slot engine, one capture
-    per (mode, width) actually used, and none again when a later prompt fits the same width."""
+def test_prefill_is_a_captured_step_per_padded_chunk_shape(targets, monkeypatch):
+    """The prefill is a captured step per padded chunk shape (rows and tokens a row each a power
+    of two; at batch 1 one row): the same tokens and rounds as an uncaptured multi-slot engine,
+    one capture per (mode, shape) actually used, and none again when a later chunk has the same
+    shape."""
     model, tok = targets["llama"]
     drafter = random_drafter(model, tok, 4)
     prompts = random_prompts(model.config.vocab_size, (100, 20, 3, 33), seed=8)
     captured = []
 
-    def emulated_capture(step, width):
-        step.fn(width)
-        captured.append((step.name, width))
-        return type("Graph", (), {"replay": lambda self: step.fn(width)})(), None
+    def emulated_capture(step, shape):
+        step.fn(shape)
+        captured.append((step, shape))
+        return type("Graph", (), {"replay": lambda self: step.fn(shape)})(), None
 
     monkeypatch.setattr(graphs.GraphedStep, "_capture", emulated_capture)
     eager = SpecEngine(model, drafter, set(), slots=2, max_len=256)
     one = SpecEngine(model, drafter, set(), slots=1, max_len=256)
-    assert one.prefill_widths == [32, 64, 128, 256]
-    for step in one._prefill_steps.values():
+    assert (one.prefill_shapes.widths, one.prefill_shapes.rows) == ([32, 64, 128, 256], [1])
+    many = SpecEngine(model, drafter, set(), slots=3, max_len=256, refill_fraction=0.5)
+    assert many.prefill_shapes.rows == [1, 2, 3]
+    for step in [*one._prefill_steps.values(), *many._prefill_steps.values()]:
         step.use_graphs = True
     for speculative in (True, False):
         expected = eager.generate_batch(prompts, NEW, speculative=speculative)
-        got = one.generate_batch(prompts, NEW, speculative=speculative)
-        assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
-        for r, e in zip(got, expected):  # padding changes fp32 summation order: margins agree to rounding
-            assert (r.margins is None) == (e.margins is None)
-            if r.margins is not None:
-                assert r.margins == pytest.approx(e.margins, abs=1e-4)
-    assert sorted(captured) == sorted((f"prefill ({mode})", w) for mode in ("speculative", "greedy")
-                                      for w in (32, 64, 128))
+        for engine in (one, many):
+            got = engine.generate_batch(prompts, NEW, speculative=speculative)
+            assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
+            for r, e in zip(got, expected):  # padding changes fp32 summation order: margins agree to rounding
+                assert (r.margins is None) == (e.margins is None)
+                if r.margins is not None:
+                    assert r.margins == pytest.approx(e.margins, abs=1e-4)
+    assert len(captured) == len(set(captured))  # a step captures a shape once
+    shapes = lambda engine: {shape for step, shape in captured if step in engine._prefill_steps.values()}  # noqa: E731
+    assert shapes(one) == {(1, 32), (1, 64), (1, 128)}
+    # 3 slots: the first three prompts (100, 20, 3 tokens) in one chunk of 3 rows, 128 tokens a row
+    assert (3, 128) in shapes(many) and all(rows in (1, 2, 3) for rows, _ in shapes(many))
 
 
 def test_compiled_layer_functions_trace_once_and_match(targets):

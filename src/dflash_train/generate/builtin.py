@@ -26,7 +26,7 @@ from torch import Tensor
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
-from dflash_train.generate.graphs import GraphedStep, bucket_of, kv_buckets
+from dflash_train.generate.graphs import GraphedStep, PrefillShapes, kv_buckets
 from dflash_train.generate.sampling import select_tokens
 from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
@@ -119,7 +119,6 @@ class BuiltinEngine:
         if not self.stop_ids and not ignore_eos:
             log.warning("no end-of-sequence token known: every row will run to max_new_tokens")
         self.ignore_eos = ignore_eos
-        self.prefill_tokens = max(prefill_tokens, max_prompt_tokens)
         # Refill once this many slots are free: one prefill per handful of finished rows
         # instead of one per row (each prefill is a full eager forward).
         self.refill_min = max(1, int(slots * refill_fraction))
@@ -156,10 +155,8 @@ class BuiltinEngine:
         # step on CUDA: eager, a forward is ~60 small ops a layer launched from the host thread
         # (~25 ms for SmolLM2, whatever the chunk's size); a replay is one launch. Its inputs
         # arrive in `_prefill_stage` by one copy: [slots, lengths, ids, the chunk's sampling fields].
-        self.prefill_widths = kv_buckets(max_prompt_tokens, smallest=PREFILL_MIN_WIDTH)
-        self.prefill_rows = kv_buckets(min(slots, max(1, self.prefill_tokens // self.prefill_widths[0])), smallest=1)
-        rows_cap = self.prefill_rows[-1]
-        self._prefill_stage = torch.zeros(6 * rows_cap + max(self.prefill_tokens, rows_cap * self.prefill_widths[0]),
+        self.prefill_shapes = PrefillShapes(slots, max_prompt_tokens, prefill_tokens, PREFILL_MIN_WIDTH)
+        self._prefill_stage = torch.zeros(5 * self.prefill_shapes.rows[-1] + self.prefill_shapes.budget,
                                           dtype=torch.long, device=dev)
         self.prefill_step = GraphedStep(self._prefill_forward, use_graphs=cuda_graphs and dev.type == "cuda",
                                         name="prefill", shared_pool=True, describe=lambda key: "%d x %d tokens" % key)
@@ -299,26 +296,10 @@ class BuiltinEngine:
                 continue
             batch.append((req, ids))
         batch.sort(key=lambda item: len(item[1]))
-        start = 0
-        while start < len(batch):  # length-sorted chunks within the prefill token budget, padded
-            end = start + 1
-            while end < len(batch) and self._fits(end + 1 - start, len(batch[end][1])):
-                end += 1
+        for start, end in self.prefill_shapes.chunks([len(ids) for _, ids in batch]):
             self._prefill(batch[start:end])
-            start = end
         self.stats.host_admit_seconds += time.perf_counter() - t0 - (self.stats.host_prefill_seconds - prefill_s)
         return len(pulled)
-
-    def _prefill_shape(self, rows: int, width: int) -> tuple[int, int]:
-        """The padded shape [rows, width] of a prefill chunk."""
-        return bucket_of(rows, self.prefill_rows), bucket_of(width, self.prefill_widths)
-
-    def _fits(self, rows: int, width: int) -> bool:
-        """Whether a chunk of `rows` prompts, the longest `width` tokens, fits the prefill budget padded."""
-        if rows > self.prefill_rows[-1]:
-            return False
-        padded_rows, padded_width = self._prefill_shape(rows, width)
-        return padded_rows * padded_width <= self.prefill_tokens
 
     def _prefill_forward(self, shape: tuple[int, int]) -> Tensor:
         """The prefill of the chunk in `_prefill_stage` (`_prefill` put it there), padded to `shape`."""
@@ -343,7 +324,7 @@ class BuiltinEngine:
         if timing is not None:  # pragma: no cover - CUDA only
             timing[0].record()
         n = len(chunk)
-        rows, width = self._prefill_shape(n, max(len(ids) for _, ids in chunk))
+        rows, width = self.prefill_shapes.shape(n, max(len(ids) for _, ids in chunk))
         reqs = [req for req, _ in chunk]
         slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):

@@ -37,6 +37,37 @@ def bucket_of(size: int, buckets: Sequence[int]) -> int:
     return buckets[i]
 
 
+class PrefillShapes:
+    """The padded shapes of prefill chunks, so that a few shapes serve every chunk (each a captured
+    step on CUDA): a chunk's rows and its longest prompt's tokens are each rounded up to a power
+    of two (tokens from `min_width`, both capped: rows at `max_rows` and at what `budget` holds at
+    the narrowest width, tokens at `max_width`). Padded, a chunk holds at most `budget` tokens (a
+    lone prompt any number up to `max_width`)."""
+
+    def __init__(self, max_rows: int, max_width: int, budget: int, min_width: int) -> None:
+        self.budget = max(budget, max_width)
+        self.widths = kv_buckets(max_width, smallest=min_width)
+        self.rows = kv_buckets(min(max_rows, max(1, self.budget // self.widths[0])), smallest=1)
+
+    def shape(self, rows: int, width: int) -> tuple[int, int]:
+        """The padded [rows, width] of a chunk of `rows` prompts, the longest `width` tokens."""
+        return bucket_of(rows, self.rows), bucket_of(width, self.widths)
+
+    def chunks(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
+        """Ascending prompt `lengths` -> [start, end) chunks, each as long as fits the budget padded."""
+        out, start = [], 0
+        while start < len(lengths):
+            end = start + 1
+            while end < len(lengths) and end + 1 - start <= self.rows[-1]:
+                rows, width = self.shape(end + 1 - start, lengths[end])
+                if rows * width > self.budget:
+                    break
+                end += 1
+            out.append((start, end))
+            start = end
+        return out
+
+
 class GraphedStep:
     """`fn(key)` on static buffers, captured per key (a kv bucket, a prefill shape) on CUDA
     (eager elsewhere or when a capture fails: slower but correct beats a dead run). Returns what

@@ -31,7 +31,8 @@ speculative/decoders.py.
 Batched mode schedules like the built-in generate engine: a slot whose sequence finished
 (on device it just stops committing) is refilled with the next prompt while the others
 keep decoding. Refills wait until `refill_fraction` of the slots are free (or the queue
-is shorter than that, or nothing is running), so one eager prefill serves several prompts.
+is shorter than that, or nothing is running), so one prefill serves several prompts (a chunk
+padded to one of a few shapes, each a captured step on CUDA, as in generate/builtin.py).
 Every slot's rounds depend only on its own sequence, so a prompt commits exactly what it
 commits at batch 1 (up to kernel rounding in bf16).
 
@@ -57,7 +58,7 @@ from torch import Tensor
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
-from dflash_train.generate.graphs import GraphedStep, kv_buckets
+from dflash_train.generate.graphs import GraphedStep, PrefillShapes, kv_buckets
 from dflash_train.speculative.loop import DecodeResult, Round
 from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, drafter_like
 
@@ -222,7 +223,6 @@ class SpecEngine:
         self.block_size = drafter.block_size if drafter is not None else 1
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []
         self.refill_min = max(1, int(slots * refill_fraction))
-        self.prefill_tokens = prefill_tokens
         self.overlap_rounds = overlap_rounds
         B = self.block_size
 
@@ -237,16 +237,18 @@ class SpecEngine:
         if drafter is not None:
             self._verify[B] = GraphedStep(lambda kv: self._verify_step(B, kv), state, use_graphs=graphs, name="verify")
             self._draft = GraphedStep(self._draft_step, [], use_graphs=graphs, name="draft")
-        # Batch 1 (latency): the prefill too is a captured step, one per prompt-width bucket (the
-        # prompt right-padded: causal attention never lets it see the padding), so a prompt
-        # costs a graph replay, not ~1,000 eager launches (~20 ms for SmolLM2 on an H200). Its
-        # inputs, [length, limit, ids...], arrive in `prefill_stage` by one copy.
-        self.prefill_widths = kv_buckets(max_len, smallest=32)
-        self.prefill_stage = torch.zeros(max_len + 2, dtype=torch.long, device=dev)
-        self.prefill_length, self.prefill_limit = self.prefill_stage[0:1], self.prefill_stage[1:2]
-        self.prefill_ids = self.prefill_stage[2:][None]  # [1, max_len]
-        self._prefill_steps = {mode: GraphedStep(lambda w, mode=mode: self._prefill_step(w, mode), [],
-                                                 use_graphs=graphs, name=f"prefill ({'speculative' if mode else 'greedy'})")
+        # The prefill too is a captured step, one per padded chunk shape (generate/graphs.py,
+        # PrefillShapes: padding rows repeat the chunk's first row, so their writes are its bytes;
+        # prompts right padded, which causal attention never lets them see), so a chunk costs a
+        # graph replay, not ~1,900 eager launches (~20-40 ms of the host for SmolLM2 on an H200).
+        # Its inputs, [slots, lengths, limits, ids], arrive in `prefill_stage` by one copy.
+        self.prefill_shapes = PrefillShapes(slots, max_len, prefill_tokens, min_width=32)
+        rows_cap = self.prefill_shapes.rows[-1]
+        self.prefill_stage = torch.zeros(3 * rows_cap + self.prefill_shapes.budget, dtype=torch.long, device=dev)
+        self._prefill_steps = {mode: GraphedStep(lambda shape, mode=mode: self._prefill_step(shape, mode), [],
+                                                 use_graphs=graphs, shared_pool=True,
+                                                 name=f"prefill ({'speculative' if mode else 'greedy'})",
+                                                 describe=lambda key: "%d x %d tokens" % key)
                                for mode in ((False, True) if drafter is not None else (False,))}
         self._marks = [_Marks(dev, 3), _Marks(dev, 3)]  # by launch parity: two rounds in flight
         self._launches = 0
@@ -270,7 +272,6 @@ class SpecEngine:
         taps_width = len(self.tap_layers) * self.decoder.embed_w.shape[1]
         self.taps = torch.zeros(slots, B, taps_width, dtype=self.decoder.dtype, device=dev)
         self.stop_table = torch.tensor(sorted(self.stop_ids) or [-1], **long)  # -1 never matches
-        self.rows = torch.arange(slots, **long)
         self.columns = torch.arange(B, **long)
         # What a round reports to the host: greedy tokens [B], input token, committed, accepted, drafted.
         self.report = torch.zeros(slots, B + 4, **long)
@@ -350,12 +351,16 @@ class SpecEngine:
         for kv in [b for b in self.buckets if b <= last]:
             for step in self._steps():
                 step(kv)
-        if self.slots == 1:  # the prefill steps of every prompt width (an idle slot 0: harmless)
-            widest = next((w for w in self.prefill_widths if w >= max_kv), self.max_len) if max_kv else self.max_len
-            for width in [w for w in self.prefill_widths if w <= widest]:
+        # the prefill steps of every chunk shape up to max_kv tokens a row (the stage's slots are
+        # zero: every row writes idle slot 0, harmless)
+        shapes = self.prefill_shapes
+        widest = next((w for w in shapes.widths if w >= max_kv), shapes.widths[-1]) if max_kv else shapes.widths[-1]
+        for width in [w for w in shapes.widths if w <= widest]:
+            for rows in [r for r in shapes.rows if r * width <= shapes.budget or r == 1]:
                 for step in self._prefill_steps.values():
-                    step(width)
-            self.active.zero_()  # the prefill step set slot 0's flag from a stale limit
+                    step((rows, width))
+        self.prefill_stage.zero_()
+        self.active.zero_()  # the prefill step set slot 0's flag from a stale limit
         self._sync()
 
     def _sync(self) -> None:
@@ -427,13 +432,8 @@ class SpecEngine:
 
     def _admit(self, batch: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool) -> None:
         batch = sorted(batch, key=lambda item: len(item[1]))
-        start = 0
-        while start < len(batch):  # length-sorted chunks within the prefill token budget
-            end = start + 1
-            while end < len(batch) and (end + 1 - start) * len(batch[end][1]) <= self.prefill_tokens:
-                end += 1
+        for start, end in self.prefill_shapes.chunks([len(p) for _, p in batch]):  # length-sorted, padded
             self._prefill(batch[start:end], max_new, speculative)
-            start = end
 
     def _to_device(self, values: list[int]) -> Tensor:
         """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
@@ -443,33 +443,31 @@ class SpecEngine:
         return t
 
     def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool) -> None:
-        """Prefill of a chunk of prompts into free slots (eager; one captured step at batch 1),
+        """Prefill of a chunk of prompts into free slots (a captured step per padded shape),
         queued behind the rounds in flight; no host synchronisation (module doc)."""
         t0 = time.perf_counter()
         marks = _Marks(self.device, 2)
         slots = [self._free.pop() for _ in chunk]
         marks.mark(0)
-        if self.slots == 1:
-            prompt = list(chunk[0][1])
-            width = next(w for w in self.prefill_widths if w >= len(prompt))
-            self.prefill_stage[: len(prompt) + 2].copy_(self._to_device([len(prompt), max_new] + prompt),
-                                                        non_blocking=True)
-            self._prefill_steps[speculative](width)
-        else:
-            n, width = len(chunk), max(len(p) for _, p in chunk)
-            ids = [t for _, p in chunk for t in list(p) + [0] * (width - len(p))]
-            staged = self._to_device(slots + [len(p) for _, p in chunk] + [max_new] * n + ids)
-            self._prefill_into(staged[3 * n:].view(n, width), staged[n:2 * n], staged[2 * n:3 * n], staged[:n],
-                               speculative)
+        prompts = [list(p) for _, p in chunk]
+        rows, width = self.prefill_shapes.shape(len(prompts), max(len(p) for p in prompts))
+        pad = rows - len(prompts)  # padding rows: the first row again
+        prompts += [prompts[0]] * pad
+        values = (slots + [slots[0]] * pad + [len(p) for p in prompts] + [max_new] * rows
+                  + [t for p in prompts for t in p + [0] * (width - len(p))])
+        self.prefill_stage[: len(values)].copy_(self._to_device(values), non_blocking=True)
+        self._prefill_steps[speculative]((rows, width))
         marks.mark(1)
         for slot, (index, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(index, len(prompt), max_new, len(prompt), t0, marks, greedy=not speculative)
 
     @torch.no_grad()
-    def _prefill_step(self, width: int, speculative: bool) -> None:
-        """Batch 1: the prompt in prefill_ids[:, :width] (right padded) into slot 0."""
-        self._prefill_into(self.prefill_ids[:, :width], self.prefill_length, self.prefill_limit, self.rows,
-                           speculative)
+    def _prefill_step(self, shape: tuple[int, int], speculative: bool) -> None:
+        """The chunk in `prefill_stage`, padded to `shape`, into its slots."""
+        rows, width = shape
+        stage = self.prefill_stage
+        self._prefill_into(stage[3 * rows : 3 * rows + rows * width].view(rows, width), stage[rows : 2 * rows],
+                           stage[2 * rows : 3 * rows], stage[:rows], speculative)
 
     def _prefill_into(self, ids: Tensor, lengths: Tensor, limits: Tensor, slot_idx: Tensor, speculative: bool) -> None:
         """Prompts ids [n, T] (right padded to T, `lengths` [n], max_new_tokens `limits` [n]) into
