@@ -20,7 +20,9 @@ the timed runs):
   target's top-1 minus top-2 margin there, classified near-tie / mismatch (speculative/decoders.py).
 * batched: `--batch-prompts` prompts through `--batch-slots` slots, refilled as sequences
   finish; committed tok/s over the wall clock of the whole run, greedy and speculative, and the
-  speedup's ratio to tau.
+  speedup's ratio to tau; the engine's rounds, the wall ms per round (against a step's own cost,
+  bench/profile_spec_round.py: prefills and host work are the rest) and the share of slots a
+  round kept busy (the rest: rounds with few rows left, refills waiting for free slots).
 * `--overlap-rounds both`: all of it with the engine's pipelined rounds (round r+1 launched
   before round r is read, the default) and one round at a time, on the same engine and graphs:
   keys `batch1` / `batched` and `batch1_sequential` / `batched_sequential`.
@@ -170,18 +172,25 @@ def batched(engine, prompts, max_new: int, device, reference: dict[tuple, list[i
     ids = [p for _, p in prompts]
     for mode in ("greedy", "spec"):
         sync(device)
+        launched = engine.rounds_launched
         t0 = time.perf_counter()
         results = engine.generate_batch(ids, max_new, speculative=mode == "spec")
         sync(device)
         wall = time.perf_counter() - t0
+        launched = engine.rounds_launched - launched
         tokens = sum(len(r.tokens) for r in results)
         rounds = sum(len(r.rounds) for r in results)
         same = [r.tokens == reference[tuple(p)] for p, r in zip(ids, results) if tuple(p) in reference]
+        # where the time goes: ms per engine round (every slot's step, prefills and host work
+        # included) against the step's own cost, and how many slots a round kept busy
         out[mode] = {"prompts": len(ids), "tokens": tokens, "seconds": round(wall, 4),
                      "committed_tok_s": round(tokens / wall, 1),
                      "tau": round((tokens - len(results)) / rounds, 4) if rounds else None,
+                     "engine_rounds": launched, "ms_per_engine_round": round(1e3 * wall / launched, 4) if launched else None,
+                     "slot_use": round(rounds / (launched * engine.slots), 4) if launched else None,
                      "same_as_batch1_greedy": round(sum(same) / len(same), 3) if same else None}
-        say(f"  batched {mode}: {len(ids)} prompts, {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+        say(f"  batched {mode}: {len(ids)} prompts, {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; "
+            f"{launched} rounds, {out[mode]['ms_per_engine_round']} ms each, {out[mode]['slot_use']:.0%} of the slots busy")
     out["speedup"] = round(out["spec"]["committed_tok_s"] / out["greedy"]["committed_tok_s"], 3)
     tau = out["spec"]["tau"]
     out["speedup_over_tau"] = round(out["speedup"] / tau, 3) if tau else None  # 1.0: no overhead at all

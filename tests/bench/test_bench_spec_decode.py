@@ -31,10 +31,17 @@ def test_cpu_smoke_run_is_lossless_and_fills_both_tables(tmp_path):
 
 
 class _Engine:
-    """Two rows of 11 tokens: greedy in 10 rounds each, speculative in 4 (tau (22 - 2) / 8 = 2.5)."""
+    """Two rows of 11 tokens in 4 slots: greedy in 10 rounds each, speculative in 4 (tau (22 - 2)
+    / 8 = 2.5); the engine launches one round more than a row needs (the pipelined last one)."""
+
+    slots = 4
+
+    def __init__(self):
+        self.rounds_launched = 0
 
     def generate_batch(self, ids, max_new, speculative):
         rounds = 4 if speculative else 10
+        self.rounds_launched += rounds + 1
         return [SimpleNamespace(tokens=list(range(11)), rounds=[None] * rounds) for _ in ids]
 
 
@@ -45,3 +52,6 @@ def test_batched_speedup_is_divided_by_the_speculative_tau():
     assert out["spec"]["same_as_batch1_greedy"] == 1.0  # the one prompt with a reference
     assert out["speedup"] == pytest.approx(out["spec"]["committed_tok_s"] / out["greedy"]["committed_tok_s"], abs=1e-3)
     assert out["speedup_over_tau"] == round(out["speedup"] / 2.5, 3)
+    assert (out["spec"]["engine_rounds"], out["greedy"]["engine_rounds"]) == (5, 11)
+    assert out["spec"]["slot_use"] == round(8 / (5 * 4), 4) and out["greedy"]["slot_use"] == round(20 / (11 * 4), 4)
+    assert out["spec"]["ms_per_engine_round"] == pytest.approx(1e3 * out["spec"]["seconds"] / 5, abs=1e-3)

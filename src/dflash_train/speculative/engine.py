@@ -288,6 +288,11 @@ class SpecEngine:
         self.drafter.refresh(source)
 
     @property
+    def rounds_launched(self) -> int:
+        """Rounds launched since the engine was built (each a step of every slot, live or not)."""
+        return self._launches
+
+    @property
     def use_graphs(self) -> bool:
         return all(step.use_graphs for step in self._steps())
 
