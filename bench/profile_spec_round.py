@@ -74,6 +74,8 @@ def main() -> int:
     p.add_argument("--position", type=int, default=0, help="every slot's position (the keys its attention reads)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if not 0 <= args.position <= args.max_len - 2 * args.block_size:
+        p.error(f"--position must be in [0, --max-len - 2 x --block-size], got {args.position}")
     dev, dtype = torch.device("cuda"), torch.bfloat16
     model = load_target_model(args.target, dtype=dtype, device=dev)
     rows = model.get_input_embeddings().weight.shape[0]
@@ -83,9 +85,7 @@ def main() -> int:
     for kind in args.attention:
         engine = SpecEngine(model, drafter, set(), slots=args.slots, max_len=args.max_len, compile=True,
                             attention=kind)
-        if not 0 <= args.position <= args.max_len - 2 * args.block_size:
-            p.error(f"--position must be in [0, --max-len - 2 x --block-size], got {args.position}")
-        reset = lambda: engine.positions.fill_(args.position)  # noqa: E731
+        reset = lambda positions=engine.positions: positions.fill_(args.position)  # noqa: E731
         kv = next(b for b in engine.buckets if b >= args.position + 2 * args.block_size)
         steps = {"greedy": engine._verify[1], "verify": engine._verify[args.block_size], "draft": engine._draft}
         out = {}

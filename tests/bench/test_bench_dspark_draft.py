@@ -3,14 +3,11 @@ heads) is measured, and the head it times alone drafts what the engine's propose
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_dspark_draft.py"
-_spec = importlib.util.spec_from_file_location("bench_dspark_draft", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from .scripts import load_script
+
+bench = load_script("bench/bench_dspark_draft.py")
 
 
 def test_every_head_is_timed_and_drafts_as_propose(tmp_path):

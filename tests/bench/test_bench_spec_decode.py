@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_spec_decode.py"
-_spec = importlib.util.spec_from_file_location("bench_spec_decode", SCRIPT)
-bench_spec_decode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_spec_decode)
+from .scripts import load_script
+
+bench_spec_decode = load_script("bench/bench_spec_decode.py")
 
 
 def test_cpu_smoke_run_is_lossless_and_fills_both_tables(tmp_path):

@@ -1,17 +1,13 @@
 """bench/document_shapes.py: the replayed plan's shapes and rounding costs, on plans worked out by hand."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from dflash_train.data.batching import BatchPlanConfig
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "document_shapes.py"
-_spec = importlib.util.spec_from_file_location("document_shapes", SCRIPT)
-document_shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(document_shapes)
+from .scripts import load_script
+
+document_shapes = load_script("bench/document_shapes.py")
 
 
 def _plan(**kw):

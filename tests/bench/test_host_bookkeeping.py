@@ -1,14 +1,8 @@
 """bench/host_bookkeeping.py: the per-slot and the array bookkeeping finish every row alike."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from .scripts import load_script
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "host_bookkeeping.py"
-_spec = importlib.util.spec_from_file_location("host_bookkeeping", SCRIPT)
-host_bookkeeping = importlib.util.module_from_spec(_spec)
-sys.modules["host_bookkeeping"] = host_bookkeeping  # its dataclass looks its module up
-_spec.loader.exec_module(host_bookkeeping)
+host_bookkeeping = load_script("bench/host_bookkeeping.py")
 
 
 def test_both_bookkeepings_write_the_same_rows(tmp_path):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from tests.generate.tiny import make_model, make_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "host_tokenize.py"
-_spec = importlib.util.spec_from_file_location("host_tokenize", SCRIPT)
-host_tokenize = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(host_tokenize)
+from .scripts import load_script
+
+host_tokenize = load_script("bench/host_tokenize.py")
 
 
 @pytest.fixture(scope="module")

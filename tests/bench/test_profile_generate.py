@@ -1,14 +1,10 @@
 """bench/profile_generate.py: the decode-step table's fields and arithmetic (not its timings)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "profile_generate.py"
-_spec = importlib.util.spec_from_file_location("profile_generate", SCRIPT)
-profile_generate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(profile_generate)
+from .scripts import load_script
+
+profile_generate = load_script("bench/profile_generate.py")
 
 
 def test_kernel_names_fall_into_their_categories():

@@ -1,15 +1,12 @@
 """bench/results/update_summary.py: the registry's commands name only paths that exist."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "results" / "update_summary.py"
-_spec = importlib.util.spec_from_file_location("update_summary", SCRIPT)
-update_summary = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(update_summary)
+from .scripts import load_script
+
+update_summary = load_script("bench/results/update_summary.py")
 
 
 def test_every_registry_command_names_existing_paths():

@@ -49,28 +49,40 @@ def test_previous_tokens_match_brute_force(seed):
     assert torch.equal(got[..., 1], torch.gather(ids, 1, anchors))  # slot 1 follows the anchor
 
 
+def _head_case(g, soft, M=13, H=8, r=3, V=29):
+    """A random head problem: hidden [M, H + r] and tail [V, r] (trained), W [V, H], labels, and
+    (soft) a target hidden state [M, H]."""
+    hidden = torch.randn(M, H + r, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    tail = torch.randn(V, r, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (M,), generator=g)
+    target = torch.randn(M, H, generator=g, dtype=torch.float64) if soft else None
+    return hidden, w, tail, labels, target
+
+
+def _full_logits_ce(hidden, w, tail, labels, target):
+    """The reference: logits h @ W.T + code @ tail.T of [h ; code], and the CE per row (soft:
+    against the softmax of target @ W.T)."""
+    logits = hidden[:, : w.shape[1]] @ w.T + hidden[:, w.shape[1] :] @ tail.T
+    if target is not None:
+        return logits, -(torch.softmax(target @ w.T, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    return logits, F.cross_entropy(logits, labels, reduction="none")
+
+
 @pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_head_with_a_trainable_tail_matches_full_logits(chunk, soft):
     """[h ; code] against [W | tail]: CE, argmax and the gradients of hidden and tail, as autograd
     on the full logits h @ W.T + code @ tail.T gives them."""
     g = torch.Generator().manual_seed(chunk)
-    M, Hh, r, Vv = 13, 8, 3, 29
-    hidden = torch.randn(M, Hh + r, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
-    tail = torch.randn(Vv, r, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, Vv, (M,), generator=g)
-    target = torch.randn(M, Hh, generator=g, dtype=torch.float64) if soft else None
+    hidden, w, tail, labels, target = _head_case(g, soft)
+    M = hidden.shape[0]
     up = torch.rand(M, generator=g, dtype=torch.float64)
     ce, pred = head_cross_entropy(hidden, w, None if soft else labels, target, chunk_rows=chunk, tail=tail)
     (ce * up).sum().backward()
     got = hidden.grad.clone(), tail.grad.clone()
     hidden.grad = tail.grad = None
-    logits = hidden[:, :Hh] @ w.T + hidden[:, Hh:] @ tail.T
-    if soft:
-        ref = -(torch.softmax(target @ w.T, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    else:
-        ref = F.cross_entropy(logits, labels, reduction="none")
+    logits, ref = _full_logits_ce(hidden, w, tail, labels, target)
     (ref * up).sum().backward()
     torch.testing.assert_close(ce.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(pred, logits.argmax(-1))
@@ -89,12 +101,8 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     head_logits = loss_module._head_logits
     monkeypatch.setattr(loss_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
     g = torch.Generator().manual_seed(chunk + 10 * soft)
-    M, Hh, r, Vv = 13, 8, 3, 29
-    hidden = torch.randn(M, Hh + r, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
-    tail = torch.randn(Vv, r, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, Vv, (M,), generator=g)
-    target = torch.randn(M, Hh, generator=g, dtype=torch.float64) if soft else None
+    hidden, w, tail, labels, target = _head_case(g, soft)
+    M = hidden.shape[0]
     weights = torch.rand(M, generator=g, dtype=torch.float64) * (torch.arange(M) % 4 != 0)  # some rows weigh 0
     up = torch.rand(M, generator=g, dtype=torch.float64)
     ce, pred, weighted = weighted_head_cross_entropy(hidden, w, None if soft else labels, weights, target,
@@ -105,11 +113,7 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     assert len(calls) == forward_calls * (2 if also_per_row else 1)
     got = hidden.grad.clone(), tail.grad.clone()
     hidden.grad = tail.grad = None
-    logits = hidden[:, :Hh] @ w.T + hidden[:, Hh:] @ tail.T
-    if soft:
-        ref = -(torch.softmax(target @ w.T, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    else:
-        ref = F.cross_entropy(logits, labels, reduction="none")
+    logits, ref = _full_logits_ce(hidden, w, tail, labels, target)
     (3.0 * (ref * weights).sum() + ((ref * up).sum() if also_per_row else 0)).backward()
     # the CE statistics are float32 by design (drafter/loss.py): that bounds the agreement
     torch.testing.assert_close(weighted.double(), (ref * weights).sum(), rtol=1e-5, atol=1e-5)
