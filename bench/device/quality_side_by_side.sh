@@ -46,7 +46,7 @@
 #                                       --data.eval_path /tmp/recipe/subset/data-heldout ..." (~1 min)
 #   PART=generate                       GEN_SECONDS more conversations after PART=data's (no
 #                                       prepare), back as data's are: a generation-only call,
-#                                       ~31K new tok/s alone at 1536 slots          (GEN_SECONDS + ~1 min)
+#                                       ~110K new tok/s alone at 1536 slots         (GEN_SECONDS + ~1 min)
 #   PART=eval                           the evals of a carried drafter .drafter/EVAL_NAME (restored
 #                                       there: restore-drafter .drafter/EVAL_NAME KEPT_NAME); SETS=
 #                                       (empty) leaves out HumanEval and chat at 256 (default

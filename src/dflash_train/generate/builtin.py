@@ -120,7 +120,7 @@ class BuiltinEngine:
             log.warning("no end-of-sequence token known: every row will run to max_new_tokens")
         self.ignore_eos = ignore_eos
         # Refill once this many slots are free: one prefill per handful of finished rows
-        # instead of one per row (each prefill is a full eager forward).
+        # instead of one per row (each prefill is a full forward of the target).
         self.refill_min = max(1, int(slots * refill_fraction))
         self.model_name = model_name or getattr(getattr(model, "config", None), "name_or_path", "") or ""
         self.stats = EngineStats()
