@@ -7,7 +7,7 @@ import torch
 
 from dflash_train.drafter.checkpoint import growth, load_drafter_as, save_drafter
 from dflash_train.drafter.labels import build_block_labels
-from dflash_train.drafter.markov import markov_bias, previous_tokens
+from dflash_train.drafter.markov import previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.utils.errors import ModelError
@@ -49,27 +49,27 @@ def _block_hidden(model, seed=0):
                  block_positions(pos, anchors, B), masks)
 
 
-@torch.no_grad()
 def _logits(model, seed=0):
     """The block logits of one batch (the dspark bias with teacher-forced previous tokens)."""
-    logits = _block_hidden(model, seed) @ torch.randn(V, H, generator=torch.Generator().manual_seed(99)).T
+    hidden = _block_hidden(model, seed)
+    logits = hidden @ torch.randn(V, H, generator=torch.Generator().manual_seed(99)).T
     if model.markov_head is not None:
         ids, pos, doc, loss, anchors, valid = _batch(seed)
         labels, lv = build_block_labels(ids, doc, loss, anchors, valid, B)
         prev = previous_tokens(ids, anchors, labels, lv).view(R, -1)
         head = model.markov_head
-        logits = logits + markov_bias(prev, head.markov_w1.weight, head.markov_w2.weight, logits.dtype)
+        logits = logits + head.widen(hidden, prev)[..., H:] @ head.markov_w2.weight.T
     return logits
 
 
-@pytest.mark.parametrize("dspark", [False, True])
-def test_a_grown_drafter_computes_exactly_what_the_saved_one_did(tmp_path, dspark):
+@pytest.mark.parametrize("head", [None, "vanilla", "gated"])
+def test_a_grown_drafter_computes_exactly_what_the_saved_one_did(tmp_path, head):
     torch.manual_seed(0)
     small = DFlashDrafter(tiny_config())
     small.reset_parameters(std=0.3)  # weights large enough that a non-zero new branch would show
     out = save_drafter(small, tmp_path / "small", dtype=torch.float32)
     config = tiny_config(num_hidden_layers=4, layer_types=[SLIDING, FULL, SLIDING, FULL],
-                         **(dict(variant="dspark", markov_rank=5) if dspark else {}))
+                         **(dict(variant="dspark", markov_rank=5, markov_head_type=head) if head else {}))
     grown = load_drafter_as(out, config)
     assert grown.config == config
     state = grown.state_dict()
@@ -78,7 +78,25 @@ def test_a_grown_drafter_computes_exactly_what_the_saved_one_did(tmp_path, dspar
     for layer in grown.layers[2:]:  # the new layers: their residual branches end in zeros
         assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
         assert layer.self_attn.q_proj.weight.any() and layer.mlp.up_proj.weight.any()
-    assert torch.equal(_logits(grown), _logits(small))
+    with torch.no_grad():
+        assert torch.equal(_logits(grown), _logits(small))
+
+
+def test_a_grown_gated_head_learns(tmp_path):
+    """markov_w2 starts at zero, so at first only it gets gradients; once it moves, the code
+    table and the gate do too."""
+    torch.manual_seed(2)
+    out = save_drafter(DFlashDrafter(tiny_config()), tmp_path / "small", dtype=torch.float32)
+    grown = load_drafter_as(out, tiny_config(variant="dspark", markov_rank=5, markov_head_type="gated"))
+    head = grown.markov_head
+    opt = torch.optim.SGD(head.parameters(), lr=0.5)
+    for step in range(2):
+        opt.zero_grad()
+        _logits(grown).logsumexp(-1).sum().backward()
+        assert head.markov_w2.weight.grad.any()
+        moved = step > 0  # behind a zero markov_w2 nothing else of the head has a gradient
+        assert bool(head.markov_w1.weight.grad.any()) == moved and bool(head.gate_proj.weight.grad.any()) == moved
+        opt.step()
 
 
 def test_a_grown_drafter_learns_in_its_new_layers(tmp_path):
