@@ -285,7 +285,9 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
     """Each prefill chunk shape, `reps` times as the engine runs it (a right-padded [rows, width]
     chunk into the first `rows` slots, padded to its bucket shape: a captured step on CUDA, eager
     without CUDA graphs): wall ms a chunk, and the host's ms issuing it (what the host thread
-    cannot spend launching decode steps). Each call starts on an idle device and is timed alone,
+    cannot spend launching decode steps), and the first call's ms (a new shape's capture: its
+    warm-up runs and, for cuDNN attention, the plan of a new shape). Each call starts on an idle
+    device and is timed alone,
     so the host's time is the issue time (back to back, the launch queue fills and the host
     waits for the device: host = wall whatever bounds it). Run after the decode steps: it
     overwrites those slots' caches."""
@@ -299,7 +301,11 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
         stage[2 * r : 2 * r + r * w] = torch.randint(0, engine.decoder.embed_w.shape[0], (r * w,), device=device)
         host = wall = 0.0
         with torch.no_grad():
-            engine.prefill_step(padded)  # warm-up (the capture of a new shape, the allocator)
+            sync(device)
+            t0 = time.perf_counter()
+            engine.prefill_step(padded)  # the first call: the capture of a new shape, the allocator
+            sync(device)
+            first = time.perf_counter() - t0
             for _ in range(reps):
                 sync(device)
                 t0 = time.perf_counter()
@@ -307,7 +313,8 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
                 host += time.perf_counter() - t0
                 sync(device)
                 wall += time.perf_counter() - t0
-        out.append({"rows": rows, "width": width, "padded": list(padded), "wall_ms": round(1e3 * wall / reps, 3),
+        out.append({"rows": rows, "width": width, "padded": list(padded), "first_ms": round(1e3 * first, 3),
+                    "wall_ms": round(1e3 * wall / reps, 3),
                     "host_ms": round(1e3 * host / reps, 3), "tok_per_s": round(rows * width * reps / wall, 1)})
     return out
 
@@ -331,7 +338,7 @@ def report(t: dict) -> None:
         print(f"  {us:10.1f} us  {count:6.1f} x  {cat:<9}  {name}")
     for c in t.get("prefill", []):
         print(f"prefill {c['rows']} x {c['width']} (as {c['padded'][0]} x {c['padded'][1]}): {c['wall_ms']:.3f} ms a chunk "
-              f"(host {c['host_ms']:.3f} ms), "
+              f"(host {c['host_ms']:.3f} ms; the first call {c['first_ms']:.1f} ms), "
               f"{c['tok_per_s']:.0f} prompt tok/s")
 
 

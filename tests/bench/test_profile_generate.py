@@ -66,7 +66,7 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
     assert "bound" not in t and t["new_tok_per_s"] > 0
     # prefill chunks: the engine's 16,384-token budget caps rows at the 4 slots; then one row
     assert [(c["rows"], c["width"]) for c in t["prefill"]] == [(4, 24), (1, 24)]
-    assert all(0 < c["host_ms"] <= c["wall_ms"] for c in t["prefill"])
+    assert all(0 < c["host_ms"] <= c["wall_ms"] and c["first_ms"] > 0 for c in t["prefill"])
     assert all(c["tok_per_s"] == pytest.approx(c["rows"] * c["width"] / (c["wall_ms"] / 1e3), rel=1e-2) for c in t["prefill"])
 
 

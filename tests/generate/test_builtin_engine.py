@@ -153,6 +153,33 @@ def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split(monkeypat
     assert st.host_admit_seconds + st.host_prefill_seconds + st.host_finish_seconds < wall
 
 
+def test_each_prefill_shape_is_captured_once_and_counted(monkeypatch):
+    """With CUDA graphs (a capture emulated on CPU: a replay reruns the step into the captured
+    output), a chunk shape is captured on first use only; the stats count the shapes and the
+    host's time capturing them, and the tokens stay plain greedy's."""
+    shapes = []
+
+    def emulated_capture(step, shape):
+        time.sleep(0.001)
+        shapes.append(shape)
+        out = step.fn(shape)
+        return type("Graph", (), {"replay": lambda self: out.copy_(step.fn(shape))})(), out
+
+    monkeypatch.setattr(builtin.GraphedStep, "_capture", emulated_capture)
+    monkeypatch.setattr(builtin, "PREFILL_MIN_WIDTH", 4)
+    model = make_model("llama", vocab=256, seed=6)
+    prompts = [[5] * 3, [6] * 2, [7] * 9, [8] * 3, [9] * 4, [4] * 2, [3] * 10]
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=16, max_new_tokens=3, stop_ids=set(),
+                           ignore_eos=True, refill_fraction=1.0)
+    engine.prefill_step.use_graphs = True
+    results = run_engine(engine, [Request(prompt_ids=p, tag=i) for i, p in enumerate(prompts)])
+    model.generation_config.eos_token_id = None
+    assert [results[i].token_ids for i in range(len(prompts))] == [hf_greedy(model, p, None)[:3] for p in prompts]
+    st = engine.stats
+    assert len(shapes) == len(set(shapes)) == st.prefill_captures < st.prefill_forwards
+    assert 0 < st.prefill_capture_seconds <= st.host_prefill_seconds
+
+
 def test_ignore_eos_runs_every_row_to_the_limit():
     model = make_model("llama", vocab=256, seed=4)
     engine = BuiltinEngine(model, None, slots=4, max_prompt_tokens=8, max_new_tokens=9, stop_ids=set(range(256)), ignore_eos=True)

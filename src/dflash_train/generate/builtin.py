@@ -60,6 +60,8 @@ class EngineStats:
     slot_steps_active: int = 0  # sum over steps of active slots: utilisation = this / (steps * slots)
     prefill_forwards: int = 0  # one per length-sorted chunk of an admission
     prefill_padded_tokens: int = 0  # rows x width of those chunks, padded to their shapes
+    prefill_captures: int = 0  # chunk shapes captured as CUDA graphs (each once, on first use)
+    prefill_capture_seconds: float = 0.0  # the host's seconds capturing them (in host_prefill_seconds)
     # The host's own time (the one thread that also launches every step): pulling and
     # tokenising prompts, issuing prefills, handing finished rows back (detokenising, the
     # callback). On a GPU the step in flight hides it only while it is shorter than the step.
@@ -354,6 +356,8 @@ class BuiltinEngine:
         self._fresh.extend(slots)
         self.stats.prompt_tokens += sum(len(p) for _, p in chunk)
         self.stats.prefill_padded_tokens += rows * width
+        self.stats.prefill_captures = self.prefill_step.captured
+        self.stats.prefill_capture_seconds = self.prefill_step.capture_seconds
         self.stats.prefill_forwards += 1
         self.stats.host_prefill_seconds += time.perf_counter() - t0
         if timing is not None:  # pragma: no cover - the device time is read when the next step is

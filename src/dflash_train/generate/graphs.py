@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import warnings
 from typing import Any, Callable, Hashable, Sequence
 
@@ -94,13 +95,18 @@ class GraphedStep:
         self.describe = describe or (lambda kv_len: f"{kv_len} cache positions")
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}
         self._pool: Any = None
+        # the host's seconds spent capturing (the sync before, the warm-up runs, the capture):
+        # what a key's first call costs beyond a replay
+        self.capture_seconds = 0.0
 
     def __call__(self, key: Hashable) -> Any:
         if not self.use_graphs:
             return self.fn(key)
         if key not in self._graphs:
+            t0 = time.perf_counter()
             try:
                 self._graphs[key] = self._capture(key)
+                self.capture_seconds += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
                 warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
                               stacklevel=2)
