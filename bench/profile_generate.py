@@ -294,11 +294,10 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
     out = []
     for rows, width in shapes:
         padded = engine.prefill_shapes.shape(rows, width)
-        r, w = padded
-        stage = engine._prefill_stage
-        stage[:r] = torch.arange(r, device=device)  # slots
-        stage[r : 2 * r] = width  # lengths
-        stage[2 * r : 2 * r + r * w] = torch.randint(0, engine.decoder.embed_w.shape[0], (r * w,), device=device)
+        slot_idx, lengths, ids = engine.prefill_shapes.views(engine._prefill_stage, padded)
+        slot_idx.copy_(torch.arange(len(slot_idx), device=device))
+        lengths.fill_(width)
+        ids.copy_(torch.randint(0, engine.decoder.embed_w.shape[0], ids.shape, device=device))
         host = wall = 0.0
         with torch.no_grad():
             sync(device)

@@ -59,17 +59,16 @@ class MarkovHead(nn.Module):
 
 
 def markov_bias(prev_ids: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
-                dtype: torch.dtype, gate_w: torch.Tensor | None = None,
-                gate_from_hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """[...] previous tokens -> [..., V] logit bias markov_w2 @ code (weights [V, r]; inference, one
-    slot at a time): code = markov_w1[prev], gated when `gate_w` is given by sigmoid of
-    `gate_from_hidden` (the slot's hidden part of the gate with its bias, [..., r]) plus the
-    code's part. Plain tensors, so that the engine's compiled head can take them."""
-    code = F.embedding(prev_ids, markov_w1).to(dtype)
-    if gate_w is not None:
-        H = gate_w.shape[1] - code.shape[-1]
-        code = torch.sigmoid(gate_from_hidden + code @ gate_w[:, H:].to(dtype).T) * code
-    return code @ markov_w2.to(dtype).T
+                gate_code_w: torch.Tensor | None = None, gate_from_hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """[...] previous tokens -> [..., V] logit bias markov_w2 @ code (weights [V, r], in the
+    logits' dtype; inference, one slot at a time): code = markov_w1[prev], gated when
+    `gate_code_w` (the gate's code part, [r, r]) is given by sigmoid(`gate_from_hidden` (the
+    slot's hidden part of the gate with its bias, [..., r]) + code @ gate_code_w.T). Plain
+    tensors, so that the engine's compiled head can take them."""
+    code = F.embedding(prev_ids, markov_w1).to(markov_w2.dtype)
+    if gate_code_w is not None:
+        code = torch.sigmoid(gate_from_hidden + code @ gate_code_w.T) * code
+    return code @ markov_w2.T
 
 
 def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
@@ -99,15 +98,18 @@ def markov_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight
     gates; only the bias ([S, r] -> [S, V] per slot) runs sequentially. Plain tensors: the engine
     compiles this as one function (its `dspark_head`)."""
     base = hidden.to(lm_head_weight.dtype) @ lm_head_weight.T  # [S, B-1, V]
-    markov_w2 = markov_w2.to(base.dtype)  # once, not once a slot (a no-op when the drafter runs in bf16)
-    gates = None
-    if gate_w is not None:  # [S, B-1, r]
+    # cast once, not once a slot (no-ops when the drafter runs in bf16)
+    markov_w2 = markov_w2.to(base.dtype)
+    gates = gate_code_w = None
+    if gate_w is not None:  # the gate's hidden part for every slot at once: [S, B-1, r]
+        H = hidden.shape[-1]
         gates = torch.addmm(gate_b.to(base.dtype), hidden.to(base.dtype).flatten(0, 1),
-                            gate_w[:, :hidden.shape[-1]].to(base.dtype).T).view(*hidden.shape[:2], -1)
+                            gate_w[:, :H].to(base.dtype).T).view(*hidden.shape[:2], -1)
+        gate_code_w = gate_w[:, H:].to(base.dtype)
     prev = anchor_ids
     drafts = []
     for k in range(base.shape[1]):
-        bias = markov_bias(prev, markov_w1, markov_w2, base.dtype, gate_w, None if gates is None else gates[:, k])
+        bias = markov_bias(prev, markov_w1, markov_w2, gate_code_w, None if gates is None else gates[:, k])
         prev = (base[:, k] + bias).argmax(-1)  # [S]
         drafts.append(prev)
     return torch.stack(drafts, dim=1)

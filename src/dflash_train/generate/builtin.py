@@ -30,6 +30,7 @@ from dflash_train.generate.graphs import GraphedStep, PrefillShapes, kv_buckets
 from dflash_train.generate.sampling import select_tokens
 from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
+from dflash_train.utils.device import copy_values_async, to_device_async
 
 log = logging.getLogger(__name__)
 
@@ -305,17 +306,11 @@ class BuiltinEngine:
 
     def _prefill_forward(self, shape: tuple[int, int]) -> Tensor:
         """The prefill of the chunk in `_prefill_stage` (`_prefill` put it there), padded to `shape`."""
-        rows, width = shape
-        stage = self._prefill_stage
-        return self.decoder.prefill(stage[2 * rows : 2 * rows + rows * width].view(rows, width),
-                                    stage[rows : 2 * rows], stage[:rows])
-
-    def _host_tensor(self, values: list, dtype: torch.dtype) -> Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.pin_memory() if self.device.type == "cuda" else t  # pinned memory makes the copy async
+        slot_idx, lengths, ids = self.prefill_shapes.views(self._prefill_stage, shape)
+        return self.decoder.prefill(ids, lengths, slot_idx)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> Tensor:
-        return self._host_tensor(values, dtype).to(self.device, non_blocking=True)
+        return to_device_async(torch.tensor(values, dtype=dtype), self.device)
 
     def _prefill(self, chunk: list[tuple[Request, list[int]]]) -> None:
         """Prefill `chunk` into free slots and choose each row's first token, without waiting
@@ -326,7 +321,6 @@ class BuiltinEngine:
         if timing is not None:  # pragma: no cover - CUDA only
             timing[0].record()
         n = len(chunk)
-        rows, width = self.prefill_shapes.shape(n, max(len(ids) for _, ids in chunk))
         reqs = [req for req, _ in chunk]
         slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):
@@ -335,12 +329,9 @@ class BuiltinEngine:
         # two host-to-device copies per chunk (integers into the stage, floats) rather than one per field
         sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]  # rows that sample
         k = len(sampling_at)
-        prompts = [p for _, p in chunk] + [chunk[0][1]] * (rows - n)  # padding rows: the first row again
-        ints = (slots + [slots[0]] * (rows - n) + [len(p) for p in prompts]
-                + [t for p in prompts for t in p + [0] * (width - len(p))]
-                + [r.sampling.top_k for r in reqs] + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at)
-        stage = self._prefill_stage[: len(ints)]
-        stage.copy_(self._host_tensor(ints, torch.long), non_blocking=True)
+        (rows, width), ints = self.prefill_shapes.staged(slots, [p for _, p in chunk])
+        ints += [r.sampling.top_k for r in reqs] + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at
+        stage = copy_values_async(self._prefill_stage[: len(ints)], ints)
         slot_idx, lengths = stage[:n], stage[rows : rows + n]
         top_k, keys = stage[2 * rows + rows * width :].narrow(0, 0, 2 * n).view(2, n)
         floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],

@@ -54,6 +54,22 @@ class PrefillShapes:
         """The padded [rows, width] of a chunk of `rows` prompts, the longest `width` tokens."""
         return bucket_of(rows, self.rows), bucket_of(width, self.widths)
 
+    def staged(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, int], list[int]]:
+        """A chunk's padded shape and its inputs as one list to stage: [slots (rows), lengths
+        (rows), ids (rows x width, right padded with 0)]. Padding rows repeat the first row (its
+        slot, its prompt), so their cache writes are its bytes."""
+        rows, width = self.shape(len(prompts), max(len(p) for p in prompts))
+        pad = rows - len(prompts)
+        prompts = [*prompts, *[prompts[0]] * pad]
+        return (rows, width), ([*slots, *[slots[0]] * pad] + [len(p) for p in prompts]
+                               + [t for p in prompts for t in [*p, *[0] * (width - len(p))]])
+
+    @staticmethod
+    def views(stage: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+        """(slots [rows], lengths [rows], ids [rows, width]) of a chunk `staged` at the start of `stage`."""
+        rows, width = shape
+        return stage[:rows], stage[rows : 2 * rows], stage[2 * rows : 2 * rows + rows * width].view(rows, width)
+
     def chunks(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
         """Ascending prompt `lengths` -> [start, end) chunks, each as long as fits the budget padded."""
         out, start = [], 0

@@ -61,6 +61,7 @@ from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.graphs import GraphedStep, PrefillShapes, kv_buckets
 from dflash_train.speculative.loop import DecodeResult, Round
 from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, drafter_like
+from dflash_train.utils.device import copy_values_async
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class SpecEngine:
         # PrefillShapes: padding rows repeat the chunk's first row, so their writes are its bytes;
         # prompts right padded, which causal attention never lets them see), so a chunk costs a
         # graph replay, not ~1,900 eager launches (~20-40 ms of the host for SmolLM2 on an H200).
-        # Its inputs, [slots, lengths, limits, ids], arrive in `prefill_stage` by one copy.
+        # Its inputs, [slots, lengths, ids, limits], arrive in `prefill_stage` by one copy.
         self.prefill_shapes = PrefillShapes(slots, max_len, prefill_tokens, min_width=32)
         rows_cap = self.prefill_shapes.rows[-1]
         self.prefill_stage = torch.zeros(3 * rows_cap + self.prefill_shapes.budget, dtype=torch.long, device=dev)
@@ -440,13 +441,6 @@ class SpecEngine:
         for start, end in self.prefill_shapes.chunks([len(p) for _, p in batch]):  # length-sorted, padded
             self._prefill(batch[start:end], max_new, speculative)
 
-    def _to_device(self, values: list[int]) -> Tensor:
-        """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
-        t = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":  # pragma: no cover - CUDA only
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
     def _prefill(self, chunk: list[tuple[int, Sequence[int]]], max_new: int, speculative: bool) -> None:
         """Prefill of a chunk of prompts into free slots (a captured step per padded shape),
         queued behind the rounds in flight; no host synchronisation (module doc)."""
@@ -454,14 +448,10 @@ class SpecEngine:
         marks = _Marks(self.device, 2)
         slots = [self._free.pop() for _ in chunk]
         marks.mark(0)
-        prompts = [list(p) for _, p in chunk]
-        rows, width = self.prefill_shapes.shape(len(prompts), max(len(p) for p in prompts))
-        pad = rows - len(prompts)  # padding rows: the first row again
-        prompts += [prompts[0]] * pad
-        values = (slots + [slots[0]] * pad + [len(p) for p in prompts] + [max_new] * rows
-                  + [t for p in prompts for t in p + [0] * (width - len(p))])
-        self.prefill_stage[: len(values)].copy_(self._to_device(values), non_blocking=True)
-        self._prefill_steps[speculative]((rows, width))
+        shape, values = self.prefill_shapes.staged(slots, [p for _, p in chunk])
+        values += [max_new] * shape[0]  # the limits, after the staged ids
+        copy_values_async(self.prefill_stage[: len(values)], values)
+        self._prefill_steps[speculative](shape)
         marks.mark(1)
         for slot, (index, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(index, len(prompt), max_new, len(prompt), t0, marks, greedy=not speculative)
@@ -469,10 +459,10 @@ class SpecEngine:
     @torch.no_grad()
     def _prefill_step(self, shape: tuple[int, int], speculative: bool) -> None:
         """The chunk in `prefill_stage`, padded to `shape`, into its slots."""
+        slot_idx, lengths, ids = self.prefill_shapes.views(self.prefill_stage, shape)
         rows, width = shape
-        stage = self.prefill_stage
-        self._prefill_into(stage[3 * rows : 3 * rows + rows * width].view(rows, width), stage[rows : 2 * rows],
-                           stage[2 * rows : 3 * rows], stage[:rows], speculative)
+        limits = self.prefill_stage[2 * rows + rows * width : 3 * rows + rows * width]
+        self._prefill_into(ids, lengths, limits, slot_idx, speculative)
 
     def _prefill_into(self, ids: Tensor, lengths: Tensor, limits: Tensor, slot_idx: Tensor, speculative: bool) -> None:
         """Prompts ids [n, T] (right padded to T, `lengths` [n], max_new_tokens `limits` [n]) into

@@ -50,6 +50,14 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
+def copy_values_async(dst: torch.Tensor, values: list) -> torch.Tensor:
+    """Python `values` into `dst` (a buffer of as many elements, of its dtype) by one copy the
+    host does not wait for: from pinned memory when `dst` is on a GPU, straight into it (no
+    device-side staging tensor). Returns `dst`."""
+    src = torch.tensor(values, dtype=dst.dtype)
+    return dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=True)
+
+
 class HostCopy:
     """A small device tensor's value read back without draining the queue behind it.
 
