@@ -3,6 +3,8 @@ teacher-forced walk gives exactly the rounds real speculative decoding makes."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from dflash_train.speculative.evaluate import HeldOutProbe
 from dflash_train.speculative.metrics import repetition_rate, round_offsets, tau_by_position, walk_rounds
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.target.runner import TargetRunner
-from dflash_train.train.evaluate import answer_spans, estimate_on_split
+from dflash_train.train.evaluate import answer_spans, estimate_on_split, walk_batch
 from dflash_train.train.step import batch_seed
 
 from ..eval.conftest import loaded_targets, random_drafter  # noqa: F401 - fixture
@@ -46,6 +48,61 @@ def test_walk_rounds_and_buckets_by_hand():
     mask = torch.tensor([[0, 1, 1, 0, 1, 0, 0]])
     doc = torch.tensor([[0, 0, 0, 0, 1, 1, -1]])
     assert answer_spans(mask, doc) == [(0, 1, 3), (0, 4, 5)]
+
+
+def _spans_by_scanning(mask: list[int], doc: list[int]) -> list[tuple[int, int]]:
+    """Answer runs of one row, position by position: the brute-force reference."""
+    spans, start = [], None
+    for p in range(len(mask) + 1):
+        on = p < len(mask) and mask[p]
+        if start is not None and (not on or doc[p] != doc[start]):
+            spans.append((start, p))
+            start = None
+        if on and start is None:
+            start = p
+    return spans
+
+
+def _walk_by_dict(anchors, valid, acc, mask, doc, ids, limit):
+    """walk_batch's rule one answer at a time from a dict of the drawn anchors: the reference."""
+    rounds, all_anchor, repeats = [], [], []
+    for r in range(mask.shape[0]):
+        for start, end in _spans_by_scanning(mask[r].tolist(), doc[r].tolist()):
+            drawn = {int(a): int(x) for a, x, v in zip(anchors[r], acc[r], valid[r]) if v and start <= a < end - 1}
+            if len(drawn) != end - 1 - start:
+                continue
+            answer = [drawn[p] for p in range(start, end - 1)][: max(limit - 1, 0)]
+            rounds.extend(walk_rounds(answer))
+            all_anchor.extend(a + 1 for a in answer)
+            repeats.append(repetition_rate(ids[r, start:min(end, start + limit)].tolist()))
+    return rounds, all_anchor, repeats
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walk_batch_equals_the_answer_by_answer_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    R, S, N = 3, 97, 70
+    mask = (torch.rand(R, S, generator=g) < 0.7).long()
+    doc = torch.cumsum((torch.rand(R, S, generator=g) < 0.08).long(), dim=1)
+    doc[:, -5:] = -1  # padding
+    ids = torch.randint(0, 7, (R, S), generator=g)
+    # distinct sorted anchors a row, some slots invalid (S - 1), as select_anchors draws them
+    anchors = torch.stack([torch.sort(torch.randperm(S, generator=g)[:N]).values for _ in range(R)])
+    valid = torch.rand(R, N, generator=g) < 0.9
+    anchors = torch.where(valid, anchors, S - 1)
+    if seed % 2:  # every position drawn: every answer walks
+        anchors, valid = torch.arange(S).expand(R, S).clone(), torch.ones(R, S, dtype=torch.bool)
+    acc = torch.randint(0, 5, anchors.shape, generator=g)
+    fwd = types.SimpleNamespace(anchors=anchors, valid=valid)
+    batch = types.SimpleNamespace(loss_mask=mask, document_ids=doc, input_ids=ids)
+    for limit in (1, 9, S):
+        got = walk_batch(fwd, acc, batch, limit)
+        want = _walk_by_dict(anchors, valid, acc, mask, doc, ids, limit)
+        assert got[0] == want[0] and got[1] == want[1]
+        np.testing.assert_array_equal(got[2], want[2])  # nan where an answer has no n-gram
+    assert answer_spans(mask, doc) == [(r, a, b) for r in range(R) for a, b in _spans_by_scanning(
+        mask[r].tolist(), doc[r].tolist())]
+    assert sum(len(_spans_by_scanning(mask[r].tolist(), doc[r].tolist())) for r in range(R)) > 5
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
