@@ -208,6 +208,20 @@ def test_drafter_loss_metrics_against_brute_force(weighting):
     for k in range(1, B):
         sel = lv[:, :, k]
         assert m[f"acc_{k}"] == pytest.approx(float((pred[:, :, k][sel] == labels[:, :, k][sel]).double().mean()))
+    # reach_k, block by block: the leading run of right slots is at least k long
+    runs = []
+    for r in range(2):
+        for j in range(N):
+            if not lv[r, j, 1:].any():
+                continue
+            run = 0
+            while run + 1 < B and lv[r, j, run + 1] and pred[r, j, run + 1] == labels[r, j, run + 1]:
+                run += 1
+            runs.append(run)
+    for k in range(1, B):
+        assert m[f"reach_{k}"] == pytest.approx(sum(run >= k for run in runs) / len(runs))
+    assert 1 + sum(m[f"reach_{k}"] for k in range(1, B)) == pytest.approx(m["tau"])
+    assert m[f"reach_{B - 1}"] < m["reach_2"] < m["reach_1"]  # the runs differ in length: every count matters
 
 
 def test_normalisation_is_by_global_weight_sum():

@@ -322,10 +322,11 @@ class StepStats:
     counted: torch.Tensor  # [B-1] valid labels per slot
     tau_sum: torch.Tensor  # sum over blocks with a valid label of 1 + leading hits
     blocks: torch.Tensor  # number of such blocks
+    reached: torch.Tensor  # [B-1] blocks whose round accepts at least k drafts (slots 1..k all hit)
 
     def detached(self) -> "StepStats":
         return StepStats(self.loss_sum.detach(), *(getattr(self, f) for f in
-                         ("weight_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks")))
+                         ("weight_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks", "reached")))
 
 
 def leading_hits(hits: torch.Tensor) -> torch.Tensor:
@@ -381,7 +382,8 @@ def drafter_loss(
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     has_label = valid.any(dim=-1)
-    leading = leading_hits(hits)
+    run = torch.cumprod(hits.long(), dim=-1)  # [R, N, B-1]: 1 while every slot so far hit
+    leading = run.sum(-1)
     return StepStats(
         loss_sum=loss_sum,
         weight_sum=weights.sum().detach(),
@@ -390,21 +392,25 @@ def drafter_loss(
         counted=valid.sum(dim=(0, 1)),
         tau_sum=((1 + leading) * has_label).sum(),
         blocks=has_label.sum(),
+        reached=run.sum(dim=(0, 1)),
     )
 
 
 def summarize(stats: list[StepStats] | StepStats) -> dict[str, float]:
-    """Host-side metrics from accumulated sums: loss, ce, acc_1..acc_{B-1}, tau. One sync."""
+    """Host-side metrics from accumulated sums: loss, ce, tau, acc_k (slot k hits, whatever
+    came before it) and reach_k (rounds accepting at least k drafts: tau = 1 + the sum of the
+    reach_k; a slot's hits count towards tau only where every slot before it hit). One sync."""
     if isinstance(stats, StepStats):
         stats = [stats]
     fields = ("loss_sum", "weight_sum", "ce_sum", "tau_sum", "blocks")
     scalars = torch.stack([torch.stack([getattr(s, f).detach().double().reshape(()) for f in fields]) for s in stats]).sum(0)
     correct = torch.stack([s.correct for s in stats]).sum(0).double()
     counted = torch.stack([s.counted for s in stats]).sum(0).double()
-    values = torch.cat([scalars, correct, counted]).cpu().tolist()  # the only host sync
+    reached = torch.stack([s.reached for s in stats]).sum(0).double()
+    values = torch.cat([scalars, correct, counted, reached]).cpu().tolist()  # the only host sync
     loss_sum, weight_sum, ce_sum, tau_sum, blocks = values[:5]
     nslots = len(correct)
-    corr, cnt = values[5:5 + nslots], values[5 + nslots:]
+    corr, cnt, reach = (values[5 + i * nslots:5 + (i + 1) * nslots] for i in range(3))
     total = sum(cnt)
     out = {
         "loss": loss_sum / weight_sum if weight_sum else float("nan"),
@@ -414,4 +420,6 @@ def summarize(stats: list[StepStats] | StepStats) -> dict[str, float]:
     }
     for k in range(nslots):
         out[f"acc_{k + 1}"] = corr[k] / cnt[k] if cnt[k] else float("nan")
+    for k in range(nslots):
+        out[f"reach_{k + 1}"] = reach[k] / blocks if blocks else float("nan")
     return out

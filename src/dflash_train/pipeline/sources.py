@@ -154,8 +154,9 @@ def reduce_stats(window: list[StepStats], group) -> list[StepStats]:
     scalars = torch.stack([torch.stack([getattr(s, f).detach().float().reshape(()) for f in fields]) for s in window]).sum(0)
     correct = torch.stack([s.correct for s in window]).sum(0).float()
     counted = torch.stack([s.counted for s in window]).sum(0).float()
-    flat = torch.cat([scalars, correct, counted])
+    reached = torch.stack([s.reached for s in window]).sum(0).float()
+    flat = torch.cat([scalars, correct, counted, reached])
     dist.all_reduce(flat, group=group)
     n = len(correct)
     return [StepStats(loss_sum=flat[0], weight_sum=flat[1], ce_sum=flat[2], tau_sum=flat[3], blocks=flat[4],
-                      correct=flat[5:5 + n], counted=flat[5 + n:])]
+                      correct=flat[5:5 + n], counted=flat[5 + n:5 + 2 * n], reached=flat[5 + 2 * n:])]
