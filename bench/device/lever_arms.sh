@@ -14,7 +14,9 @@
 #   STEP=wait   follow the arms up to WAIT_SECONDS (default 540): each arm's state (running, or
 #               ended with its exit status), last step line, first-step memory line, and the
 #               GPU's memory; an arm whose log holds a traceback sends the whole log back to $OUT;
-#               exit 0 either way, call again
+#               exit 0 either way, call again. THEN_EVAL=1: once every arm has ended, STEP=eval
+#               at once in the same call (a machine goes back 30 s after a call: trained arms
+#               left waiting for the next call are lost with it)
 #   STEP=eval   once every arm has ended: each arm's tau-only evals (EVAL_SLOTS, default 16:
 #               HumanEval, chat, held-out and training source prompts) at once, one process an
 #               arm; then BATCH1_ARMS (names) one after another at batch 1 with plain greedy
@@ -37,6 +39,31 @@ if [ "$STEP" != start ]; then
     [ -f "$W/$name.pid" ] || { echo "arm $name was not started on this machine (STEP=start first)" >&2; exit 3; }
   done
 fi
+
+eval_arms() {  # STEP=eval
+  for name in $(arm_names); do
+    kill -0 "$(cat $W/$name.pid)" 2>/dev/null && { echo "arm $name still running: STEP=wait first" >&2; exit 3; }
+  done
+  pids=()
+  for name in $(arm_names); do  # tau only: batched decoding, so the arms' evals may share the GPU
+    env GREEDY=0 EVAL_SLOTS=${EVAL_SLOTS:-16} WAIT_SECONDS=1 PART=wait OURS_NAME="$name" bash $QSS > "$W/$name.eval.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for name in ${BATCH1_ARMS:-}; do  # batch 1 beside plain greedy: timed, so one at a time
+    mkdir -p /tmp/drafter-kept && ln -sfn "$W/$name/final" "/tmp/drafter-kept/$name-batch1"
+    env SETS=humaneval SOURCE_SETS=0 GREEDY=1 TIMING_REPEATS=1 PART=eval EVAL_NAME="$name-batch1" bash $QSS >> "$LOG" 2>&1
+  done
+  for name in $(arm_names); do
+    echo "--- $name"; grep -E "^steps [0-9]|tau by speculative decoding" "$W/$name.train.log" | tail -2 | cut -c1-200
+    python3 scripts/recipe_eval_summary.py "$W/eval-$name"
+  done | tee -a "$LOG"
+  for name in $(arm_names); do cp "$W/$name.train.log" "$OUT/$name.train.log"; done
+  # a call brings back 8 files: every arm's reports, metrics and logs (training's too) in one
+  (cd "$OUT" && ls | grep -v -E '^arms' > /tmp/arms-files && tar -cJf /tmp/arms-results.tar.xz -T /tmp/arms-files \
+     && mv /tmp/arms-results.tar.xz . && xargs rm -f < /tmp/arms-files)
+  ls -l "$OUT"
+}
 
 case $STEP in
 start)
@@ -70,29 +97,8 @@ wait)
     grep -E "^step|held-out|stopped at|Traceback|rror" $W/$name.train.log | tail -2 | cut -c1-200
   done | tee -a "$LOG"
   nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv,noheader | tee -a "$LOG"
-  echo "$running arm(s) running $(date +%T)" | tee -a "$LOG" ;;
-eval)
-  for name in $(arm_names); do
-    kill -0 "$(cat $W/$name.pid)" 2>/dev/null && { echo "arm $name still running: STEP=wait first" >&2; exit 3; }
-  done
-  pids=()
-  for name in $(arm_names); do  # tau only: batched decoding, so the arms' evals may share the GPU
-    env GREEDY=0 EVAL_SLOTS=${EVAL_SLOTS:-16} WAIT_SECONDS=1 PART=wait OURS_NAME="$name" bash $QSS > "$W/$name.eval.log" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p"; done
-  for name in ${BATCH1_ARMS:-}; do  # batch 1 beside plain greedy: timed, so one at a time
-    mkdir -p /tmp/drafter-kept && ln -sfn "$W/$name/final" "/tmp/drafter-kept/$name-batch1"
-    env SETS=humaneval SOURCE_SETS=0 GREEDY=1 TIMING_REPEATS=1 PART=eval EVAL_NAME="$name-batch1" bash $QSS >> "$LOG" 2>&1
-  done
-  for name in $(arm_names); do
-    echo "--- $name"; grep -E "^steps [0-9]|tau by speculative decoding" "$W/$name.train.log" | tail -2 | cut -c1-200
-    python3 scripts/recipe_eval_summary.py "$W/eval-$name"
-  done | tee -a "$LOG"
-  for name in $(arm_names); do cp "$W/$name.train.log" "$OUT/$name.train.log"; done
-  # a call brings back 8 files: every arm's reports, metrics and logs (training's too) in one
-  (cd "$OUT" && ls | grep -v -E '^arms' > /tmp/arms-files && tar -cJf /tmp/arms-results.tar.xz -T /tmp/arms-files \
-     && mv /tmp/arms-results.tar.xz . && xargs rm -f < /tmp/arms-files)
-  ls -l "$OUT" ;;
+  echo "$running arm(s) running $(date +%T)" | tee -a "$LOG"
+  if [ "$running" = 0 ] && [ "${THEN_EVAL:-0}" = 1 ]; then LOG=$OUT/arms_eval.log; eval_arms; fi ;;
+eval) eval_arms ;;
 *) echo "STEP=start|wait|eval" >&2; exit 2 ;;
 esac
