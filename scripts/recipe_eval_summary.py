@@ -5,7 +5,9 @@
 The mixed sets (eval-sources-heldout, eval-sources-train) hold the first prompts of every
 source; a prompt's id starts with its source (`math:units:...`), so the per-source tau is read
 back from the report's per-prompt rows: committed tokens over target forwards, summed over the
-source's prompts (the same ratio as the report's overall tau). Held-out vs training tau of one
+source's prompts (the same ratio as the report's overall tau). Each set also prints its first
+slots' acceptance given the slots before them (the report's `accept_rate_cond`): where a
+drafter change lands along the block. Held-out vs training tau of one
 source is the memorisation check (docs/recipe-smollm2.md). Writes <work>/eval-summary.json.
 """
 
@@ -16,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+SLOTS_SHOWN = 8  # the late slots of a block are reached by few rounds: their rates are noise
 
 def source_of(prompt_id: str) -> str:
     return prompt_id.split(":", 1)[0] if ":" in prompt_id else "-"
@@ -42,12 +45,16 @@ def main(work: Path) -> dict:
         entry = {"tau": o["tau"], "tau_mean_of_prompts": o.get("tau_mean_of_prompts"),
                  "tau_by_position": o.get("tau_by_position"),
                  "repetition_rate": o.get("repetition_rate"), "speedup": o.get("speedup"),
-                 "prompts": len(report["per_prompt"])}
+                 "prompts": len(report["per_prompt"]), "accept_rate_cond": o.get("accept_rate_cond")}
         by_pos = ", ".join(f"{k}: {v:.2f}" for k, v in list((o.get("tau_by_position") or {}).items())[:2])
         rep = o.get("repetition_rate")
         mean = o.get("tau_mean_of_prompts")
         print(f"{name:<24} tau {o['tau']:.3f}  mean of prompts {mean if mean is None else round(mean, 3)}  ({by_pos})  repetition {rep if rep is None else round(rep, 3)}"
               f"  prompts {entry['prompts']}")
+        cond = o.get("accept_rate_cond") or []
+        if cond:  # where a drafter change lands: each slot's acceptance in the rounds that reach it
+            print(f"    slots 1-{min(len(cond), SLOTS_SHOWN)} accepted given the slots before: "
+                  + " ".join("-" if v is None or v != v else f"{v:.2f}" for v in cond[:SLOTS_SHOWN]))
         if name.startswith("sources-"):
             entry["by_source"] = by_source(report["per_prompt"])
             for src, s in entry["by_source"].items():
@@ -62,4 +69,7 @@ def main(work: Path) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
+    if not Path(sys.argv[1]).is_dir():
+        print(f"recipe_eval_summary: {sys.argv[1]}: no such folder", file=sys.stderr)
+        sys.exit(2)
     main(Path(sys.argv[1]))
