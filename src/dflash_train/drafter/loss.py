@@ -12,6 +12,7 @@ reads every scalar with one host sync per log step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -324,15 +325,35 @@ class StepStats:
     blocks: torch.Tensor  # number of such blocks
     reached: torch.Tensor  # [B-1] blocks whose round accepts at least k drafts (slots 1..k all hit)
 
+    SCALARS = ("loss_sum", "weight_sum", "ce_sum", "tau_sum", "blocks")
+    PER_SLOT = ("correct", "counted", "reached")
+
     def detached(self) -> "StepStats":
-        return StepStats(self.loss_sum.detach(), *(getattr(self, f) for f in
-                         ("weight_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks", "reached")))
+        return dataclasses.replace(self, loss_sum=self.loss_sum.detach())
+
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        """[5 + 3 (B-1)] of `dtype`, detached: the scalars, then each per-slot count (the one
+        vector that sums, all-reduces or reads back every field at once)."""
+        scalars = torch.stack([getattr(self, f).detach().to(dtype).reshape(()) for f in self.SCALARS])
+        return torch.cat([scalars, *(getattr(self, f).detach().to(dtype) for f in self.PER_SLOT)])
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor) -> "StepStats":
+        """The inverse of `flat`."""
+        n = (len(flat) - len(cls.SCALARS)) // len(cls.PER_SLOT)
+        slots = flat[len(cls.SCALARS):].view(len(cls.PER_SLOT), n)
+        return cls(**dict(zip(cls.SCALARS, flat)), **dict(zip(cls.PER_SLOT, slots)))
+
+
+def hit_runs(hits: torch.Tensor) -> torch.Tensor:
+    """[..., B-1] per-slot hits -> [..., B-1] 1 while every slot so far hit: summed over the
+    slots, the drafts a speculative round would accept (the round then commits 1 + that many)."""
+    return torch.cumprod(hits.long(), dim=-1)
 
 
 def leading_hits(hits: torch.Tensor) -> torch.Tensor:
-    """[..., B-1] per-slot hits -> [...] drafts a speculative round would accept (the longest
-    run of hits from slot 1: the round then commits 1 + that many tokens)."""
-    return torch.cumprod(hits.long(), dim=-1).sum(-1)
+    """[..., B-1] per-slot hits -> [...] drafts a speculative round would accept."""
+    return hit_runs(hits).sum(-1)
 
 
 def block_acceptance(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -382,7 +403,7 @@ def drafter_loss(
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     has_label = valid.any(dim=-1)
-    run = torch.cumprod(hits.long(), dim=-1)  # [R, N, B-1]: 1 while every slot so far hit
+    run = hit_runs(hits)  # [R, N, B-1]
     leading = run.sum(-1)
     return StepStats(
         loss_sum=loss_sum,
@@ -402,14 +423,9 @@ def summarize(stats: list[StepStats] | StepStats) -> dict[str, float]:
     reach_k; a slot's hits count towards tau only where every slot before it hit). One sync."""
     if isinstance(stats, StepStats):
         stats = [stats]
-    fields = ("loss_sum", "weight_sum", "ce_sum", "tau_sum", "blocks")
-    scalars = torch.stack([torch.stack([getattr(s, f).detach().double().reshape(()) for f in fields]) for s in stats]).sum(0)
-    correct = torch.stack([s.correct for s in stats]).sum(0).double()
-    counted = torch.stack([s.counted for s in stats]).sum(0).double()
-    reached = torch.stack([s.reached for s in stats]).sum(0).double()
-    values = torch.cat([scalars, correct, counted, reached]).cpu().tolist()  # the only host sync
+    values = torch.stack([s.flat(torch.float64) for s in stats]).sum(0).cpu().tolist()  # the only host sync
     loss_sum, weight_sum, ce_sum, tau_sum, blocks = values[:5]
-    nslots = len(correct)
+    nslots = len(stats[0].correct)
     corr, cnt, reach = (values[5 + i * nslots:5 + (i + 1) * nslots] for i in range(3))
     total = sum(cnt)
     out = {

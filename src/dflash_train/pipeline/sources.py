@@ -150,13 +150,6 @@ class RemoteTargetSource:
 
 def reduce_stats(window: list[StepStats], group) -> list[StepStats]:
     """Sum a window of step statistics over the drafter replicas (one all-reduce)."""
-    fields = ("loss_sum", "weight_sum", "ce_sum", "tau_sum", "blocks")
-    scalars = torch.stack([torch.stack([getattr(s, f).detach().float().reshape(()) for f in fields]) for s in window]).sum(0)
-    correct = torch.stack([s.correct for s in window]).sum(0).float()
-    counted = torch.stack([s.counted for s in window]).sum(0).float()
-    reached = torch.stack([s.reached for s in window]).sum(0).float()
-    flat = torch.cat([scalars, correct, counted, reached])
+    flat = torch.stack([s.flat(torch.float32) for s in window]).sum(0)
     dist.all_reduce(flat, group=group)
-    n = len(correct)
-    return [StepStats(loss_sum=flat[0], weight_sum=flat[1], ce_sum=flat[2], tau_sum=flat[3], blocks=flat[4],
-                      correct=flat[5:5 + n], counted=flat[5 + n:5 + 2 * n], reached=flat[5 + 2 * n:])]
+    return [StepStats.from_flat(flat)]
