@@ -333,7 +333,7 @@ class BuiltinEngine:
         ints += [r.sampling.top_k for r in reqs] + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at
         stage = copy_values_async(self._prefill_stage[: len(ints)], ints)
         slot_idx, lengths = stage[:n], stage[rows : rows + n]
-        top_k, keys = stage[2 * rows + rows * width :].narrow(0, 0, 2 * n).view(2, n)
+        top_k, keys = stage[PrefillShapes.staged_size((rows, width)) :].narrow(0, 0, 2 * n).view(2, n)
         floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
                                  torch.float32)
         self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]

@@ -65,10 +65,16 @@ class PrefillShapes:
                                + [t for p in prompts for t in [*p, *[0] * (width - len(p))]])
 
     @staticmethod
+    def staged_size(shape: tuple[int, int]) -> int:
+        """Elements `staged` writes for a chunk of `shape`: what an engine stages after them starts here."""
+        rows, width = shape
+        return rows * (2 + width)
+
+    @staticmethod
     def views(stage: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
         """(slots [rows], lengths [rows], ids [rows, width]) of a chunk `staged` at the start of `stage`."""
         rows, width = shape
-        return stage[:rows], stage[rows : 2 * rows], stage[2 * rows : 2 * rows + rows * width].view(rows, width)
+        return stage[:rows], stage[rows : 2 * rows], stage[2 * rows : PrefillShapes.staged_size(shape)].view(rows, width)
 
     def chunks(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
         """Ascending prompt `lengths` -> [start, end) chunks, each as long as fits the budget padded."""

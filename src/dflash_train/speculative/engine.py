@@ -460,8 +460,7 @@ class SpecEngine:
     def _prefill_step(self, shape: tuple[int, int], speculative: bool) -> None:
         """The chunk in `prefill_stage`, padded to `shape`, into its slots."""
         slot_idx, lengths, ids = self.prefill_shapes.views(self.prefill_stage, shape)
-        rows, width = shape
-        limits = self.prefill_stage[2 * rows + rows * width : 3 * rows + rows * width]
+        limits = self.prefill_stage[PrefillShapes.staged_size(shape):].narrow(0, 0, shape[0])
         self._prefill_into(ids, lengths, limits, slot_idx, speculative)
 
     def _prefill_into(self, ids: Tensor, lengths: Tensor, limits: Tensor, slot_idx: Tensor, speculative: bool) -> None:
