@@ -105,8 +105,9 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     M = hidden.shape[0]
     weights = torch.rand(M, generator=g, dtype=torch.float64) * (torch.arange(M) % 4 != 0)  # some rows weigh 0
     up = torch.rand(M, generator=g, dtype=torch.float64)
-    ce, pred, weighted = weighted_head_cross_entropy(hidden, w, None if soft else labels, weights, target,
-                                                     chunk_rows=chunk, tail=tail)
+    ce, pred, weighted, got_weights = weighted_head_cross_entropy(hidden, w, None if soft else labels, weights,
+                                                                  target, chunk_rows=chunk, tail=tail)
+    assert torch.equal(got_weights, weights)
     forward_calls = len(calls)
     assert forward_calls == -(-M // chunk)
     (3.0 * weighted + ((ce * up).sum() if also_per_row else 0)).backward()
@@ -120,6 +121,52 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     assert torch.equal(pred, logits.argmax(-1))
     torch.testing.assert_close(got[0], hidden.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], tail.grad, rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("weighting", ["cap", "cap+decay", "dpace"])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_confidence_weighted_loss_trains_a_tail_in_one_pass(weighting, chunk, monkeypatch):
+    """drafter_loss with a weighting read from the CEs (each block's weights from its slots'
+    detached CEs): the loss, the weight sum and the gradients of hidden and tail equal autograd's
+    on the full logits with those weights, and the backward pass computes no logits. Chunks that
+    split a block would weigh its slots from a part of the block: chunk_rows is rounded down to
+    whole blocks (1 -> 3, 7 -> 6 rows here)."""
+    calls = []
+    head_logits = loss_module._head_logits
+    monkeypatch.setattr(loss_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
+    g = torch.Generator().manual_seed(chunk)
+    Rb, N, Bb, Hh, r, Vv = 2, 5, 4, 6, 3, 13
+    w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
+    tail = torch.randn(Vv, r, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, Vv, (Rb, N, Bb), generator=g)
+    lv = torch.rand(Rb, N, Bb, generator=g) > 0.2
+    hidden = torch.randn(Rb, N * Bb, Hh + r, generator=g, dtype=torch.float64)
+    with torch.no_grad():  # some slots right with a high probability, so the weights spread
+        for j in range(N):
+            hidden[0, j * Bb + 1, :Hh] = 3 * w[labels[0, j, 1]]
+    hidden.requires_grad_(True)
+    cfg = LossConfig(weighting=weighting, chunk_rows=chunk, cap_eps=1e-3)
+    stats = loss_module.drafter_loss(hidden, w, labels, lv, cfg, tail=tail)
+    M = Rb * N * (Bb - 1)
+    rows = max(Bb - 1, chunk // (Bb - 1) * (Bb - 1))
+    assert len(calls) == -(-M // rows)
+    (2.0 * stats.loss_sum).backward()
+    assert len(calls) == -(-M // rows)  # none in the backward pass
+    got = hidden.grad.clone(), tail.grad.clone()
+    hidden.grad = tail.grad = None
+    flat = hidden.view(Rb, N, Bb, -1)[:, :, 1:].reshape(M, -1)
+    logits, ce = _full_logits_ce(flat, w, tail, labels[:, :, 1:].reshape(-1), None)
+    ce = ce.view(Rb, N, Bb - 1)
+    weights = loss_module.slot_weights(cfg, Bb, lv[:, :, 1:], torch.exp(-ce.detach()))
+    assert float(weights.std()) > 0.1  # the weights really differ by the CEs
+    ref = (weights * ce).sum()
+    (2.0 * ref).backward()
+    torch.testing.assert_close(stats.loss_sum.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.weight_sum.double(), weights.sum().double(), rtol=1e-5, atol=1e-6)
+    # the weights are float32, from float32 CEs (drafter/loss.py): that bounds the agreement
+    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1], tail.grad, rtol=1e-5, atol=1e-4)
 
 
 def _dspark_model(seed, head="vanilla"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +22,9 @@ import torch
 
 from dflash_train.drafter.row_stats import row_stats
 from dflash_train.utils.compile import compiled_once
+
+# a chunk's weights from its CEs: (ce [c] float32, detached; the chunk's rows of the head's input) -> [c]
+RowWeigher = Callable[[torch.Tensor, slice], torch.Tensor]
 
 WEIGHTINGS = ("decay", "cap", "cap+decay", "dpace", "uniform")
 CONFIDENCE_WEIGHTINGS = ("cap", "cap+decay", "dpace")  # need the drafter's probability of each label
@@ -45,7 +49,8 @@ class LossConfig:
     dpace_alpha: float = 0.5
     """D-PACE's smoothing toward 1: a slot's confidence is dpace_alpha + (1 - dpace_alpha) * p"""
     chunk_rows: int = 4096
-    """rows of the [rows, vocab] logits computed at once (memory vs speed)"""
+    """rows of the [rows, vocab] logits computed at once (memory vs speed); rounded down to whole
+    blocks (a multiple of block_size - 1), at least one block"""
     fused_head: bool = True
     """in compiled mode (run.compile), torch.compile the softmax / cross-entropy gradient between
     the LM head's two matmuls so it is one pass over each [chunk_rows, vocab] block (the
@@ -136,12 +141,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
     (drafter/row_stats.py), then the gradient; with `compiled` (fixed shapes: compiled mode)
     the gradient's pointwise math, and the soft target's whole chunk math, are torch.compile'd.
 
-    The third output is the weighted sum of the CEs, `row_weights` @ ce, when the weights are
-    known before the loss (the static weightings). Its gradient is one scalar, so a trainable
-    tail's gradient (dspark's markov_w2), sum over rows of weight * (softmax - target) (x) code,
-    is accumulated in the same forward loop and only scaled in the backward pass. Without the
-    weights, a tail's gradient needs each row's incoming gradient, known only in the backward
-    pass, which then computes every chunk's logits again (`_tail_grad`).
+    The third output is the weighted sum of the CEs, `row_weights` @ ce, and the fourth the
+    weights: given as a tensor (the static weightings), or as a function of a chunk's detached
+    CEs (the confidence weightings, each block's weights from its own slots' CEs: the chunks
+    hold whole blocks). The sum's gradient is one scalar, so a trainable tail's gradient
+    (dspark's markov_w2), sum over rows of weight * (softmax - target) (x) code, is accumulated
+    in the same forward loop and only scaled in the backward pass. Without the weights, a tail's
+    gradient needs each row's incoming gradient, known only in the backward pass, which then
+    computes every chunk's logits again (`_tail_grad`).
     """
 
     @staticmethod
@@ -151,6 +158,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
+        weigh = row_weights if callable(row_weights) else None
+        if weigh is not None:  # filled chunk by chunk, from each chunk's CEs
+            row_weights = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         w = weight  # frozen, often bf16: cast the small hidden chunks, never the [V, H] matrix
         tail_w = tail.detach().to(w.dtype) if tail is not None else None  # [V, r], small
         train_tail = tail is not None and need_grad and tail.requires_grad
@@ -164,6 +174,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 ce[sl], pred[sl], grad_logits = _hard_label_chunk(logits, labels[sl], need_grad, chunk_fn)
             else:
                 ce[sl], pred[sl], grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
+            if weigh is not None:
+                row_weights[sl] = weigh(ce[sl], sl)
             if need_grad:
                 grad_hidden[sl] = _head_back(grad_logits, w, tail_w).to(hidden.dtype)
             if folded is not None:  # weight each row on the small [c, r] codes, not the [c, V] gradient
@@ -172,14 +184,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         weighted = (ce * row_weights).sum() if row_weights is not None else ce.new_zeros(())
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0),
                               row_weights if row_weights is not None else ce.new_empty(0))
-        ctx.mark_non_differentiable(pred)
+        weights_out = row_weights if row_weights is not None else ce.new_empty(0)
+        ctx.mark_non_differentiable(pred, weights_out)
         ctx.set_materialize_grads(False)
         ctx.folded = folded
         ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn) if train_tail else None
-        return ce, pred, weighted
+        return ce, pred, weighted, weights_out
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred, grad_weighted):
+    def backward(ctx, grad_ce, grad_pred, grad_weighted, grad_weights):
         grad_hidden, row_weights = ctx.saved_tensors
         grad_rows = grad_ce  # [rows]: d loss / d ce, from the per-row output and the weighted sum
         if grad_weighted is not None:
@@ -250,7 +263,7 @@ def head_cross_entropy(
     tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2 (trainable); hidden is then [M, H + r]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
-    ce, pred, _ = _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, None)
+    ce, pred, _, _ = _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, None)
     return ce, pred
 
 
@@ -258,15 +271,21 @@ def weighted_head_cross_entropy(
     hidden: torch.Tensor,  # [M, H] (or [M, H + r] with a tail)
     lm_head_weight: torch.Tensor,  # [V, H], frozen
     labels: torch.Tensor | None,  # [M]
-    row_weights: torch.Tensor,  # [M] float32, known before the loss (no gradient)
+    row_weights: torch.Tensor | RowWeigher,  # [M] float32 (no gradient), or computed from the CEs
     target_hidden: torch.Tensor | None = None,  # [M, H] for distillation
     chunk_rows: int = 4096,
     compiled: bool = False,
     tail: torch.Tensor | None = None,  # [V, r]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """head_cross_entropy plus the differentiable sum row_weights @ ce; a loss built on that sum
-    alone trains a tail without computing the logits a second time (_HeadCrossEntropy)."""
-    return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights.detach())
+    group_rows: int = 1,  # rows kept in one chunk (a block's slots): chunk_rows is rounded down to a multiple
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_cross_entropy plus the differentiable sum row_weights @ ce and the weights [M]; a
+    loss built on that sum alone trains a tail without computing the logits a second time
+    (_HeadCrossEntropy). `row_weights` as a function (RowWeigher) weighs each chunk from its
+    own detached CEs as they are computed, a whole group of `group_rows` rows at a time."""
+    chunk_rows = max(group_rows, chunk_rows // group_rows * group_rows)
+    if not callable(row_weights):
+        row_weights = row_weights.detach()
+    return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights)
 
 
 def _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights):
@@ -391,15 +410,19 @@ def drafter_loss(
     soft = target_states.reshape(-1, target_states.shape[-1]) if target_states is not None else None
     head_args = (hidden, lm_head_weight, None if soft is not None else lab)
     head_kwargs = dict(target_hidden=soft, chunk_rows=cfg.chunk_rows, compiled=compiled and cfg.fused_head, tail=tail)
-    if cfg.weighting in CONFIDENCE_WEIGHTINGS:  # the weights need the CEs: the loss is formed after the head
-        ce, pred = head_cross_entropy(*head_args, **head_kwargs)
-        ce = ce.view(R, N, B - 1)
-        weights = slot_weights(cfg, B, valid, torch.exp(-ce.detach()))
-        loss_sum = (weights * ce).sum()
-    else:  # static weights, known first: the head forms the weighted sum (and a tail's gradient) itself
-        weights = slot_weights(cfg, B, valid, None)
-        ce, pred, loss_sum = weighted_head_cross_entropy(*head_args, weights.reshape(-1), **head_kwargs)
-        ce = ce.view(R, N, B - 1)
+    # the head forms the weighted sum (and a tail's gradient) itself; the confidence weightings'
+    # weights come from the CEs, so it computes them block by block as each chunk's CEs are known
+    if cfg.weighting in CONFIDENCE_WEIGHTINGS:
+        valid_rows = valid.reshape(-1, B - 1)
+
+        def row_weights(ce_chunk: torch.Tensor, rows: slice) -> torch.Tensor:  # whole blocks
+            blocks = slice(rows.start // (B - 1), rows.stop // (B - 1))
+            return slot_weights(cfg, B, valid_rows[blocks], torch.exp(-ce_chunk.view(-1, B - 1))).reshape(-1)
+    else:
+        row_weights = slot_weights(cfg, B, valid, None).reshape(-1)
+    ce, pred, loss_sum, weights = weighted_head_cross_entropy(*head_args, row_weights, **head_kwargs,
+                                                              group_rows=B - 1)
+    ce = ce.view(R, N, B - 1)
     vf = valid.float()
     hits = (pred.view(R, N, B - 1) == labels[:, :, 1:]) & valid
     has_label = valid.any(dim=-1)
