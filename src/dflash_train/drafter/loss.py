@@ -182,9 +182,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 codes = hidden[sl, w.shape[1]:] * row_weights[sl, None].to(hidden.dtype)
                 folded += grad_logits.T @ codes.to(grad_logits.dtype)
         weighted = (ce * row_weights).sum() if row_weights is not None else ce.new_zeros(())
-        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0),
-                              row_weights if row_weights is not None else ce.new_empty(0))
         weights_out = row_weights if row_weights is not None else ce.new_empty(0)
+        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0), weights_out)
         ctx.mark_non_differentiable(pred, weights_out)
         ctx.set_materialize_grads(False)
         ctx.folded = folded
@@ -446,10 +445,10 @@ def summarize(stats: list[StepStats] | StepStats) -> dict[str, float]:
     reach_k; a slot's hits count towards tau only where every slot before it hit). One sync."""
     if isinstance(stats, StepStats):
         stats = [stats]
-    values = torch.stack([s.flat(torch.float64) for s in stats]).sum(0).cpu().tolist()  # the only host sync
-    loss_sum, weight_sum, ce_sum, tau_sum, blocks = values[:5]
-    nslots = len(stats[0].correct)
-    corr, cnt, reach = (values[5 + i * nslots:5 + (i + 1) * nslots] for i in range(3))
+    sums = StepStats.from_flat(torch.stack([s.flat(torch.float64) for s in stats]).sum(0).cpu())  # the only host sync
+    loss_sum, weight_sum, ce_sum, tau_sum, blocks = (float(getattr(sums, f)) for f in StepStats.SCALARS)
+    corr, cnt, reach = sums.correct.tolist(), sums.counted.tolist(), sums.reached.tolist()
+    nslots = len(corr)
     total = sum(cnt)
     out = {
         "loss": loss_sum / weight_sum if weight_sum else float("nan"),
