@@ -13,14 +13,26 @@ How the assistant spans are found, without knowing anything about the template:
 
 for every assistant message i. The generation prompt is what the serving engine feeds
 the model before it starts writing, so `F_i[len(P_i):]` is what the model itself writes
-for that turn, plus whatever separator the template appends after the turn. Trailing
-whitespace of that segment is that separator and is cut; the rest is the span. The full
-text is F_last (messages after the last assistant turn carry no loss and are dropped).
-Each P_i must be a prefix of F_i, and normally each F_i is a prefix of the full text. A
-template that re-renders earlier turns once the conversation goes on (Qwen3 and DeepSeek-R1
-drop the reasoning of old turns) breaks the second rule; such a conversation becomes one
-row per assistant turn: F_i, the conversation up to turn i as the model sees it then, with
-that turn's span only.
+for that turn, plus whatever separator the template appends after the turn. The span ends
+at the model's end-of-turn token (`chat_template.turn_end`, found by rendering a sentinel
+answer): what the template writes after it is a separator the model never generates
+(ChatML's newline, the EOS Phi-3 writes after `<|end|>`); a template without such a token
+ends the span before trailing whitespace. GLM writes no end-of-turn token at all: the model
+ends its turn by writing the next message's role token (`<|user|>`), so each span is
+followed by that token, appended to the text after the last answer.
+
+Turn i's row is P_i followed by that output. If every row (up to its span's end) is a prefix
+of the last one, the conversation is that one row with every span (messages after the last
+assistant turn carry no loss and are dropped). A template that re-renders earlier turns once
+the conversation goes on (Qwen3 and DeepSeek-R1 drop the reasoning of old turns, gpt-oss ends
+a final answer with `<|return|>` but an old one with `<|end|>`) breaks that; such a
+conversation becomes one row per assistant turn: the conversation up to turn i as the model
+sees it then, with that turn's span only.
+
+P_i is normally a prefix of F_i. Mistral's template breaks that: it puts the system message
+on the last message when that is a user turn, so P_i has it and F_i has not. The model's
+output in F_i then starts after the longest tail of P_i that F_i repeats before the answer
+(`... u_i[/INST]`), and the row is P_i (the prompt the model really gets) followed by it.
 
 The full text is tokenized once, without extra special tokens (the template writes
 them, e.g. DeepSeek's BOS), and a token is in the mask iff its first character lies in
@@ -34,11 +46,13 @@ tokens (e.g. a BOS) as it would for any text, and `text_eos=True` appends EOS.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import numpy as np
 
 from dflash_train.data.sources import Record
+from dflash_train.target.chat_template import SENTINEL, turn_end
 from dflash_train.utils.errors import DataError, DFlashError, ModelError
 
 
@@ -70,6 +84,8 @@ class ChatRenderer:
         if self._backend is None:
             raise TemplateError("a fast tokenizer (tokenizer.json) is needed: offsets locate the assistant tokens")
         self._byte_len = _byte_lengths(self._backend)
+        # How the template ends an assistant turn, found once by rendering a sentinel answer.
+        self._turn_end = turn_end(tokenizer, self.chat_template) if self.chat_template else None
 
     # -- rendering -------------------------------------------------------------------------
 
@@ -102,27 +118,53 @@ class ChatRenderer:
             # Hugging Face refuses to render an empty conversation, so there is no
             # generation prompt to diff against (and templates inject a system prompt here).
             raise RenderError("messages[0]", "the conversation must not open with an assistant turn")
-        full = self._render(messages[: turns[-1] + 1], False, turns[-1])
-        spans = []
-        for i in turns:
-            done = full if i == turns[-1] else self._render(messages[: i + 1], False, i)
-            if not full.startswith(done):  # history is re-rendered: one row per assistant turn
-                return [(text, [self._turn_span(messages, j, text)])
-                        for j, text in ((j, self._render(messages[: j + 1], False, j)) for j in turns)]
-            spans.append(self._turn_span(messages, i, done))
-        return [(full, spans)]
+        rows = [self._turn_row(messages, i) for i in turns]
+        full = rows[-1][0]
+        if all(full.startswith(text[:end]) for text, (_, end) in rows):
+            return [(full, [span for _, span in rows])]
+        return [(text, [span]) for text, span in rows]  # history is re-rendered: one row per turn
 
-    def _turn_span(self, messages: list[dict[str, str]], i: int, done: str) -> tuple[int, int]:
-        """The span of assistant turn i inside `done` = render(messages[:i + 1])."""
+    def _turn_row(self, messages: list[dict[str, str]], i: int) -> tuple[str, tuple[int, int]]:
+        """Assistant turn i as the model meets it: (the generation prompt of messages[:i] followed
+        by what the model writes, the span of the latter)."""
         prompt = self._render(messages[:i], True, i - 1)
-        if not done.startswith(prompt):
+        done = self._render(messages[: i + 1], False, i)
+        start = len(prompt) if done.startswith(prompt) else self._aligned_start(messages, i, prompt, done)
+        output = done[start:]
+        end = self._output_end(output)
+        # A template that writes no end-of-turn token (GLM) leaves the model's stop token to
+        # the next message; the model still writes it, so the row carries it.
+        token = self._turn_end.token if self._turn_end is not None and not self._turn_end.written else ""
+        text = prompt + output[:end] + token + output[end:]
+        return text, (len(prompt), len(prompt) + end + len(token))
+
+    def _output_end(self, output: str) -> int:
+        """How much of `output` (turn i as the template writes it after the generation prompt)
+        the model writes: through its end-of-turn token. The rest is the template's separator
+        (ChatML's newline; Phi-3 puts the tokenizer's EOS after `<|end|>`)."""
+        end = self._turn_end
+        if end is not None and not end.written:
+            return len(output)
+        if end is not None and output.endswith(end.trailer):
+            return len(output) - len(end.trailer) + end.trailer.index(end.token) + len(end.token)
+        return len(output.rstrip())  # a plain-text end of turn: trailing whitespace is the separator
+
+    def _aligned_start(self, messages: list[dict[str, str]], i: int, prompt: str, done: str) -> int:
+        """Where the model's output starts in `done` when the generation prompt is not a prefix
+        of it: the template renders the context differently once the answer follows (Mistral puts
+        the system message on the last message if that is a user turn, so it vanishes once the
+        turn is answered). The output follows the longest tail of the prompt that `done` repeats
+        before the answer's text."""
+        probe = self._render(messages[:i] + [{**messages[i], "content": SENTINEL}], False, i)
+        answer = len(os.path.commonprefix([done, probe]))  # the answer's text starts here or later
+        start = _end_of_longest_tail(prompt, done, len(os.path.commonprefix([prompt, done])), answer)
+        if start is None:
             raise RenderError(
                 f"messages[{i}]",
-                "the chat template's generation prompt is not a prefix of the rendered assistant turn; "
+                "the chat template's generation prompt does not match the rendered assistant turn; "
                 "cannot tell where the assistant's tokens start",
             )
-        start = len(prompt)
-        return start, start + len(done[start:].rstrip())  # trailing whitespace = the template's separator
+        return start
 
     # -- tokenization ----------------------------------------------------------------------
 
@@ -203,6 +245,21 @@ class ChatRenderer:
         for k, encoded in zip(owner, self._encode_rendered(rendered)):  # one tokenizer call for all
             out[k].append(encoded)
         return out
+
+
+def _end_of_longest_tail(prompt: str, done: str, lo: int, hi: int) -> int | None:
+    """The end of the last occurrence in done[:hi], ending at lo or later, of the longest tail of
+    `prompt` that occurs so; None if not even one character does. Binary search on the tail's
+    length: a tail that occurs there has every shorter tail occurring there too."""
+    best, short, long = None, 1, min(len(prompt), hi)
+    while short <= long:
+        m = (short + long) // 2
+        at = done.rfind(prompt[-m:], 0, hi)
+        if at >= 0 and at + m >= lo:
+            best, short = at + m, m + 1
+        else:
+            long = m - 1
+    return best
 
 
 def _byte_lengths(backend: Any) -> np.ndarray | None:

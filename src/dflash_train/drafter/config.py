@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dflash_train.target.language_model import text_config
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -191,7 +193,7 @@ def drafter_config_from_target(
     Attention shapes, norm eps and RoPE come from the target (the drafter shares its
     embedding space and position encoding); only depth, block size and taps are ours.
     """
-    text_cfg = getattr(target_config, "text_config", None) or target_config
+    text_cfg = text_config(target_config)  # a multimodal target's language model
     hidden = int(text_cfg.hidden_size)
     heads = int(text_cfg.num_attention_heads)
     kv_heads = int(_get(text_cfg, "num_key_value_heads", default=heads))
@@ -325,7 +327,7 @@ def init_source_layers(spec: DrafterSpec, num_target_layers: int) -> list[int] |
 
 def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: int) -> DrafterConfig:
     """The drafter config for `spec` on a target (its Hugging Face config); ValueError if it does not fit."""
-    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_cfg = text_config(target_config)
     return drafter_config_from_target(
         text_cfg,
         mask_token_id=mask_token_id,
@@ -346,7 +348,7 @@ def build_drafter_config(spec: DrafterSpec, target_config: Any, mask_token_id: i
 
 def mismatches_with_target(cfg: DrafterConfig, target_config: Any) -> list[str]:
     """Why a drafter cannot run on a target (empty if it can), from the target's config alone."""
-    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_cfg = text_config(target_config)
     problems = []
     if cfg.hidden_size != int(text_cfg.hidden_size):
         problems.append(f"hidden size {cfg.hidden_size} != target's {text_cfg.hidden_size}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.target.ops import soft_cap
 from dflash_train.utils.device import HostCopy
 
 IGNORE = -100  # invalid label slots hold this so that any accidental use fails loudly
@@ -110,10 +111,13 @@ class PendingTargetLabels:
         self.count = HostCopy(self.needed.sum())
 
     @torch.no_grad()
-    def finish(self, final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, *,
-               chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk_rows: int = 8192,
+               logit_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels [R, N, B], label_valid [R, N, B]): the target's greedy token per valid slot.
-        `final_hidden` [R, S, H]: the target states after its final norm; `lm_head_weight` [V, H]."""
+        `final_hidden` [R, S, H]: the target states after its final norm; `lm_head_weight` [V, H];
+        `logit_softcap`: the target's final_logit_softcapping. tanh keeps the order of the logits, but
+        in bf16 it can round two near the cap to one value, and the target's greedy choice is made
+        on the capped logits: so are the labels."""
         R, S, H = final_hidden.shape
         rows = torch.nonzero_static(self.needed, size=int(self.count.get())).squeeze(1)  # [U], no sync
         states = final_hidden.reshape(R * S, H)[rows]  # [U, H]
@@ -121,7 +125,7 @@ class PendingTargetLabels:
         greedy_at = torch.zeros(R * S, dtype=torch.long, device=states.device)  # per flat position
         for start in range(0, rows.numel(), chunk_rows):
             chunk = slice(start, start + chunk_rows)
-            greedy_at[rows[chunk]] = (states[chunk] @ w.T).argmax(dim=-1)
+            greedy_at[rows[chunk]] = soft_cap(states[chunk] @ w.T, logit_softcap).argmax(dim=-1)
         labels = torch.full((*self.anchors.shape, self.block_size), IGNORE, dtype=torch.long, device=self.anchors.device)
         labels[:, :, 1:] = torch.gather(greedy_at.view(R, S), 1, self.pred.view(R, -1)).view_as(self.pred)
         return torch.where(self.label_valid, labels, torch.full_like(labels, IGNORE)), self.label_valid
@@ -137,6 +141,7 @@ def target_block_labels(
     block_size: int,
     *,
     chunk_rows: int = 8192,
+    logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`target` labels: the target's greedy token for each slot, same validity as `data`.
 
@@ -144,4 +149,4 @@ def target_block_labels(
     (`needed_label_rows`), in chunks, so the [positions, V] matrix never exists at once.
     """
     pending = PendingTargetLabels(document_ids, loss_mask, anchors, valid, block_size)
-    return pending.finish(final_hidden, lm_head_weight, chunk_rows=chunk_rows)
+    return pending.finish(final_hidden, lm_head_weight, chunk_rows=chunk_rows, logit_softcap=logit_softcap)

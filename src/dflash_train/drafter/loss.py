@@ -2,7 +2,10 @@
 
 Per valid label: cross-entropy of lm_head(norm(h)) with the frozen target lm_head,
 weighted per slot by `decay` (exp(-(k-1)/gamma)), `cap` (the detached derivative of the
-expected acceptance length with respect to log c_k, floored at eps) or both.
+expected acceptance length with respect to log c_k, floored at eps) or both. Against
+`distill` labels the target is the softmax of the target's logits, soft-capped as its own
+forward caps them (`target_softcap`: Gemma 2's final_logit_softcapping); the drafter's
+logits are not capped (only the target's distribution and its argmax are defined by the cap).
 
 The step returns *sums* (weighted loss, weights, per-slot hit counts) rather than means:
 the trainer divides by the weight sum of the whole global batch (all micro-batches, all
@@ -21,6 +24,7 @@ from typing import Literal
 import torch
 
 from dflash_train.drafter.row_stats import row_stats
+from dflash_train.target.ops import soft_cap
 from dflash_train.utils.compile import compiled_once
 
 # a chunk's weights from its CEs: (ce [c] float32, detached; the chunk's rows of the head's input) -> [c]
@@ -153,7 +157,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, chunk_rows: int, need_grad: bool, compiled: bool,
-                tail=None, row_weights=None):
+                tail=None, row_weights=None, target_softcap=None):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(rows, dtype=torch.long, device=hidden.device)
@@ -173,7 +177,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             if target_hidden is None:
                 ce[sl], pred[sl], grad_logits = _hard_label_chunk(logits, labels[sl], need_grad, chunk_fn)
             else:
-                ce[sl], pred[sl], grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, need_grad)
+                ce[sl], pred[sl], grad_logits = chunk_fn(logits, _target_logits(target_hidden[sl], w, target_softcap),
+                                                         need_grad)
             if weigh is not None:
                 row_weights[sl] = weigh(ce[sl], sl)
             if need_grad:
@@ -187,7 +192,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         ctx.mark_non_differentiable(pred, weights_out)
         ctx.set_materialize_grads(False)
         ctx.folded = folded
-        ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn) if train_tail else None
+        ctx.tail_args = (hidden.detach(), w, tail, labels, target_hidden, chunk_rows, chunk_fn,
+                         target_softcap) if train_tail else None
         return ce, pred, weighted, weights_out
 
     @staticmethod
@@ -206,7 +212,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 grad_tail = by_row if grad_tail is None else grad_tail + by_row
             grad_tail = grad_tail.to(ctx.tail_args[2].dtype) if grad_tail is not None else None
         grad_h = None if grad_rows is None else grad_hidden * grad_rows[:, None].to(grad_hidden.dtype)
-        return grad_h, None, None, None, None, None, None, grad_tail, None
+        return grad_h, None, None, None, None, None, None, grad_tail, None, None
 
 
 def _chunk_fn(hard: bool, compiled: bool):
@@ -226,6 +232,12 @@ def _head_logits(hidden: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor | N
     return torch.addmm(hidden[:, :H].to(w.dtype) @ w.T, hidden[:, H:].to(w.dtype), tail_w.T)
 
 
+def _target_logits(target_hidden: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The target's logits of a chunk, [c, H] -> [c, V] in the head's dtype, soft-capped as the target's
+    own forward caps them (Gemma 2's final_logit_softcapping): the distribution distilled is the target's."""
+    return soft_cap(target_hidden.to(w.dtype) @ w.T, softcap)
+
+
 def _head_back(grad_logits: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor | None) -> torch.Tensor:
     """dLoss/dhidden of one chunk: [c, V] -> [c, H] (or [c, H + r] with a tail)."""
     if tail_w is None:
@@ -233,7 +245,7 @@ def _head_back(grad_logits: torch.Tensor, w: torch.Tensor, tail_w: torch.Tensor 
     return torch.cat([grad_logits @ w, grad_logits @ tail_w], dim=-1)
 
 
-def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chunk_fn) -> torch.Tensor:
+def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chunk_fn, target_softcap) -> torch.Tensor:
     """dLoss/dtail [V, r] (dspark's markov_w2, trainable, unlike the frozen LM head). Its gradient
     needs each row's incoming weight, known only now, so each chunk's logits are computed again:
     sum over rows of grad_ce * (softmax - target) (x) markov code, in float32."""
@@ -246,7 +258,7 @@ def _tail_grad(grad_ce, hidden, w, tail, labels, target_hidden, chunk_rows, chun
         if target_hidden is None:
             grad_logits = _hard_label_chunk(logits, labels[sl], True, chunk_fn)[2]
         else:
-            grad_logits = chunk_fn(logits, target_hidden[sl].to(w.dtype) @ w.T, True)[2]
+            grad_logits = chunk_fn(logits, _target_logits(target_hidden[sl], w, target_softcap), True)[2]
         scaled = grad_logits.float() * grad_ce[sl, None].float()  # [c, V]
         grad += scaled.T @ hidden[sl, H:].float()
     return grad
@@ -260,9 +272,11 @@ def head_cross_entropy(
     chunk_rows: int = 4096,
     compiled: bool = False,
     tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2 (trainable); hidden is then [M, H + r]
+    target_softcap: float | None = None,  # the target's final_logit_softcapping (distillation)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row CE float32 [M], argmax prediction [M]) without materialising [M, V]."""
-    ce, pred, _, _ = _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, None)
+    ce, pred, _, _ = _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, None,
+                              target_softcap)
     return ce, pred
 
 
@@ -276,6 +290,7 @@ def weighted_head_cross_entropy(
     compiled: bool = False,
     tail: torch.Tensor | None = None,  # [V, r]
     group_rows: int = 1,  # rows kept in one chunk (a block's slots): chunk_rows is rounded down to a multiple
+    target_softcap: float | None = None,  # the target's final_logit_softcapping (distillation)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """head_cross_entropy plus the differentiable sum row_weights @ ce and the weights [M]; a
     loss built on that sum alone trains a tail without computing the logits a second time
@@ -284,17 +299,19 @@ def weighted_head_cross_entropy(
     chunk_rows = max(group_rows, chunk_rows // group_rows * group_rows)
     if not callable(row_weights):
         row_weights = row_weights.detach()
-    return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights)
+    return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights,
+                    target_softcap)
 
 
-def _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights):
+def _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights,
+             target_softcap=None):
     if (labels is None) == (target_hidden is None):
         raise ValueError("give exactly one of labels and target_hidden")
     if labels is not None:
         labels = labels.clamp(min=0)  # IGNORE slots carry weight 0; any id is fine there
     need_grad = hidden.requires_grad or (tail is not None and tail.requires_grad)
     return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, target_hidden, chunk_rows,
-                                   need_grad, compiled, tail, row_weights)
+                                   need_grad, compiled, tail, row_weights, target_softcap)
 
 
 def slot_weights(
@@ -400,6 +417,7 @@ def drafter_loss(
     target_states: torch.Tensor | None = None,  # [R, N, B-1, H] for distillation
     compiled: bool = False,  # compiled mode (fixed shapes): the head's chunk math compiled (cfg.fused_head)
     tail: torch.Tensor | None = None,  # [V, r] dspark's markov_w2; final_hidden is then [R, N*B, H + r]
+    target_softcap: float | None = None,  # the target's final_logit_softcapping, applied to its distilled logits
 ) -> StepStats:
     R, N, B = labels.shape
     H = final_hidden.shape[-1]
@@ -408,7 +426,8 @@ def drafter_loss(
     valid = label_valid[:, :, 1:]
     soft = target_states.reshape(-1, target_states.shape[-1]) if target_states is not None else None
     head_args = (hidden, lm_head_weight, None if soft is not None else lab)
-    head_kwargs = dict(target_hidden=soft, chunk_rows=cfg.chunk_rows, compiled=compiled and cfg.fused_head, tail=tail)
+    head_kwargs = dict(target_hidden=soft, chunk_rows=cfg.chunk_rows, compiled=compiled and cfg.fused_head, tail=tail,
+                       target_softcap=target_softcap)
     # the head forms the weighted sum (and a tail's gradient) itself; the confidence weightings'
     # weights come from the CEs, so it computes them block by block as each chunk's CEs are known
     if cfg.weighting in CONFIDENCE_WEIGHTINGS:

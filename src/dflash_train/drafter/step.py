@@ -28,6 +28,7 @@ class FrozenHeads:
 
     embed_weight: torch.Tensor  # [V, H]
     lm_head_weight: torch.Tensor  # [V, H] (may be the same storage when tied)
+    logit_softcap: float | None = None  # the target's final_logit_softcapping: its logits are cap * tanh(h W^T / cap)
 
     def __post_init__(self) -> None:
         self.embed_weight.requires_grad_(False)
@@ -115,7 +116,7 @@ def drafter_forward(
         mask_slots=True,  # block_input_ids: [anchor token, MASK, ..., MASK]
     )
     if pending is not None:
-        labels, label_valid = pending.finish(final_hidden, heads.lm_head_weight)
+        labels, label_valid = pending.finish(final_hidden, heads.lm_head_weight, logit_softcap=heads.logit_softcap)
     return BlockForward(hidden, labels, label_valid, anchors, valid, target_states)
 
 
@@ -143,4 +144,5 @@ def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, *, step_cfg: StepCo
     out = drafter_forward(drafter, heads, step_cfg=step_cfg, generator=generator, **batch)
     hidden, tail = head_operands(drafter, out, batch["input_ids"])
     return drafter_loss(hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
-                        target_states=out.target_states, compiled=step_cfg.fixed_shape, tail=tail)
+                        target_states=out.target_states, compiled=step_cfg.fixed_shape, tail=tail,
+                        target_softcap=heads.logit_softcap)

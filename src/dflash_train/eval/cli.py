@@ -23,6 +23,7 @@ from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.eval.report import plot_report, summary_lines, write_json
 from dflash_train.speculative.decoders import NEAR_TIE_ULPS
 from dflash_train.speculative.evaluate import build_report, evaluate_prompts, measure_batched
+from dflash_train.target.attn_impl import AttnImplementation, resolve_attn_implementation
 from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
 from dflash_train.train.export_cli import find_drafter_dir
 from dflash_train.utils.config import cli
@@ -85,6 +86,9 @@ class EvalJobConfig:
     """CPU threads for torch (0: the cores other processes leave idle)"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the target"""
+    attn_implementation: AttnImplementation = "auto"
+    """the target's attention: auto = sdpa where the model supports it, else eager (Gemma 2, gpt-oss);
+    a choice the model does not support is refused before it loads"""
     progress: bool = True
     """show a progress bar"""
 
@@ -104,6 +108,7 @@ class EvalJobConfig:
 
 
 CONFIG = EvalJobConfig
+ATTN_OPTION = "attn-implementation"  # how error messages name the option
 
 
 def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
@@ -113,9 +118,12 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     out = check_output_dir(out, overwrite=cfg.overwrite, inputs=(cfg.drafter, drafter_dir), job="eval")  # checked now
     drafter = load_drafter(drafter_dir)
     source = resolve_model_source(cfg.target)
-    problems = mismatches_with_target(drafter.config, load_config(source, trust_remote_code=cfg.trust_remote_code))
+    target_config = load_config(source, trust_remote_code=cfg.trust_remote_code)
+    problems = mismatches_with_target(drafter.config, target_config)
     if problems:  # from the configs alone, before the target's weights load
         raise ModelError("the drafter does not fit this target: " + "; ".join(problems))
+    resolve_attn_implementation(target_config, cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+                                option=ATTN_OPTION)  # an unsupported choice: refused before any prompt is decoded
     check_writable_dir(out)  # before any prompt is decoded, not after all of them
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -125,7 +133,8 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     log.info("target %s (%s, %s) | drafter %s (block %d) | %d prompts from %s", source.describe(), dtype, device,
              drafter_dir, drafter.config.block_size, len(prompts), cfg.prompts)
     tokenizer = load_tokenizer(source, trust_remote_code=cfg.trust_remote_code)
-    target = load_causal_lm(source, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    target = load_causal_lm(source, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code,
+                            attn_implementation=cfg.attn_implementation, attn_option=ATTN_OPTION)
     compile = cfg.compile and device.type == "cuda"
     results = evaluate_prompts(target, tokenizer, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                                greedy=cfg.greedy, max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress,

@@ -88,6 +88,11 @@ def summary_lines(report: dict) -> list[str]:
     lines.append("acceptance per slot 1..B-1: " + " ".join(rate))
     lines.append(f"speculative: {o['spec_tok_per_s']:.1f} tok/s (drafter {o['draft_seconds']:.1f}s, target verify "
                  f"{o['verify_seconds']:.1f}s of {o['spec_seconds']:.1f}s)")
+    replay = o.get("replay")
+    if replay:
+        lines.append(f"recurrent target layers rolled back by replaying accepted tokens: {replay['rounds']:,} of "
+                     f"{replay['of_rounds']:,} verify forwards were followed by a forward of {replay['tokens']:,} "
+                     f"tokens in all (in the verify time above)")
     by_pos = o.get("tau_by_position") or {}
     if by_pos:
         lines.append("tau by answer position: " + ", ".join(f"{k}: {v:.2f}" for k, v in by_pos.items())

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dflash_train.generate.sampling import Sampling
+from dflash_train.target.attn_impl import AttnImplementation
 
 
 def _help(text: str) -> dict:
@@ -44,6 +45,9 @@ class GenerateConfig:
     max_prompt_tokens: int = field(default=2048, metadata=_help("longer prompts are skipped (built-in: sizes the KV cache)"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N"))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help("auto = bfloat16 on GPU, float32 on CPU"))
+    attn_implementation: AttnImplementation = field(default="auto", metadata=_help(
+        "attention the target is loaded with: auto = sdpa where the model supports it, else eager; a choice the "
+        "model does not support is refused before it loads"))
     cuda_graphs: bool = field(default=True, metadata=_help("capture the decode step in CUDA graphs (GPU only)"))
     compile: bool = field(default=True, metadata=_help("torch.compile the per-layer decode functions (GPU only)"))
     attention: Literal["auto", "dense", "flex"] = field(default="auto", metadata=_help(

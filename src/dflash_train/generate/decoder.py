@@ -44,20 +44,22 @@ def _rope_type(config) -> str:
     return str(params.get("rope_type", params.get("type", "default")))
 
 
-def check_supported(model, max_len: int) -> None:
-    """Raise UnsupportedModelError unless `decode`/`prefill` reproduce `model` exactly."""
-    cfg = model.config
-    hint = "; use the HTTP engine (--engine http) with a vLLM or SGLang server for this model"
+_HINT = "; use the HTTP engine (--engine http) with a vLLM or SGLang server for this model"
+
+
+def check_supported_config(cfg, max_len: int) -> None:
+    """Raise UnsupportedModelError unless a model of this config is one the engine reproduces,
+    judged from the config alone: the refusal comes before any weight is loaded."""
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"the built-in engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
-            f"{cfg.model_type!r}{hint}"
+            f"{cfg.model_type!r}{_HINT}"
         )
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){hint}")
+        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){_HINT}")
     rope = _rope_type(cfg)
     if rope in _DYNAMIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope type {rope!r} depends on the sequence length{hint}")
+        raise UnsupportedModelError(f"rope type {rope!r} depends on the sequence length{_HINT}")
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
     sliding = "sliding_attention" in layer_types or (
@@ -65,19 +67,24 @@ def check_supported(model, max_len: int) -> None:
     )
     if sliding and window is not None and window < max_len:
         raise UnsupportedModelError(
-            f"sliding-window attention (window {window} < {max_len} cache positions) is not supported{hint}"
+            f"sliding-window attention (window {window} < {max_len} cache positions) is not supported{_HINT}"
         )
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings are not supported{_HINT}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{_HINT}")
+
+
+def check_supported(model, max_len: int) -> None:
+    """Raise UnsupportedModelError unless `decode`/`prefill` reproduce `model` exactly."""
+    check_supported_config(model.config, max_len)
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{hint}")
+        raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{_HINT}")
     attn = inner.layers[0].self_attn
     head_dim = attn.head_dim
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError(f"partial rotary embeddings are not supported{hint}")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{hint}")
     if head_dim % 2:
-        raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{hint}")
+        raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
     mlp = inner.layers[0].mlp
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if not all(isinstance(m, torch.nn.Linear) for m in linears):

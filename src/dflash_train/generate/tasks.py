@@ -34,13 +34,14 @@ from tqdm import tqdm
 from dflash_train import __version__
 from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.decoder import check_supported_config
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.http_engine import HttpEngine
 from dflash_train.generate.sampling import request_key
 from dflash_train.generate.writer import JsonlAppender, read_rows, recover
 from dflash_train.target.chat_template import special_strings, user_header
-from dflash_train.target.loading import load_causal_lm, load_tokenizer, resolve_model_source
+from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
 from dflash_train.utils.errors import DataError, ModelError
 from dflash_train.utils.signals import StopSignals
@@ -318,16 +319,19 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     tokenizer = load_tokenizer(source)
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
+    max_new_tokens = max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1)
+    # a family the engine cannot decode is refused from its config, before the weights load
+    check_supported_config(load_config(source).get_text_config(), cfg.max_prompt_tokens + max_new_tokens)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu":
         threads, why = choose_cpu_threads(0)
         log.info("CPU threads: %d (%s)", threads, why)
-    model = load_causal_lm(source, dtype=dtype, device=device)
+    model = load_causal_lm(source, dtype=dtype, device=device, attn_implementation=cfg.attn_implementation,
+                           attn_option="attn-implementation")
     engine = BuiltinEngine(
         model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
-        max_new_tokens=max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1),
-        cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, attention=cfg.attention,
+        max_new_tokens=max_new_tokens, cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, attention=cfg.attention,
         model_name=source.name or source.describe(),
     )  # fmt: skip
     return engine, tokenizer

@@ -33,6 +33,7 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import FLEX_BLOCK
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.speculative.engine import SpecEngine
+from dflash_train.speculative.hf_cache import decoding_cache
 from dflash_train.speculative.loop import DecodeResult, DFlashProposer, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,16 @@ class HFSpecDecoder:
         return results
 
 
+def _hf_path_cost(target: torch.nn.Module) -> str:
+    """What the Hugging Face path costs on `target`, as measured (bench/family_eval.py, one H200)."""
+    cost = ("measured at a tenth of the weights' bandwidth bound (a Gemma-3-27B-shaped target: 8.5 tok/s plain "
+            "greedy in bf16 on an H200)")
+    if decoding_cache(target) is None:  # recurrent layers: rolled back by a replay forward (hf_cache.py)
+        cost += ("; its recurrent layers are rolled back by running the accepted tokens again, which costs about "
+                 "one more verify forward on every round that rejects a draft")
+    return cost
+
+
 def make_spec_decoder(
     target: torch.nn.Module,
     drafter: DFlashDrafter | None,
@@ -97,7 +108,8 @@ def make_spec_decoder(
     try:
         check_supported(target, -(-max_len // FLEX_BLOCK) * FLEX_BLOCK)
     except UnsupportedModelError as exc:
-        log.warning("static speculative engine unavailable (%s); using the Hugging Face path, batch 1", exc)
+        log.warning("static speculative engine unavailable (%s); using the Hugging Face path: batch 1, no CUDA "
+                    "graphs, %s (docs/eval.md, \"Supported models\")", exc, _hf_path_cost(target))
         return HFSpecDecoder(target, drafter, stop_ids, engine_kwargs.get("draft_window"))
     return SpecEngine(target, drafter, stop_ids, slots=slots, max_len=max_len, **engine_kwargs)
 

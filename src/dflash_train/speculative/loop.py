@@ -7,7 +7,8 @@ One prompt at a time (batch 1); correctness first:
            projected taps of every committed token before it, K/V cached per layer)
            target verifies [last, d_1 .. d_{B-1}] in one cached forward
            accept the longest prefix of drafts equal to the target's greedy choices + 1 bonus
-           crop the target cache to the committed tokens; hand their taps to the drafter
+           roll the target cache back to the committed tokens (speculative/hf_cache.py);
+           hand their taps to the drafter
 
 Plain greedy decoding is the same loop with no drafts (one token per forward, same cache,
 same code), so the two outputs can be compared token for token and timed fairly.
@@ -25,6 +26,7 @@ import torch
 from dflash_train.drafter.masks import dense_attention_mask
 from dflash_train.drafter.markov import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.speculative.hf_cache import CacheRollback, ReplayStats, decoding_cache
 from dflash_train.target.runner import find_decoder_layers
 
 
@@ -50,6 +52,8 @@ class DecodeResult:
     # target's top-1 logit and its margin over the top-2 (see speculative/decoders.py).
     margins: list[float] | None = None
     top_logits: list[float] | None = None
+    # The Hugging Face path on targets with recurrent layers: rounds rolled back by a replay forward
+    replay: ReplayStats | None = None
 
     @property
     def tau(self) -> float:
@@ -160,17 +164,6 @@ class DFlashProposer:
         return logits.argmax(-1).tolist()
 
 
-def _crop(cache, keep: int) -> None:
-    """Keep the first `keep` positions of a Hugging Face cache.
-
-    `crop(-n)` removes n positions on every transformers version we support (positive
-    arguments changed meaning, and `crop(0)` clears the whole cache on older releases).
-    """
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
-
-
 class SpeculativeDecoder:
     """Greedy (speculative) decoding of one frozen Hugging Face causal LM, batch 1.
 
@@ -216,6 +209,10 @@ class SpeculativeDecoder:
         self._captured.clear()
         return out.logits[0], getattr(out, self._cache_kw), taps
 
+    def _replay(self, ids: list[int], cache):
+        """Run committed tokens through the target again to advance a restored cache (hf_cache.py)."""
+        return self._forward(ids, cache, **self._last_only)[1]
+
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, proposer: Proposer | None = None) -> DecodeResult:
         """Greedy decoding of `prompt_ids`; speculative when a proposer is given."""
@@ -226,7 +223,8 @@ class SpeculativeDecoder:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t_start = time.perf_counter()
-        logits, cache, taps = self._forward(list(prompt_ids), None, **self._last_only)
+        logits, cache, taps = self._forward(list(prompt_ids), decoding_cache(self.target), **self._last_only)
+        rollback = CacheRollback(sync)
         token = int(logits[-1].argmax())
         if proposer is not None:
             proposer.start()
@@ -245,6 +243,7 @@ class SpeculativeDecoder:
                 drafts = [int(d) for d in proposer.propose(list(prompt_ids) + out, position)][: remaining - 1]
                 draft_s += time.perf_counter() - t
             t = time.perf_counter()
+            rollback.snapshot(cache)
             logits, cache, taps = self._forward([token] + drafts, cache)
             greedy = logits.argmax(-1).tolist()  # greedy[k]: the target's choice after slot k
             verify_s += time.perf_counter() - t  # .tolist() waited for the device
@@ -262,7 +261,9 @@ class SpeculativeDecoder:
             if finish:
                 break
             # keep the cache of the committed tokens; the new last token is not in it yet
-            _crop(cache, position + accepted + 1)
+            t = time.perf_counter()
+            cache = rollback.rollback(cache, len(drafts) + 1, [token] + drafts[:accepted], self._replay)
+            verify_s += time.perf_counter() - t
             if proposer is not None:
                 t = time.perf_counter()
                 new_pos = torch.arange(position, position + accepted + 1, device=taps.device)
@@ -271,4 +272,5 @@ class SpeculativeDecoder:
                 draft_s += time.perf_counter() - t
             position += accepted + 1
             token = commit[-1]
-        return DecodeResult(out, rounds, finish, time.perf_counter() - t_start, prefill, draft_s, verify_s)
+        return DecodeResult(out, rounds, finish, time.perf_counter() - t_start, prefill, draft_s, verify_s,
+                            replay=rollback.stats if rollback.stats.replays else None)

@@ -176,6 +176,10 @@ def overall_report(results: list[PromptResult], block_size: int) -> dict:
            "spec_seconds": spec_s, "spec_tok_per_s": new_tokens / spec_s if spec_s > 0 else float("nan"),
            "draft_seconds": sum(p.spec.draft_seconds for p in results),
            "verify_seconds": sum(p.spec.verify_seconds for p in results)}
+    replays = [p.spec.replay for p in results if p.spec.replay is not None]
+    if replays:  # the Hugging Face path on recurrent layers (speculative/hf_cache.py)
+        out["replay"] = {"rounds": sum(r.replays for r in replays), "tokens": sum(r.replayed_tokens for r in replays),
+                         "of_rounds": len(rounds)}
     with_greedy = [p for p in results if p.greedy is not None]
     if with_greedy:
         out.update(_timed_speedup(with_greedy), matches_greedy=sum(bool(p.matches_greedy) for p in with_greedy),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dflash_train.target.attn_impl import AttnImplementation
 from dflash_train.utils.device import DtypeName
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
@@ -19,8 +20,9 @@ class TargetConfig:
     """auto = bfloat16 on GPU, float32 on CPU"""
     trust_remote_code: bool = False
     """let transformers run code shipped with the model"""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
-    """attention kernel of the Hugging Face forward (target.forward: hf)"""
+    attn_implementation: AttnImplementation = "auto"
+    """attention of the Hugging Face forward (target.forward: hf): auto = sdpa where the model supports it,
+    else eager (Gemma 2, gpt-oss; said once in the log); a choice the model does not support is refused"""
     forward: Literal["hf", "packed"] = "hf"
     """hf = the model's own forward on documents unpacked from the packed rows (any architecture);
     packed = our layer loop over the same weights on the packed rows themselves: fixed shapes,
@@ -30,7 +32,8 @@ class TargetConfig:
     padded to one fixed shape); FP8 activation quantisation then fuses into them"""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """force one scaled_dot_product_attention kernel for the target (torch.nn.attention.sdpa_kernel);
-    auto = PyTorch's choice. With forward: hf it needs attn_implementation: sdpa"""
+    auto = PyTorch's choice. With forward: hf it needs sdpa attention (attn_implementation sdpa, or auto on
+    a model that supports sdpa)"""
     document_attention: Literal["gather", "flex"] = "gather"
     """how the packed forward keeps the documents of one row apart: gather = each document
     gathered into a padded [D, L] batch for scaled_dot_product_attention and scattered back;
@@ -44,6 +47,7 @@ class TargetConfig:
             raise ValueError("target.compile needs target.forward: packed (the Hugging Face forward is not compiled)")
         if self.document_attention == "flex" and self.forward != "packed":
             raise ValueError("target.document_attention: flex needs target.forward: packed")
-        if self.sdpa_backend != "auto" and self.forward == "hf" and self.attn_implementation != "sdpa":
+        # auto is checked once the model is known (train/setup.py check_target_options)
+        if self.sdpa_backend != "auto" and self.forward == "hf" and self.attn_implementation not in ("sdpa", "auto"):
             raise ValueError(f"target.sdpa_backend={self.sdpa_backend} needs target.attn_implementation: sdpa "
                              f"(got {self.attn_implementation}) or target.forward: packed")

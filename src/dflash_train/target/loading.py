@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from dflash_train.target.attn_impl import announce, attention_load_error, resolve_attn_implementation
 from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.gguf_cache import cached_folder
+from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
-from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import ModelError
 
 BUILTIN_TARGET = "builtin"
@@ -126,18 +127,33 @@ def load_causal_lm(
     dtype=None,
     device=None,
     trust_remote_code: bool = False,
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = "auto",
+    attn_option: str = "attn_implementation",
 ):
-    """Load a causal LM frozen and in eval mode. Weights load via safetensors/GGUF only."""
+    """Load a causal LM frozen and in eval mode. Weights load via safetensors/GGUF only.
+
+    `attn_implementation` auto (or None): sdpa where the model supports it, else eager
+    (target/attn_impl.py); an unsupported choice is a ModelError naming `--attn_option`."""
     source = spec if isinstance(spec, ModelSource) else resolve_model_source(spec)
     kwargs = _pretrained_kwargs(source, trust_remote_code)
     if not source.gguf_file and any(source.directory.glob("*.safetensors")):
         kwargs["use_safetensors"] = True  # never fall back to pickle when safetensors exist
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs)
+    attn = resolve_attn_implementation(load_config(source, trust_remote_code=trust_remote_code), attn_implementation,
+                                       trust_remote_code=trust_remote_code, option=attn_option)
+    if attn:
+        kwargs["attn_implementation"] = attn
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs)
+    except (ValueError, ImportError) as exc:
+        error = attention_load_error(exc, attn, source.describe(), option=attn_option)
+        if error is None:
+            raise
+        raise error from None
+    if attn is None:  # transformers chose (a class only the model's own code knows): say so as auto would
+        announce(model.config.model_type, type(model).__name__, model.config._attn_implementation,
+                 " (transformers' default for this model's own code)")
     if dtype is not None and source.gguf_file:
         model = model.to(dtype)  # GGUF tensors are dequantised to fp32 first
     if device is not None:
@@ -183,6 +199,18 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
     raise ValueError("cannot choose a MASK token automatically: set drafter.mask_token_id")
 
 
+EMBED_SUFFIX, HEAD_SUFFIX = "embed_tokens.weight", "lm_head.weight"
+
+
+def text_tensor_key(names, suffix: str) -> str | None:
+    """The language model's tensor among safetensors `names` ending in `suffix`: the shortest name
+    (`model.embed_tokens.weight`; in a multimodal checkpoint `model.language_model.embed_tokens.weight`
+    or `language_model.model.embed_tokens.weight`), not a deeper copy such as a multi-token-prediction
+    layer's `model.layers.61.embed_tokens.weight`; None if there is none."""
+    found = [n for n in names if n == suffix or n.endswith("." + suffix)]
+    return min(found, key=lambda n: (n.count("."), len(n))) if found else None
+
+
 def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=None, device=None,
                              trust_remote_code: bool = False):
     """(embedding weight, lm_head weight) of a target without building the whole model.
@@ -200,12 +228,13 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
         for f in files:
             with safe_open(str(f), "pt") as fh:
                 for key in fh.keys():
-                    if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+                    if key.endswith((EMBED_SUFFIX, HEAD_SUFFIX)):
                         if where is None or where.get(key) == f.name:
                             wanted[key] = fh.get_tensor(key)
-        embed = next((v for k, v in wanted.items() if k.endswith("embed_tokens.weight")), None)
-        if embed is not None:
-            head = wanted.get("lm_head.weight", embed)
+        embed_key, head_key = text_tensor_key(wanted, EMBED_SUFFIX), text_tensor_key(wanted, HEAD_SUFFIX)
+        if embed_key is not None:
+            embed = wanted[embed_key]
+            head = wanted[head_key] if head_key is not None else embed  # no head tensor: tied to the embedding
             return tuple(t.to(device=device, dtype=dtype or t.dtype) for t in (embed, head))
     model = load_causal_lm(source, dtype=dtype, trust_remote_code=trust_remote_code)
     embed = model.get_input_embeddings().weight.detach()
@@ -215,6 +244,11 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
         embed = head = embed.to(device)
         return embed, head
     return embed.to(device), head.to(device)
+
+
+def read_target_config(spec: str, *, trust_remote_code: bool = False):
+    """The Hugging Face config of a target (a preset's too), without its weights or tokenizer."""
+    return preset_config(spec) if is_preset(spec) else load_config(spec, trust_remote_code=trust_remote_code)
 
 
 def open_target(spec: str, *, trust_remote_code: bool = False):
@@ -229,14 +263,15 @@ def open_target(spec: str, *, trust_remote_code: bool = False):
             load_tokenizer(source, trust_remote_code=trust_remote_code))
 
 
-def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="sdpa",
-                      fp8: bool = False):
+def load_target_model(spec: str, *, dtype, device, trust_remote_code: bool = False, attn_implementation="auto",
+                      fp8: bool = False, attn_option: str = "target.attn_implementation"):
     """The frozen target (a preset builds random weights); `fp8` converts its decoder linears."""
     if is_preset(spec):
-        model = build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        attn = resolve_attn_implementation(preset_config(spec), attn_implementation, option=attn_option)
+        model = build_random_target(spec, dtype=dtype, device=device, attn_implementation=attn or "sdpa")
     else:
         model = load_causal_lm(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                               attn_implementation=attn_implementation)
+                               attn_implementation=attn_implementation, attn_option=attn_option)
     if fp8:
         convert_decoder_linears(model, find_decoder_layers(model))
     return model
@@ -266,7 +301,9 @@ def _layer_tensors_of_model(model, layer_ids: list[int]) -> dict[int, dict[str, 
 
 def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> dict[int, dict[str, torch.Tensor]] | None:
     """The same, read by name from a model directory's safetensors files (the decoder layers sit next
-    to the embedding: `model.embed_tokens.weight` -> `model.layers.{i}.`); None if they are not found."""
+    to the language model's embedding: `model.embed_tokens.weight` -> `model.layers.{i}.`, in a multimodal
+    checkpoint `model.language_model.layers.{i}.` or `language_model.model.layers.{i}.`, never a vision
+    tower's layers); None if they are not found."""
     files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
     index = source.directory / "model.safetensors.index.json"
     where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
@@ -274,10 +311,10 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
     for f in files:
         with safe_open(str(f), "pt") as fh:
             keys[f] = [k for k in fh.keys() if where is None or where.get(k) == f.name]
-    embed = next((k for ks in keys.values() for k in ks if k.endswith("embed_tokens.weight")), None)
+    embed = text_tensor_key([k for ks in keys.values() for k in ks], EMBED_SUFFIX)
     if embed is None:
         return None
-    base = embed[: -len("embed_tokens.weight")]
+    base = embed[: -len(EMBED_SUFFIX)]
     prefixes = {f"{base}layers.{i}.": i for i in layer_ids}
     out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layer_ids}
     for f, names in keys.items():

@@ -34,3 +34,11 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary position embedding; `cos`/`sin` broadcast against `x` [..., head_dim]."""
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """Gemma 2's final logit soft-capping, cap * tanh(logits / cap), in the order of operations
+    of the Hugging Face forward (so that the same dtype gives the same numbers); no cap: unchanged."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap

@@ -60,31 +60,38 @@ class UnsupportedTarget(ValueError):
     """The packed forward cannot reproduce this model (the message says why)."""
 
 
-def check_packed_support(model: nn.Module) -> None:
-    """Raise UnsupportedTarget unless `PackedForward` computes exactly the model's own forward."""
-    cfg = model.config
-    hint = "; use target.forward: hf for this model"
+_HINT = "; use target.forward: hf for this model"
+
+
+def check_packed_config(cfg) -> None:
+    """Raise UnsupportedTarget unless a model of this Hugging Face config is one `PackedForward`
+    reproduces, judged from the config alone (before the model loads)."""
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
-                                f"decoders, not {getattr(cfg, 'model_type', None)!r}{hint}")
+                                f"decoders, not {getattr(cfg, 'model_type', None)!r}{_HINT}")
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        raise UnsupportedTarget(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){hint}")
+        raise UnsupportedTarget(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){_HINT}")
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if str(params.get("rope_type", params.get("type", "default"))) in _DYNAMIC_ROPE_TYPES:
-        raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{hint}")
+        raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedTarget(f"partial rotary embeddings are not supported{hint}")
+        raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
     layer_types = getattr(cfg, "layer_types", None) or []
     if "sliding_attention" in layer_types or (
             getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")):
-        raise UnsupportedTarget(f"sliding-window attention is not supported{hint}")
+        raise UnsupportedTarget(f"sliding-window attention is not supported{_HINT}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise UnsupportedTarget(f"attention heads must be a multiple of kv heads{_HINT}")
+
+
+def check_packed_support(model: nn.Module) -> None:
+    """Raise UnsupportedTarget unless `PackedForward` computes exactly the model's own forward."""
+    check_packed_config(model.config)
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{hint}")
+        raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
     if type(inner.embed_tokens) is not nn.Embedding:  # e.g. a scaled embedding
-        raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{hint}")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise UnsupportedTarget(f"attention heads must be a multiple of kv heads{hint}")
+        raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
 
 
 def _projection(module: nn.Module) -> Projection:

@@ -15,6 +15,8 @@
 * `target.forward: packed` runs target/packed.py instead: the packed rows themselves, one
   fixed shape (compilable), the same taps; `target.sdpa_backend` forces the attention
   kernel of either forward.
+* The tapped layers and the final norm are the language model's (target/language_model.py):
+  a multimodal wrapper (Gemma 3) runs whole, and its vision tower is never tapped.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_train.target.config import TargetConfig
 from dflash_train.target.documents import DocumentLayout, unpack_documents
+from dflash_train.target.language_model import find_decoder_layers, find_final_norm
 from dflash_train.target.packed import PackedForward, rows_hold_one_document
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.flex_masks import causal_document_block_mask
@@ -40,28 +43,6 @@ class _StopForward(Exception):
 class TargetOutput:
     taps: torch.Tensor  # [R, S, n*H] outputs of the tapped decoder layers, concatenated
     final_hidden: torch.Tensor | None  # [R, S, H] after the final norm (target/distill labels)
-
-
-def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of decoder layers of a Hugging Face causal LM (Llama, Qwen, Mistral, ...)."""
-    n = model.config.get_text_config().num_hidden_layers if hasattr(model.config, "get_text_config") \
-        else model.config.num_hidden_layers
-    base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None) or model
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) == n:
-        return layers
-    for module in model.modules():  # unusual layouts: the first list of n blocks
-        if isinstance(module, nn.ModuleList) and len(module) == n:
-            return module
-    raise ValueError(f"{type(model).__name__}: cannot find its {n} decoder layers")
-
-
-def find_final_norm(model: nn.Module) -> nn.Module:
-    base = getattr(model, "model", None) or model
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if isinstance(getattr(base, name, None), nn.Module):
-            return getattr(base, name)
-    raise ValueError(f"{type(model).__name__}: cannot find its final norm (needed for target labels)")
 
 
 class TargetRunner:

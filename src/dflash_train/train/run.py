@@ -51,6 +51,7 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext, signals: StopSignals
     set_main_process(False)
     target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
     drafter_config = setup.resolve_drafter_config(cfg, target_config, tokenizer)
+    setup.check_target_options(cfg, target_config)
     data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=drafter_config.vocab_size,
                      tokenizer_identity=tokenizer_identity(tokenizer) if tokenizer is not None else None)
     t0 = time.perf_counter()

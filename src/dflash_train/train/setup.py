@@ -28,26 +28,29 @@ from dflash_train.drafter.step import FrozenHeads
 from dflash_train.drafter.target_init import check_target_layers_copyable, copy_target_layers
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource
+from dflash_train.target.attn_impl import resolve_attn_implementation
+from dflash_train.target.language_model import final_logit_softcap, text_config
 from dflash_train.target.loading import (
     choose_mask_token_id,
     load_decoder_layer_tensors,
     load_target_heads,
     load_target_model,
+    read_target_config,
 )
-from dflash_train.target.packed import UnsupportedTarget
+from dflash_train.target.packed import UnsupportedTarget, check_packed_config
 from dflash_train.target.runner import TargetRunner
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_dtype
-from dflash_train.utils.errors import ConfigError, TrainingError
+from dflash_train.utils.errors import ConfigError, ModelError, TrainingError
 
 log = logging.getLogger(__name__)
 
 
 def resolve_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> DrafterConfig:
     """The drafter config on this target; a clear error when the drafter section does not fit."""
-    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_cfg = text_config(target_config)
     mask_id = cfg.drafter.mask_token_id
     if mask_id is None:
         try:
@@ -64,7 +67,7 @@ def resolve_drafter_config(cfg: TrainConfig, target_config, tokenizer) -> Drafte
 def resolve_init_layers(cfg: TrainConfig, target_config) -> list[int] | None:
     """The target layer each drafter layer starts as (drafter.init_from_target), or None; a clear
     error when the target's layers cannot be copied. Checked from the config alone."""
-    text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_cfg = text_config(target_config)
     try:
         ids = init_source_layers(cfg.drafter, int(text_cfg.num_hidden_layers))
         if ids is not None:
@@ -73,6 +76,24 @@ def resolve_init_layers(cfg: TrainConfig, target_config) -> list[int] | None:
     except ValueError as exc:
         raise ConfigError(f"drafter.init_from_target={cfg.drafter.init_from_target} on the target "
                           f"{cfg.target.path}: {exc}") from None
+
+
+def check_target_options(cfg: TrainConfig, target_config) -> None:
+    """The `target:` options that depend on the model, from its config alone (before any weight loads):
+    its attention implementation (target/attn_impl.py), an SDPA kernel forced on a model that does not
+    run sdpa, and the packed forward on a model it cannot reproduce."""
+    t = cfg.target
+    attn = resolve_attn_implementation(target_config, t.attn_implementation, trust_remote_code=t.trust_remote_code,
+                                       option="target.attn_implementation")
+    if t.sdpa_backend != "auto" and t.forward == "hf" and attn not in ("sdpa", None):
+        raise ConfigError(f"target.sdpa_backend={t.sdpa_backend} forces an SDPA kernel, but the target "
+                          f"({getattr(target_config, 'model_type', None)}) runs {attn} attention, not sdpa: "
+                          f"set target.sdpa_backend: auto, or target.forward: packed")
+    if t.forward == "packed":
+        try:
+            check_packed_config(target_config)
+        except UnsupportedTarget as exc:
+            raise ConfigError(f"target.forward=packed: {exc}") from None
 
 
 def total_optimizer_steps(run: RunConfig, grad_accum: int, planner: BatchPlanner, num_drafters: int) -> int:
@@ -105,6 +126,8 @@ def build_target_runner(cfg: TrainConfig, model: torch.nn.Module, drafter_config
                                         need_final=cfg.step.label_source != "data")
     except UnsupportedTarget as exc:
         raise ConfigError(f"target.forward=packed: {exc}") from None
+    except ValueError as exc:  # layers or final norm not found: a model of a layout we do not know
+        raise ModelError(f"target {cfg.target.path}: {exc}") from None
 
 
 def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: torch.device, *,
@@ -113,7 +136,9 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     dtype = resolve_dtype(cfg.target.dtype, device)
     t = cfg.target
     if not whole_model:
-        heads = FrozenHeads(*load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code))
+        embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
+        cap = final_logit_softcap(read_target_config(t.path, trust_remote_code=t.trust_remote_code))
+        heads = FrozenHeads(embed, head, logit_softcap=cap)
         log.info("loaded the target's embedding and LM head in %.1fs", time.perf_counter() - t0)
         return FrozenTarget(heads)
     model = load_target_model(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code,
@@ -122,7 +147,9 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     log.info("loaded the target in %.1fs", time.perf_counter() - t0)
-    return FrozenTarget(FrozenHeads(embed, head.weight if head is not None else embed), model, runner)
+    heads = FrozenHeads(embed, head.weight if head is not None else embed,
+                        logit_softcap=final_logit_softcap(model.config))
+    return FrozenTarget(heads, model, runner)
 
 
 # what a checkpoint's data position (epoch, batch index) means: the batch plan, the split, the shuffle

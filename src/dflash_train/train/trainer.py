@@ -112,6 +112,7 @@ class Trainer:
         self._check_inputs(resume_from)
         # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
         self.init_layers = setup.resolve_init_layers(cfg, target_config)
+        setup.check_target_options(cfg, target_config)  # attention, packed forward: before the target loads
         if self.main:  # the resolved config and the metrics go there even without checkpoints
             check_writable_dir(self.output_dir)
             check_run_files(self.output_dir)

@@ -1,0 +1,67 @@
+"""The language model inside a target: the text part of its config and of its modules.
+
+A multimodal checkpoint (Gemma 3, Qwen3.5 / Qwen3-VL with a vision tower) loads as a wrapper
+whose language model sits a module or two down (`model.model.language_model`) and whose
+config keeps the text settings in a sub-config (`text_config`). What the drafter needs (the
+layers to tap, the final norm, hidden size, layer count, vocabulary, the logit soft-cap)
+belongs to the language model, and is found with transformers' own accessors
+(`get_text_config`, `get_decoder`), the same on 5.17 and 5.25: never from shapes alone, as a
+vision tower can have exactly as many layers as the text stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+# names of the final norm in the decoders transformers ships (Llama-style, Phi/Falcon, GPT-2, OPT)
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "final_norm")
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text decoder: the `text_config` of a multimodal config, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The module that runs the text decoder layers: `model.model` of a causal LM,
+    `model.model.language_model` of a multimodal wrapper (transformers' `get_decoder()`); the
+    model's `model` attribute for a module without that accessor."""
+    get = getattr(model, "get_decoder", None)
+    if callable(get):
+        decoder = get()
+        if isinstance(decoder, nn.Module):
+            return decoder
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of text decoder layers of a Hugging Face causal LM or multimodal wrapper."""
+    n = int(text_config(model.config).num_hidden_layers)
+    decoder = language_model(model)
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in decoder.modules():  # other names (GPT-2's `h`): a list of n blocks inside the language model
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"{type(model).__name__}: cannot find its {n} text decoder layers")
+
+
+def find_final_norm(model: nn.Module) -> nn.Module:
+    """The language model's final norm (its output, through the LM head, gives the logits)."""
+    decoder = language_model(model)
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(decoder, name, None), nn.Module):
+            return getattr(decoder, name)
+    raise ValueError(f"{type(model).__name__}: cannot find the final norm of its language model "
+                     f"(needed for target labels)")
+
+
+def final_logit_softcap(config: Any) -> float | None:
+    """The cap of the target's logit soft-capping (Gemma 2: logits = cap * tanh(h W^T / cap)), or None."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None

@@ -1,0 +1,211 @@
+"""Tiny random models of every family the field trains drafters for, built in-process.
+
+Each family is its transformers config at toy size (hidden 64, 4 layers, 4 heads; windows of 8
+tokens so that a short decode fills them) and the family's own chat template and special tokens
+(tests/family_templates.py). `save_family(name, dir)` writes a Hugging Face model directory
+(safetensors + tokenizer), as a user's checkpoint would be.
+
+Weights use a wide init range, so greedy choices are far from ties and fp32 rounding cannot
+flip them between a one-token and a many-token forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+WINDOW = 8  # sliding window of the windowed families: a 20-token prompt already overflows it
+LAYERS = 4
+INIT = 0.15
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, initializer_range=INIT, tie_word_embeddings=False)
+
+
+def _llama(vocab):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_COMMON, vocab_size=vocab, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+def _mistral(vocab, window=None):
+    from transformers import MistralConfig
+
+    return MistralConfig(**_COMMON, vocab_size=vocab, head_dim=16, sliding_window=window)
+
+
+def _qwen2(vocab):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**_COMMON, "tie_word_embeddings": True}, vocab_size=vocab)
+
+
+def _qwen3(vocab):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_COMMON, vocab_size=vocab, head_dim=16)
+
+
+def _qwen3_moe(vocab):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_COMMON, vocab_size=vocab, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
+
+
+_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4)
+_HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _qwen3_next(vocab):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(**_COMMON, **_LINEAR, vocab_size=vocab, head_dim=16, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                           layer_types=_HYBRID, partial_rotary_factor=0.25)
+
+
+def _qwen3_5(vocab):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**_COMMON, **_LINEAR, vocab_size=vocab, head_dim=16, layer_types=_HYBRID)
+
+
+def _gemma2(vocab):
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**{**_COMMON, "tie_word_embeddings": True}, vocab_size=vocab, head_dim=16,
+                        sliding_window=WINDOW, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+                        attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh")
+
+
+def _gemma3_text(vocab):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**{**_COMMON, "tie_word_embeddings": True}, vocab_size=vocab, head_dim=16,
+                            sliding_window=WINDOW, query_pre_attn_scalar=16, sliding_window_pattern=2,
+                            layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
+
+
+def _gemma3(vocab):
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = _gemma3_text(vocab)
+    # the vision tower as deep as the text stack: a layer finder that takes the first list of
+    # LAYERS blocks would pick the vision layers
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                        image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3,
+                        initializer_range=INIT)
+
+
+def _phi3(vocab):
+    from transformers import Phi3Config
+
+    return Phi3Config(**_COMMON, vocab_size=vocab, pad_token_id=0)
+
+
+def _gpt_oss(vocab):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**_COMMON, vocab_size=vocab, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False})
+
+
+def _deepseek_v3(vocab):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, vocab_size=vocab, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                            topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16,
+                            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                            n_shared_experts=1, rope_interleave=True)
+
+
+def _glm4_moe(vocab):
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**_COMMON, vocab_size=vocab, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, partial_rotary_factor=0.5, use_qk_norm=True)
+
+
+def _olmo2(vocab):
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**_COMMON, vocab_size=vocab, pad_token_id=0)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: Callable[[int], object]  # vocabulary rows -> transformers config
+    template: str  # key of tests/family_templates.py TEMPLATES
+    windowed: bool = False  # has sliding-window layers (a decode past WINDOW rolls them back)
+    recurrent: bool = False  # has linear-attention (recurrent state) layers
+    multimodal: bool = False  # the language model sits inside a wrapper
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", _llama, "llama3"),
+    Family("mistral", _mistral, "mistral"),
+    Family("mistral_window", lambda v: _mistral(v, WINDOW), "mistral", windowed=True),
+    Family("qwen2", _qwen2, "chatml"),
+    Family("qwen3", _qwen3, "qwen3"),
+    Family("qwen3_moe", _qwen3_moe, "qwen3"),
+    Family("qwen3_next", _qwen3_next, "qwen3", recurrent=True),
+    Family("qwen3_5", _qwen3_5, "qwen3_5", recurrent=True),
+    Family("gemma2", _gemma2, "gemma", windowed=True),
+    Family("gemma3_text", _gemma3_text, "gemma", windowed=True),
+    Family("gemma3", _gemma3, "gemma", windowed=True, multimodal=True),
+    Family("phi3", _phi3, "phi3"),
+    Family("gpt_oss", _gpt_oss, "gpt_oss", windowed=True),
+    Family("deepseek_v3", _deepseek_v3, "deepseek_v3"),
+    Family("glm4_moe", _glm4_moe, "glm4_moe"),
+    Family("olmo2", _olmo2, "olmo2"),
+)}
+
+
+def build_model(name: str, vocab: int, seed: int = 0):
+    """A random model of family `name` with `vocab` embedding rows, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
+
+    cfg = FAMILIES[name].config(vocab)
+    torch.manual_seed(seed)
+    if FAMILIES[name].multimodal:
+        model = Gemma3ForConditionalGeneration(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # transformers initialises some tensors (norms, biases, sinks) at 0/1: perturb all
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * INIT * 0.2)
+    return model.eval()
+
+
+def save_family(name: str, directory: str | Path, seed: int = 0):
+    """Save tokenizer + random model of family `name` to `directory`; returns (model, tokenizer)."""
+    from tests.family_templates import build_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(FAMILIES[name].template)
+    tokenizer.save_pretrained(str(directory))
+    # a few rows past the tokenizer: a never-produced row for the drafter's MASK token
+    model = build_model(name, len(tokenizer) + 8, seed)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            setattr(model.generation_config, key, value)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    (directory / "family.json").write_text(json.dumps({"family": name}))
+    return model, tokenizer
