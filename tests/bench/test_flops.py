@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from dflash_train.bench.cli import BenchConfig, build_config, model_flops_utilisation, run
-from dflash_train.bench.flops import expected_label_rows, step_flops
+from dflash_train.bench.flops import expected_label_rows, step_flops, causal_pairs_per_layer, mlp_flops_per_token
 from dflash_train.target.presets import preset_config
 from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import TrainingError
@@ -75,3 +75,31 @@ def test_bench_stopped_before_its_measured_steps_says_so(tmp_path):
         run(BenchConfig(preset="tiny", tokens=256, doc_len="40-120", anchors=8, block=4, layers=1, warmup=1,
                         measure=2, device="cpu", out=str(out), set=["run.max_minutes=1e-9"]))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_mlp_flops_per_token_equal_the_matmuls_a_layer_runs(family):
+    """A mixture of experts counts the router and the experts each token is routed to (and a
+    shared expert): the matmul FLOPs torch's counter sees in one layer's MLP (experts run
+    eagerly: only routed tokens are multiplied)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.families import build_model
+
+    model = build_model(family, 300)
+    model.config._experts_implementation = "eager"
+    layer = find_decoder_layers(model)[-1]
+    h = torch.randn(1, 37, model.config.hidden_size)
+    with FlopCounterMode(display=False) as counter:
+        layer.mlp(h)
+    assert mlp_flops_per_token(model.config) * 37 == counter.get_total_flops()
+
+
+def test_sliding_window_pairs_count_the_keys_each_query_sees():
+    """Brute force: keys k <= q with q - k < W for sliding layers, k <= q for full ones."""
+    cfg = preset_config("preset:gpt-oss-20b")
+    L, W = 300, cfg.sliding_window
+    q, k = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    full, window = int((k <= q).sum()), int(((k <= q) & (q - k < W)).sum())
+    assert causal_pairs_per_layer(cfg, L, 4) == 2 * full + 2 * window  # sliding, full, sliding, full
+    assert causal_pairs_per_layer(preset_config("preset:qwen3-8b"), L, 3) == 3 * full

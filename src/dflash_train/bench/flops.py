@@ -42,6 +42,28 @@ def expected_label_rows(candidates: int, anchors: int, block: int) -> float:
     return float((1.0 - none_drawn[covering - 1]).sum())
 
 
+def mlp_flops_per_token(t) -> float:
+    """Matmul FLOPs of one decoder layer's MLP for one token: the dense gated MLP, or for a mixture
+    of experts the router plus the experts each token is routed to (and a shared expert)."""
+    H = t.hidden_size
+    experts = getattr(t, "num_experts", None) or getattr(t, "num_local_experts", None)
+    if not experts:
+        return 2 * 3 * H * t.intermediate_size
+    inter = getattr(t, "moe_intermediate_size", None) or t.intermediate_size
+    shared = getattr(t, "shared_expert_intermediate_size", None) or 0  # Qwen's shared expert, with its 1-wide gate
+    return 2 * (H * experts + 3 * H * inter * t.num_experts_per_tok + (3 * H * shared + H if shared else 0))
+
+
+def causal_pairs_per_layer(t, doc_len: float, layers: int) -> float:
+    """(query, key) pairs one document of `doc_len` tokens attends over, summed over the first
+    `layers` layers: doc_len (doc_len + 1) / 2 for full attention, fewer in a sliding window."""
+    types = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
+    L, W = int(doc_len), getattr(t, "sliding_window", None)
+    full = L * (L + 1) / 2
+    windowed = full if not W or W >= L else W * (W + 1) / 2 + (L - W) * W
+    return sum(windowed if kind == "sliding_attention" else full for kind in types[:layers])
+
+
 def step_flops(cfg, preset: str) -> dict:
     t = preset_config(f"preset:{preset}")
     H, V, L = t.hidden_size, t.vocab_size, t.num_hidden_layers
@@ -57,11 +79,12 @@ def step_flops(cfg, preset: str) -> dict:
     d_inter = cfg.drafter.intermediate_size or inter
     D_layers = cfg.drafter.num_layers
 
-    layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H + 3 * H * inter)  # per token
+    layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H) + mlp_flops_per_token(t)  # per token
     layers_run = L if cfg.step.label_source != "data" else max(taps) + 1
     docs = max(1, int(S // Ld))
-    causal_pairs = docs * Ld * (Ld + 1) / 2  # (query, key) pairs of causal attention per row
-    target = layers_run * (S * layer_linear + 4 * h * hd * causal_pairs)
+    # (query, key) pairs of causal attention per row, over the layers run
+    causal_pairs = docs * causal_pairs_per_layer(t, Ld, layers_run)
+    target = layers_run * S * layer_linear + 4 * h * hd * causal_pairs
     candidates = docs * (Ld - Ld // 4 - 1)  # synthetic documents: the first quarter is the prompt
     anchors = min(N, candidates)
     if cfg.step.label_source != "data":

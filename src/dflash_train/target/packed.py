@@ -30,9 +30,10 @@ gathered or scattered.
 The forward stops after the last tapped layer when the final norm is not needed (`data`
 labels); with `target`/`distill` labels it ends with the final norm (no LM head).
 
-Supported: the decoders the built-in engine supports (Llama, Mistral without a sliding
-window, Qwen2, Qwen3): pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional
-biases, SiLU-gated MLP, static RoPE. Anything else is refused (use `target.forward: hf`).
+Supported: Llama, Mistral without a sliding window, Qwen2, Qwen3 and Qwen3-MoE decoders:
+pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a
+mixture of SiLU-gated experts (target/moe.py: one grouped GEMM for all experts), static RoPE.
+Anything else is refused (use `target.forward: hf`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
+from dflash_train.target.moe import moe_mlp
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
@@ -92,6 +94,16 @@ def check_packed_support(model: nn.Module) -> None:
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
     if type(inner.embed_tokens) is not nn.Embedding:  # e.g. a scaled embedding
         raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
+    if not all(_experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
+        raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
+                                f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
+
+
+def _experts_as_tensors(mlp: nn.Module) -> bool:
+    experts, gate = mlp.experts, getattr(mlp, "gate", None)
+    tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
+            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob")))
 
 
 def _projection(module: nn.Module) -> Projection:
@@ -141,6 +153,15 @@ def post_attention(
     return x + project(F.silu(gate) * up, (down_p,))[0]
 
 
+def post_attention_moe(
+    x: Tensor, attn_out: Tensor, o_p: Projection, ln2_w: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor,
+    *, eps: float, top_k: int, renormalise: bool,
+) -> Tensor:  # fmt: skip
+    """`post_attention` with a mixture of experts in place of the gated MLP (target/moe.py)."""
+    x = x + project(attn_out, (o_p,))[0]
+    return x + moe_mlp(rms_norm(x, ln2_w, eps), router_w, gate_up, down, top_k=top_k, renormalise=renormalise)
+
+
 def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
     """True when every real token's position is its column index: each row is one document
     starting at column 0 (padding after it), so causal attention over the row is exact."""
@@ -157,12 +178,20 @@ class _LayerWeights:
         self.pre = (layer.input_layernorm.weight, _projection(attn.q_proj), _projection(attn.k_proj),
                     _projection(attn.v_proj), q_norm.weight if q_norm is not None else None,
                     k_norm.weight if k_norm is not None else None)
-        self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, _projection(mlp.gate_proj),
-                     _projection(mlp.up_proj), _projection(mlp.down_proj))
+        experts = getattr(mlp, "experts", None)
+        self.moe = experts is not None  # Qwen3-MoE: router + experts as 3D tensors; else a gated MLP
+        if self.moe:
+            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, mlp.gate.weight,
+                         experts.gate_up_proj, experts.down_proj)
+            self.moe_kwargs = {"top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
+        else:
+            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, _projection(mlp.gate_proj),
+                         _projection(mlp.up_proj), _projection(mlp.down_proj))
+            self.moe_kwargs = {}
         self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
         self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
-        kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *self.post[2:])}
+        kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *(() if self.moe else self.post[2:]))}
         if len(kinds) != 1:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
@@ -187,6 +216,9 @@ class PackedForward:
         self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
             compiled_once(pre_attention) if compile else pre_attention
         self.post_attention: Callable[..., Tensor] = compiled_once(post_attention) if compile else post_attention
+        # the experts' grouped GEMM may break the graph on some PyTorch builds: not fullgraph
+        self.post_attention_moe: Callable[..., Tensor] = \
+            compiled_once(post_attention_moe, fullgraph=False) if compile else post_attention_moe
 
     def layers_to_run(self, need_final: bool) -> int:
         """All layers with the final norm; otherwise up to the last tapped layer."""
@@ -227,7 +259,8 @@ class PackedForward:
             lay = self.layers[i]
             q, k, v = self.pre_attention(x, cos, sin, *lay.pre, eps=lay.ln1_eps, qk_eps=lay.qk_eps,
                                          n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
-            x = self.post_attention(x, self.attention(q, k, v, layout), *lay.post, eps=lay.ln2_eps)
+            post = self.post_attention_moe if lay.moe else self.post_attention
+            x = post(x, self.attention(q, k, v, layout), *lay.post, eps=lay.ln2_eps, **lay.moe_kwargs)
             for j in slots.get(i, ()):
                 taps[..., j * H:(j + 1) * H] = x
         pad = (document_ids < 0)[..., None]

@@ -27,6 +27,28 @@ PRESETS: dict[str, dict] = {
                       num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262144,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=131072,
                       tie_word_embeddings=True),
+    # Qwen3-30B-A3B: 48 MoE layers, 128 experts, 8 routed per token
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                          tie_word_embeddings=False),
+    # gpt-oss-20b: 24 MoE layers (32 experts, 4 per token), sliding window 128 on every other layer,
+    # attention sinks, YaRN RoPE
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, vocab_size=201088, rms_norm_eps=1e-5, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096},
+                        tie_word_embeddings=False),
+    # Gemma-3-27B's text stack: 5 sliding-window (1,024) layers to 1 global, scaled embeddings
+    "gemma3-27b": dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                       num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+                       sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10 + ["sliding_attention"] * 2,
+                       tie_word_embeddings=True),
     # tiny, for CPU tests of the benchmark itself
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
@@ -51,12 +73,15 @@ def preset_config(spec: str):
 
 
 def build_random_target(spec: str, *, dtype, device, attn_implementation: str = "sdpa", seed: int = 0):
-    """A frozen, eval-mode causal LM of the preset's shape with N(0, 0.02) weights."""
+    """A frozen, eval-mode causal LM of the preset's shape with N(0, 0.02) weights (norms 1).
+
+    Built on `device` itself, so that buffers the modules compute at construction (rotary
+    tables, Gemma's embedding scale) are real; every parameter is then drawn from one seeded
+    generator, so a preset's weights are the same on every run."""
     config = preset_config(spec)
     config._attn_implementation = attn_implementation
-    with torch.device("meta"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -64,12 +89,6 @@ def build_random_target(spec: str, *, dtype, device, attn_implementation: str = 
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-        # rotary tables were created on the meta device: build those modules again for real
-        for parent in list(model.modules()):
-            for child_name, child in list(parent.named_children()):
-                if type(child).__name__.endswith("RotaryEmbedding"):
-                    with torch.device(device):
-                        setattr(parent, child_name, type(child)(child.config))
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval().requires_grad_(False)

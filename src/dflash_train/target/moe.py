@@ -1,0 +1,61 @@
+"""A mixture-of-experts MLP for the packed target forward (Qwen3-MoE): route each token to its
+top-k experts, run every expert on its tokens as one grouped matrix multiply, add the results
+back weighted by the router.
+
+    route           h [N, H] -> weights [N, k], experts [N, k]   (softmax over E, top-k, renormalised)
+    expert_mlps     token-slot pairs sorted by expert (a fixed N*k rows), each expert's rows one group:
+                    gate/up = grouped_mm(x, W_gu[e]) ; y = grouped_mm(silu(gate) * up, W_d[e])
+                    out[token] = sum over its k rows of weight * y (rows put back in token order)
+
+Every shape is fixed by N, k and E (the counts per expert are values, not shapes), so the
+whole block compiles with the rest of the layer. `grouped_mm` is PyTorch's grouped GEMM (one
+kernel for all experts on Hopper; a loop inside PyTorch on the CPU), with the experts' weights
+as transformers stores them: gate_up [E, 2I, H], down [E, H, I].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
+    """h [N, H] -> (weights [N, k] in h's dtype, expert ids [N, k]), as the model's router: a
+    softmax in float32 over all experts, the k largest, renormalised to sum to 1 if asked."""
+    probs = torch.softmax(F.linear(h, router_w), dim=-1, dtype=torch.float32)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(h.dtype), experts
+
+
+def grouped_offsets(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """expert ids [N, k] -> (the token-slot pairs' order sorted by expert [N*k], each expert's
+    end row in that order [E] int32). A scatter, not bincount, keeps the shape fixed."""
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, counts.cumsum(0, dtype=torch.int32)
+
+
+def expert_mlps(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Sum over each token's experts of weight * down(silu(gate) * up): [N, H]."""
+    N, k = experts.shape
+    order, offsets = grouped_offsets(experts, gate_up.shape[0])
+    gate, up = _GROUPED_MM(h[order // k], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [N*k, I] each
+    y = _GROUPED_MM(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*k, H], sorted by expert
+    # back to token order by the inverse permutation (a gather: every row read once, where a
+    # scatter-add into the tokens would contend on atomics), then each token's k rows weighed and summed
+    y = y[order.argsort()].view(N, k, -1)
+    return (y * weights[..., None]).sum(dim=1)
+
+
+def moe_mlp(h: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor, *, top_k: int, renormalise: bool) -> Tensor:
+    """h [..., H] -> the mixture's output [..., H]."""
+    flat = h.reshape(-1, h.shape[-1])
+    weights, experts = route(flat, router_w, top_k, renormalise)
+    return expert_mlps(flat, weights, experts, gate_up, down).view_as(h)
