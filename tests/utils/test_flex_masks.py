@@ -35,6 +35,17 @@ def test_block_mask_is_exact(seed, tile, S):
     assert bm.seq_lengths == (S, S)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_a_sliding_window_keeps_the_last_window_keys_of_the_document(seed, window):
+    """transformers' sliding-window rule (q - window < kv) on top of causal-within-document."""
+    _, _, doc, _ = random_packed_layout(random.Random(seed), 2, 70, max_docs=4)
+    bm = causal_document_block_mask(doc, tile=8, window=window)
+    q, kv = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    want = causal_document_ref(doc) & (q - kv < window)
+    assert torch.equal(effective_mask(bm, bm.mask_mod, 2, 70, 70), want)
+
+
 def test_only_the_tiles_near_the_diagonal_are_listed_and_inner_ones_are_full():
     doc = torch.arange(8).repeat_interleave(32)[None]  # eight 32-token documents, tiles of 16
     bm = causal_document_block_mask(doc, tile=16)

@@ -48,11 +48,18 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.moe import moe_mlp
+from dflash_train.target.packed_gemma import (
+    GemmaLayerWeights,
+    gemma_rms_norm,
+    post_attention_gemma,
+    pre_attention_gemma,
+)
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
+from dflash_train.utils.flex_masks import causal_document_block_mask
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
@@ -65,23 +72,36 @@ class UnsupportedTarget(ValueError):
 _HINT = "; use target.forward: hf for this model"
 
 
+def _rope_types(cfg) -> set[str]:
+    """Every RoPE type of the config (Gemma 3 keeps one set of parameters per layer type)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}
+
+
 def check_packed_config(cfg) -> None:
     """Raise UnsupportedTarget unless a model of this Hugging Face config is one `PackedForward`
     reproduces, judged from the config alone (before the model loads)."""
-    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
-                                f"decoders, not {getattr(cfg, 'model_type', None)!r}{_HINT}")
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        raise UnsupportedTarget(f"hidden_act {cfg.hidden_act!r} is not supported (only silu){_HINT}")
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if str(params.get("rope_type", params.get("type", "default"))) in _DYNAMIC_ROPE_TYPES:
+                                f"decoders, not {model_type!r}{_HINT}")
+    gemma = model_type == "gemma3_text"
+    act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", None) or "silu"
+    if act != ("gelu_pytorch_tanh" if gemma else "silu") and not (not gemma and act == "swish"):
+        raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")
+    if _rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
     layer_types = getattr(cfg, "layer_types", None) or []
-    if "sliding_attention" in layer_types or (
-            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")):
+    if not gemma and ("sliding_attention" in layer_types or (
+            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral"))):
         raise UnsupportedTarget(f"sliding-window attention is not supported{_HINT}")
+    if gemma and (getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "attention_bias", False)
+                  or getattr(cfg, "use_bidirectional_attention", False)):
+        raise UnsupportedTarget(f"Gemma attention with soft-capping, biases or bidirectional masks is not "
+                                f"supported{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedTarget(f"attention heads must be a multiple of kv heads{_HINT}")
 
@@ -92,7 +112,8 @@ def check_packed_support(model: nn.Module) -> None:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
-    if type(inner.embed_tokens) is not nn.Embedding:  # e.g. a scaled embedding
+    scaled = model.config.model_type == "gemma3_text" and hasattr(inner.embed_tokens, "embed_scale")
+    if type(inner.embed_tokens) is not nn.Embedding and not scaled:  # an embedding of a kind not reproduced
         raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
     if not all(_experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
@@ -191,9 +212,21 @@ class _LayerWeights:
         self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
         self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+        # how PackedForward calls this layer: which of its functions, with which options
+        self.pre_fn, self.pre_kwargs = "pre_attention", {"eps": self.ln1_eps, "qk_eps": self.qk_eps}
+        self.post_fn = "post_attention_moe" if self.moe else "post_attention"
+        self.post_kwargs = {"eps": self.ln2_eps, **self.moe_kwargs}
+        self.layer_type, self.window = None, None  # one RoPE table, full attention
         kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *(() if self.moe else self.post[2:]))}
         if len(kinds) != 1:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
+
+
+def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights:
+    if cfg.model_type != "gemma3_text":
+        return _LayerWeights(layer)
+    kind = cfg.layer_types[index]
+    return GemmaLayerWeights(layer, kind, cfg.sliding_window if kind == "sliding_attention" else None)
 
 
 class PackedForward:
@@ -202,14 +235,19 @@ class PackedForward:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False):
         check_packed_support(model)
         cfg, inner = model.config, model.model
+        self.gemma = cfg.model_type == "gemma3_text"
         self.embed_w = inner.embed_tokens.weight
+        # Gemma scales its embedding by sqrt(hidden), in the weights' dtype
+        self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
-        self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
-        self.layers = [_LayerWeights(layer) for layer in inner.layers]
+        self.norm_w = inner.norm.weight
+        self.norm_eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
+        self.layers = [_layer_weights(layer, i, cfg) for i, layer in enumerate(inner.layers)]
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.scale = float(inner.layers[0].self_attn.scaling)
+        self.window = next((lay.window for lay in self.layers if lay.window), None)
         self.sdpa = sdpa
         self.compile = compile
         # what every layer calls: the plain functions, or their compiled versions
@@ -219,6 +257,10 @@ class PackedForward:
         # the experts' grouped GEMM may break the graph on some PyTorch builds: not fullgraph
         self.post_attention_moe: Callable[..., Tensor] = \
             compiled_once(post_attention_moe, fullgraph=False) if compile else post_attention_moe
+        self.pre_attention_gemma: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
+            compiled_once(pre_attention_gemma) if compile else pre_attention_gemma
+        self.post_attention_gemma: Callable[..., Tensor] = \
+            compiled_once(post_attention_gemma) if compile else post_attention_gemma
 
     def layers_to_run(self, need_final: bool) -> int:
         """All layers with the final norm; otherwise up to the last tapped layer."""
@@ -250,20 +292,33 @@ class PackedForward:
         gather maps of `unpack_documents` or the flex BlockMask."""
         R, S = input_ids.shape
         x = F.embedding(input_ids, self.embed_w)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         H = x.shape[-1]
-        cos, sin = self.rotary(x, position_ids)  # [R, S, D], as the model's own forward computes them
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        ropes = self._rope_tables(x, position_ids)
+        # sliding-window layers: causal within the document and the window, on the packed rows
+        window_mask = causal_document_block_mask(document_ids, window=self.window) if self.window else None
         taps = x.new_empty(R, S, len(self.layer_ids) * H)
         slots = {i: [j for j, t in enumerate(self.layer_ids) if t == i] for i in set(self.layer_ids)}
         for i in range(self.layers_to_run(need_final)):
             lay = self.layers[i]
-            q, k, v = self.pre_attention(x, cos, sin, *lay.pre, eps=lay.ln1_eps, qk_eps=lay.qk_eps,
-                                         n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
-            post = self.post_attention_moe if lay.moe else self.post_attention
-            x = post(x, self.attention(q, k, v, layout), *lay.post, eps=lay.ln2_eps, **lay.moe_kwargs)
+            q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
+                                                n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
+            attn = self.attention(q, k, v, window_mask if lay.window else layout)
+            x = getattr(self, lay.post_fn)(x, attn, *lay.post, **lay.post_kwargs)
             for j in slots.get(i, ()):
                 taps[..., j * H:(j + 1) * H] = x
         pad = (document_ids < 0)[..., None]
         taps.masked_fill_(pad, 0)
-        final = rms_norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0) if need_final else None
+        final = None
+        if need_final:
+            norm = gemma_rms_norm if self.gemma else rms_norm
+            final = norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0)
         return taps, final
+
+    def _rope_tables(self, x: Tensor, position_ids: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
+        """(cos, sin) [R, S, 1, D] by layer type, as the model's own forward computes them (Gemma's
+        local and global layers rotate with different bases; other families have one table)."""
+        kinds = {lay.layer_type for lay in self.layers}
+        tables = {kind: self.rotary(x, position_ids, kind) if kind else self.rotary(x, position_ids) for kind in kinds}
+        return {kind: (cos[:, :, None, :], sin[:, :, None, :]) for kind, (cos, sin) in tables.items()}

@@ -76,14 +76,19 @@ def tiles_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_le
 
 
 def causal_document_block_mask(document_ids: torch.Tensor, *, device: torch.device | None = None,
-                               tile: int = TILE) -> "BlockMask":
+                               tile: int = TILE, window: int | None = None) -> "BlockMask":
     """Causal attention within each document of packed rows [R, S]: query q sees keys
-    document_start(q) .. q. The padding after a row's last document attends among itself, so
-    no query sees nothing (its output is discarded). Built where `document_ids` lives (the
-    CPU copy of a batch: no host sync) and moved to `device` from pinned memory."""
+    document_start(q) .. q, and with a sliding `window` only the last `window` of them
+    (q - window < k, transformers' sliding-window rule). The padding after a row's last document
+    attends among itself, so no query sees nothing (its output is discarded). Built where
+    `document_ids` lives (the CPU copy of a batch: no host sync) and moved to `device` from
+    pinned memory."""
     R, S = document_ids.shape
     lo = document_starts(document_ids)
-    touched, full = range_tiles(lo, torch.arange(1, S + 1, device=lo.device).expand(R, S), S, tile)
+    positions = torch.arange(S, device=lo.device).expand(R, S)
+    if window:
+        lo = torch.maximum(lo, positions - window + 1)
+    touched, full = range_tiles(lo, positions + 1, S, tile)
     first_key = lo.to(torch.int32)
     if device is not None:
         first_key = to_device_async(first_key, device)
