@@ -51,7 +51,8 @@ def run_engine(engine: BuiltinEngine, requests: list[Request]) -> dict[int, Comp
 
 
 @pytest.mark.parametrize("kind,attention", [("llama", "dense"), ("qwen2", "dense"), ("qwen3", "dense"),
-                                            ("llama", "flex"), ("qwen3", "flex")])
+                                            ("llama", "flex"), ("qwen3", "flex"), ("qwen3_moe", "dense"),
+                                            ("qwen3_moe", "flex")])
 def test_equals_hf_greedy_with_rows_finishing_at_different_steps(kind, attention):
     model = make_model(kind, vocab=256, seed=1)
     model.generation_config.eos_token_id = None

@@ -60,4 +60,9 @@ def make_model(kind: str = "llama", vocab: int = 384, seed: int = 0):
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)).eval()
+    if kind == "qwen3_moe":  # 8 experts, 2 a token, in both layers
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32)).eval()
     raise ValueError(kind)

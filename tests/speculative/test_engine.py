@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from dflash_train.generate import graphs
 from dflash_train.generate.decoder import StaticDecoder, _q_writing_kv
@@ -23,8 +24,17 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def targets(tiny_targets):
-    """{"llama": (model, tokenizer), "qwen3": ...}: 6-layer random fp32 targets."""
-    return {k: (load_causal_lm(d, dtype=torch.float32), load_tokenizer(d)) for k, d in tiny_targets.items()}
+    """{"llama": (model, tokenizer), "qwen3": ..., "qwen3_moe": ...}: 6-layer random fp32 targets (the
+    mixture: 8 experts, 2 a token, one dense layer), with the suite's tokenizer."""
+    out = {k: (load_causal_lm(d, dtype=torch.float32), load_tokenizer(d)) for k, d in tiny_targets.items()}
+    tok = out["qwen3"][1]
+    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=len(tok), max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.3, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, mlp_only_layers=[3])
+    torch.manual_seed(1)  # a seed whose greedy outputs do not fall into a short loop
+    out["qwen3_moe"] = (AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), tok)
+    return out
 
 
 def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
@@ -78,7 +88,7 @@ class OracleDrafts:
         return drafts
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_verify_equals_hf_forward(kind, targets):
     """Prefill and two verify rounds for 3 slots at different positions: logits and taps equal
     the HF forward of each slot's sequence; the second round starts inside the first block, so
@@ -152,7 +162,7 @@ def test_static_proposal_equals_slow_proposer(sliding, causal_full, targets):
         assert drafts[s].tolist() == proposer.propose(ids[s, :p + 1].tolist(), p)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_speculative_equals_greedy_equals_hf(kind, targets):
     """Batch 1, random DFlash drafters of several block sizes: the engine's speculative and
     plain greedy outputs equal HF greedy decoding, its rounds equal the slow decoder's, and
@@ -183,7 +193,7 @@ def test_speculative_equals_greedy_equals_hf(kind, targets):
     torch.testing.assert_close(torch.tensor(greedy.margins), top[:, 0] - top[:, 1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_scripted_drafts_rounds_equal_slow_decoder(kind, targets):
     """Forced-correct drafts (all accepted: tau = B), forced-wrong and partial ones: the same
     tokens and the same rounds (drafted / accepted / committed) as the slow decoder with the

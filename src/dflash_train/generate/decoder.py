@@ -11,7 +11,8 @@ by `prefill` while the others keep decoding. `decode` has a fixed shape for a gi
 `kv_len` (how many cache positions attention reads), which is what lets the engine
 capture it in a CUDA graph.
 
-Supported: Llama-family decoders (Llama, Mistral without a sliding window, Qwen2, Qwen3):
+Supported: Llama-family decoders (Llama, Mistral without a sliding window, Qwen2, Qwen3, and
+Qwen3-MoE, whose experts run as one grouped GEMM: target/moe.py):
 pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm (Qwen3), optional qkv bias (Qwen2),
 SiLU-gated MLP, any static RoPE variant transformers provides (default, linear, llama3,
 yarn, ...), tied or untied lm_head.
@@ -26,10 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.generate.attention import AttentionKind, CacheAttention, cache_index, causal_rule, flat, write_cache
+from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.utils.errors import ModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -81,12 +83,15 @@ def check_supported(model, max_len: int) -> None:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{_HINT}")
+    if not all(experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
+        raise UnsupportedModelError(f"experts laid out other than as transformers 5 stores them{_HINT}")
     attn = inner.layers[0].self_attn
     head_dim = attn.head_dim
     if head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
-    mlp = inner.layers[0].mlp
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    mlp = next((layer.mlp for layer in inner.layers if not hasattr(layer.mlp, "experts")), None)
+    dense = [mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else []
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *dense]
     if not all(isinstance(m, torch.nn.Linear) for m in linears):
         # e.g. target.fp8's float8 layers: decoding with them would measure a target nobody serves
         raise UnsupportedModelError("the decoder's linear layers were replaced (target.fp8?): the engine decodes "
@@ -118,15 +123,18 @@ class _Layer:
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
         )  # fmt: skip
-        self.post: tuple[Tensor | None, ...] = (
-            attn.o_proj.weight, attn.o_proj.bias,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.gate_proj.bias,
-            mlp.up_proj.weight, mlp.up_proj.bias,
-            mlp.down_proj.weight, mlp.down_proj.bias,
-        )  # fmt: skip
+        head = (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight)
         self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
+        experts = getattr(mlp, "experts", None)
+        if experts is not None:  # Qwen3-MoE: the router and the experts' 3D tensors (target/moe.py)
+            self.post: tuple[Tensor | None, ...] = (*head, mlp.gate.weight, experts.gate_up_proj, experts.down_proj)
+            self.post_kw = {"eps": self.ln2_eps, "top_k": int(mlp.gate.top_k),
+                            "renormalise": bool(mlp.gate.norm_topk_prob)}
+        else:
+            self.post = (*head, mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+                         mlp.down_proj.weight, mlp.down_proj.bias)
+            self.post_kw = {"eps": self.ln2_eps}
         self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
 
 
@@ -163,16 +171,19 @@ def _q_writing_kv(
 
 
 def _post_attention(
-    x: Tensor, attn_out: Tensor,
-    wo: Tensor, bo: Tensor | None, ln2_w: Tensor, wg: Tensor, bg: Tensor | None,
-    wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None,
-    *, eps: float,
+    x: Tensor, attn_out: Tensor, wo: Tensor, bo: Tensor | None, ln2_w: Tensor, *mlp: Tensor | None,
+    eps: float, top_k: int = 0, renormalise: bool = False,
 ) -> Tensor:  # fmt: skip
-    """Output projection, residual adds and the gated MLP: the rest of one decoder layer."""
+    """Output projection, residual adds and the MLP: the rest of one decoder layer. `mlp` is a
+    gated MLP's (wg, bg, wu, bu, wd, bd), or with `top_k` a mixture of experts' (router, gate_up,
+    down): a layer kind is a fixed argument count, so a compiled version traces each kind once."""
     x = x + F.linear(attn_out, wo, bo)
     h = rms_norm(x, ln2_w, eps)
-    h = F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
-    return x + h
+    if top_k:
+        router_w, gate_up, down = mlp
+        return x + moe_mlp(h, router_w, gate_up, down, top_k=top_k, renormalise=renormalise)
+    wg, bg, wu, bu, wd, bd = mlp
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
 
 def _final_logits(h: Tensor, norm_w: Tensor, lm_head_w: Tensor, lm_head_b: Tensor | None, *, eps: float) -> Tensor:
@@ -273,7 +284,7 @@ class StaticDecoder:
                 k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
                 v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
-            x = _post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, eps=lay.ln2_eps)
+            x = _post_attention(x, o.transpose(1, 2).reshape(b, t, -1), *lay.post, **lay.post_kw)
             if i in tap_layers:
                 taps[i] = x
         last = x[torch.arange(b, device=x.device), lengths - 1]
@@ -313,7 +324,7 @@ class StaticDecoder:
                 attn_mask=visible,
                 scale=self.scale,
             )
-            x = self.post_attention(x, o.reshape(s, self.n_heads * self.head_dim), *lay.post, eps=lay.ln2_eps)
+            x = self.post_attention(x, o.reshape(s, self.n_heads * self.head_dim), *lay.post, **lay.post_kw)
         return self._logits(x)
 
     def verify(
@@ -343,7 +354,7 @@ class StaticDecoder:
             q = self.q_writing_kv(x, cos, sin, *lay.pre, k_flat=self.k_flat[i], v_flat=self.v_flat[i], index=index,
                                   **self._pre_kw(lay))  # q [S, T, h, D]; k/v into the cache
             x = self.post_attention(x, attention.attend(q, self.k_cache[i], self.v_cache[i]), *lay.post,
-                                    eps=lay.ln2_eps)
+                                    **lay.post_kw)
             if i in tap_layers:
                 taps[i] = x
         return self.final_logits(x, self.norm_w, self.lm_head_w, self.lm_head_b, eps=self.norm_eps), \

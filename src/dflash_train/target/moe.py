@@ -17,9 +17,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def experts_as_tensors(mlp: nn.Module) -> bool:
+    """Whether a layer's mixture is laid out as these functions take it (transformers 5's
+    Qwen3-MoE): a router `gate` with top_k and norm_topk_prob, experts as 3D gate_up_proj and
+    down_proj tensors, no shared expert."""
+    experts, gate = mlp.experts, getattr(mlp, "gate", None)
+    tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
+            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob")))
 
 
 def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:

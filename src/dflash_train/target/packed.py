@@ -47,7 +47,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
-from dflash_train.target.moe import moe_mlp
+from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.packed_gemma import (
     GemmaLayerWeights,
     gemma_rms_norm,
@@ -115,16 +115,9 @@ def check_packed_support(model: nn.Module) -> None:
     scaled = model.config.model_type == "gemma3_text" and hasattr(inner.embed_tokens, "embed_scale")
     if type(inner.embed_tokens) is not nn.Embedding and not scaled:  # an embedding of a kind not reproduced
         raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
-    if not all(_experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
+    if not all(experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
-
-
-def _experts_as_tensors(mlp: nn.Module) -> bool:
-    experts, gate = mlp.experts, getattr(mlp, "gate", None)
-    tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
-    return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
-            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob")))
 
 
 def _projection(module: nn.Module) -> Projection:
