@@ -32,12 +32,15 @@ labels); with `target`/`distill` labels it ends with the final norm (no LM head)
 
 Supported: Llama, Mistral without a sliding window, Qwen2, Qwen3 and Qwen3-MoE decoders:
 pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a
-mixture of SiLU-gated experts (target/moe.py: one grouped GEMM for all experts), static RoPE.
-Anything else is refused (use `target.forward: hf`).
+mixture of SiLU-gated experts (target/moe.py: one grouped GEMM for all experts), static RoPE;
+Gemma 3 text stacks (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks,
+biased experts), whose sliding-window layers attend through FlexAttention under a windowed
+causal-within-document block mask. Anything else is refused (use `target.forward: hf`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,6 +51,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
+from dflash_train.target.packed_gpt_oss import (
+    GptOssLayerWeights,
+    experts_as_gpt_oss_stores_them,
+    post_attention_gpt_oss,
+    pre_attention_gpt_oss,
+    sink_attention_scale,
+)
 from dflash_train.target.packed_gemma import (
     GemmaLayerWeights,
     gemma_rms_norm,
@@ -59,7 +69,9 @@ from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import causal_document_block_mask
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+# families whose sliding-window layers the packed forward runs (through windowed FlexAttention)
+_WINDOWED_MODEL_TYPES = ("gemma3_text", "gpt_oss")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
@@ -89,13 +101,13 @@ def check_packed_config(cfg) -> None:
     gemma = model_type == "gemma3_text"
     act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", None) or "silu"
     if act != ("gelu_pytorch_tanh" if gemma else "silu") and not (not gemma and act == "swish"):
-        raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")
+        raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
     if _rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
     layer_types = getattr(cfg, "layer_types", None) or []
-    if not gemma and ("sliding_attention" in layer_types or (
+    if model_type not in _WINDOWED_MODEL_TYPES and ("sliding_attention" in layer_types or (
             getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral"))):
         raise UnsupportedTarget(f"sliding-window attention is not supported{_HINT}")
     if gemma and (getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "attention_bias", False)
@@ -115,7 +127,8 @@ def check_packed_support(model: nn.Module) -> None:
     scaled = model.config.model_type == "gemma3_text" and hasattr(inner.embed_tokens, "embed_scale")
     if type(inner.embed_tokens) is not nn.Embedding and not scaled:  # an embedding of a kind not reproduced
         raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
-    if not all(experts_as_tensors(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
+    laid_out = experts_as_gpt_oss_stores_them if model.config.model_type == "gpt_oss" else experts_as_tensors
+    if not all(laid_out(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
 
@@ -215,11 +228,14 @@ class _LayerWeights:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights:
-    if cfg.model_type != "gemma3_text":
+def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights:
+    if cfg.model_type not in _WINDOWED_MODEL_TYPES:
         return _LayerWeights(layer)
     kind = cfg.layer_types[index]
-    return GemmaLayerWeights(layer, kind, cfg.sliding_window if kind == "sliding_attention" else None)
+    window = cfg.sliding_window if kind == "sliding_attention" else None
+    if cfg.model_type == "gpt_oss":
+        return GptOssLayerWeights(layer, window)
+    return GemmaLayerWeights(layer, kind, window)
 
 
 class PackedForward:
@@ -254,20 +270,36 @@ class PackedForward:
             compiled_once(pre_attention_gemma) if compile else pre_attention_gemma
         self.post_attention_gemma: Callable[..., Tensor] = \
             compiled_once(post_attention_gemma) if compile else post_attention_gemma
+        self.pre_attention_gpt_oss: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
+            compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
+        self.post_attention_gpt_oss: Callable[..., Tensor] = \
+            compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
+        # gpt-oss's sinks need FlexAttention's log-sum-exp: every layer attends on the packed rows
+        self.flex_every_layer = cfg.model_type == "gpt_oss"
+        self.final_norm = gemma_rms_norm if self.gemma else \
+            functools.partial(rms_norm, scale_in_float32=cfg.model_type == "gpt_oss")
 
     def layers_to_run(self, need_final: bool) -> int:
         """All layers with the final norm; otherwise up to the last tapped layer."""
         return len(self.layers) if need_final else max(self.layer_ids) + 1
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: DocumentLayout | BlockMask | None) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: DocumentLayout | BlockMask | None,
+                  sinks: Tensor | None = None) -> Tensor:
         """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None),
         over each document gathered by `layout` (target/documents.py), or under the
-        causal-within-document BlockMask of the packed rows (document_attention flex)."""
+        causal-within-document BlockMask of the packed rows (document_attention flex; sliding
+        windows); `sinks` [heads]: gpt-oss's sink logits (a BlockMask only)."""
         R, S, h, d = q.shape
-        if isinstance(layout, BlockMask):  # compiled: eager FlexAttention builds every score
-            flex = compiled_once(flex_attention, dynamic=None, fullgraph=False)
-            o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=layout, scale=self.scale)
-            return o.transpose(1, 2).reshape(R, S, h * d)
+        if isinstance(layout, BlockMask):
+            # compiled on a GPU (eager FlexAttention builds every score); on a CPU compiling costs
+            # tens of seconds a shape and cannot return the log-sum-exp: eager there
+            flex = compiled_once(flex_attention, dynamic=None, fullgraph=False) if q.is_cuda else flex_attention
+            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=layout, scale=self.scale,
+                       return_lse=sinks is not None)
+            if sinks is None:
+                return out.transpose(1, 2).reshape(R, S, h * d)
+            o, lse = out
+            return (o.transpose(1, 2) * sink_attention_scale(lse, sinks).to(o.dtype)).reshape(R, S, h * d)
         with sdpa_backend(self.sdpa):
             if layout is None:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -291,13 +323,15 @@ class PackedForward:
         ropes = self._rope_tables(x, position_ids)
         # sliding-window layers: causal within the document and the window, on the packed rows
         window_mask = causal_document_block_mask(document_ids, window=self.window) if self.window else None
+        if self.flex_every_layer:
+            layout = causal_document_block_mask(document_ids)
         taps = x.new_empty(R, S, len(self.layer_ids) * H)
         slots = {i: [j for j, t in enumerate(self.layer_ids) if t == i] for i in set(self.layer_ids)}
         for i in range(self.layers_to_run(need_final)):
             lay = self.layers[i]
             q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
                                                 n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
-            attn = self.attention(q, k, v, window_mask if lay.window else layout)
+            attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
             x = getattr(self, lay.post_fn)(x, attn, *lay.post, **lay.post_kwargs)
             for j in slots.get(i, ()):
                 taps[..., j * H:(j + 1) * H] = x
@@ -305,8 +339,7 @@ class PackedForward:
         taps.masked_fill_(pad, 0)
         final = None
         if need_final:
-            norm = gemma_rms_norm if self.gemma else rms_norm
-            final = norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0)
+            final = self.final_norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0)
         return taps, final
 
     def _rope_tables(self, x: Tensor, position_ids: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
@@ -314,4 +347,6 @@ class PackedForward:
         local and global layers rotate with different bases; other families have one table)."""
         kinds = {lay.layer_type for lay in self.layers}
         tables = {kind: self.rotary(x, position_ids, kind) if kind else self.rotary(x, position_ids) for kind in kinds}
+        if self.head_dim == 2 * next(iter(tables.values()))[0].shape[-1]:  # gpt-oss: half-width tables
+            tables = {kind: (torch.cat([c, c], -1), torch.cat([s, s], -1)) for kind, (c, s) in tables.items()}
         return {kind: (cos[:, :, None, :], sin[:, :, None, :]) for kind, (cos, sin) in tables.items()}
