@@ -46,13 +46,15 @@ def _fresh(kind):
         cfg.num_hidden_layers, cfg.mlp_only_layers, cfg.initializer_range = 6, [2], 0.05
         torch.manual_seed(5)
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    if kind == "gemma3_text":  # windows of 8 (the documents run to 40 tokens), local and global RoPE
+    if kind in ("gemma3_text", "gemma2"):  # windows of 8 (documents run to 40 tokens); Gemma 2's capped scores
         from transformers import AutoModelForCausalLM
 
-        from tests.families import _gemma3_text
+        from tests.families import _gemma2, _gemma3_text
 
-        cfg = _gemma3_text(300)
+        cfg = (_gemma3_text if kind == "gemma3_text" else _gemma2)(300)
         cfg.num_hidden_layers, cfg.layer_types = 6, ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        if kind == "gemma2":
+            cfg.attn_logit_softcapping = 2.0  # small enough that uncapped scores would differ
         torch.manual_seed(6)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
         with torch.no_grad():  # Gemma's norms start at 0 (scale 1): perturb them too
@@ -100,7 +102,7 @@ def _run(model, batch, need_final, **kw):
         runner.close()
 
 
-@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -119,7 +121,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # a wrong route or weight moves the states by whole percents
     # (Gemma's states are ~10x larger: its embedding is scaled by sqrt(hidden))
     tol = dict(atol=1e-6, rtol=1e-5)
-    if kind in ("qwen3_moe", "gemma3_text", "gpt_oss"):
+    if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gpt_oss"):
         tol = dict(atol=5e-5 if kind == "gpt_oss" else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)
     assert (got.taps[batch.document_ids < 0] == 0).all()

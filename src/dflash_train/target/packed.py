@@ -61,6 +61,7 @@ from dflash_train.target.packed_gpt_oss import (
 from dflash_train.target.packed_gemma import (
     GemmaLayerWeights,
     gemma_rms_norm,
+    soft_capped,
     post_attention_gemma,
     pre_attention_gemma,
 )
@@ -69,9 +70,10 @@ from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import causal_document_block_mask
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # families whose sliding-window layers the packed forward runs (through windowed FlexAttention)
-_WINDOWED_MODEL_TYPES = ("gemma3_text", "gpt_oss")
+_WINDOWED_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt_oss")
+_GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
@@ -98,7 +100,7 @@ def check_packed_config(cfg) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                                 f"decoders, not {model_type!r}{_HINT}")
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in _GEMMA_MODEL_TYPES
     act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", None) or "silu"
     if act != ("gelu_pytorch_tanh" if gemma else "silu") and not (not gemma and act == "swish"):
         raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
@@ -110,10 +112,10 @@ def check_packed_config(cfg) -> None:
     if model_type not in _WINDOWED_MODEL_TYPES and ("sliding_attention" in layer_types or (
             getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral"))):
         raise UnsupportedTarget(f"sliding-window attention is not supported{_HINT}")
-    if gemma and (getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "attention_bias", False)
-                  or getattr(cfg, "use_bidirectional_attention", False)):
-        raise UnsupportedTarget(f"Gemma attention with soft-capping, biases or bidirectional masks is not "
-                                f"supported{_HINT}")
+    if gemma and (getattr(cfg, "attention_bias", False) or getattr(cfg, "use_bidirectional_attention", False)
+                  or (model_type == "gemma3_text" and getattr(cfg, "attn_logit_softcapping", None))):
+        raise UnsupportedTarget(f"Gemma attention with biases, bidirectional masks or (Gemma 3) soft-capped "
+                                f"scores is not supported{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedTarget(f"attention heads must be a multiple of kv heads{_HINT}")
 
@@ -124,7 +126,7 @@ def check_packed_support(model: nn.Module) -> None:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
-    scaled = model.config.model_type == "gemma3_text" and hasattr(inner.embed_tokens, "embed_scale")
+    scaled = model.config.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
     if type(inner.embed_tokens) is not nn.Embedding and not scaled:  # an embedding of a kind not reproduced
         raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
     laid_out = experts_as_gpt_oss_stores_them if model.config.model_type == "gpt_oss" else experts_as_tensors
@@ -235,7 +237,7 @@ def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLa
     window = cfg.sliding_window if kind == "sliding_attention" else None
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
-    return GemmaLayerWeights(layer, kind, window)
+    return GemmaLayerWeights(layer, kind if cfg.model_type == "gemma3_text" else None, window)
 
 
 class PackedForward:
@@ -244,7 +246,7 @@ class PackedForward:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False):
         check_packed_support(model)
         cfg, inner = model.config, model.model
-        self.gemma = cfg.model_type == "gemma3_text"
+        self.gemma = cfg.model_type in _GEMMA_MODEL_TYPES
         self.embed_w = inner.embed_tokens.weight
         # Gemma scales its embedding by sqrt(hidden), in the weights' dtype
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.gemma else None
@@ -274,8 +276,11 @@ class PackedForward:
             compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
         self.post_attention_gpt_oss: Callable[..., Tensor] = \
             compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
-        # gpt-oss's sinks need FlexAttention's log-sum-exp: every layer attends on the packed rows
-        self.flex_every_layer = cfg.model_type == "gpt_oss"
+        # gpt-oss's sinks need FlexAttention's log-sum-exp, Gemma 2's soft-capped scores its
+        # score_mod: every layer attends on the packed rows
+        cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
+        self.score_mod = soft_capped(float(cap)) if cap else None
+        self.flex_every_layer = cfg.model_type == "gpt_oss" or self.score_mod is not None
         self.final_norm = gemma_rms_norm if self.gemma else \
             functools.partial(rms_norm, scale_in_float32=cfg.model_type == "gpt_oss")
 
@@ -295,7 +300,7 @@ class PackedForward:
             # tens of seconds a shape and cannot return the log-sum-exp: eager there
             flex = compiled_once(flex_attention, dynamic=None, fullgraph=False) if q.is_cuda else flex_attention
             out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=layout, scale=self.scale,
-                       return_lse=sinks is not None)
+                       score_mod=self.score_mod, return_lse=sinks is not None)
             if sinks is None:
                 return out.transpose(1, 2).reshape(R, S, h * d)
             o, lse = out
