@@ -129,13 +129,22 @@ def profiled_kernels(prof, cuda: bool) -> list[tuple[str, float, float]]:
     return out
 
 
-def weight_bytes(model) -> int:
+def weight_bytes(model, slots: int = 1) -> int:
     """Bytes of weights a decode step reads: every parameter once (tied ones once), except an
-    input embedding that is not also the LM head: a step gathers only one row of it per slot."""
+    input embedding that is not also the LM head: a step gathers only one row of it per slot;
+    and the experts of a mixture: only those some slot is routed to, 1 - (1 - k/E)^slots of
+    them in expectation under uniform routing (all of them, nearly, at hundreds of slots)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     if head is not None and head.weight is not embed:
         total -= embed.numel() * embed.element_size()
+    cfg = model.config.get_text_config()
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        hit = 1 - (1 - cfg.num_experts_per_tok / experts) ** slots
+        expert_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                           if ".experts." in name)
+        total -= round(expert_bytes * (1 - hit))
     return total
 
 
@@ -266,7 +275,7 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
     bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
     per_position = 2 * len(dec.layers) * dec.n_kv * dec.head_dim * dec.k_cache.element_size()
-    weights = weight_bytes(engine.model)
+    weights = weight_bytes(engine.model, engine.slots)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
                        kv_read_bytes(mid, engine.attention, bucket, per_position), peak)

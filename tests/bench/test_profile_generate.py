@@ -122,3 +122,18 @@ def test_sampled_share_outside_0_1_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         profile_generate.main(["preset:tiny", "--sampled-share", "1.5", "--device", "cpu"])
     assert exit_info.value.code == 2 and "--sampled-share must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_weight_bytes_of_a_mixture_count_the_experts_some_slot_is_routed_to():
+    """8 experts, 2 a token: one slot reads 2/8 of the experts' bytes, 4 slots 1 - (3/4)^4 of them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=4, tie_word_embeddings=True))
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    assert experts == 2 * 8 * 3 * 16 * 4 * 4  # layers x experts x (gate, up, down) x hidden x inter x fp32
+    assert profile_generate.weight_bytes(model, 1) == rest + round(experts * 2 / 8)
+    assert profile_generate.weight_bytes(model, 4) == rest + round(experts * (1 - 0.75 ** 4))
