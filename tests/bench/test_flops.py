@@ -17,7 +17,7 @@ from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import TrainingError
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-8b"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-8b", "gemma3-27b", "qwen3.5-27b"])
 def test_target_linear_flops_count_every_decoder_linear(tmp_path, preset):
     """2 * in * out per token for every nn.Linear of every decoder layer the target runs
     (the matmuls FP8 replaces), read off a model built from the preset (on the meta device)."""

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BenchConfig:
-    preset: Literal["smollm2-135m", "qwen3-8b", "dense-27b", "qwen3-30b-a3b", "gpt-oss-20b", "gemma3-27b", "tiny"] = "qwen3-8b"
+    preset: Literal["smollm2-135m", "qwen3-8b", "dense-27b", "qwen3-30b-a3b", "gpt-oss-20b", "gemma3-27b",
+                    "qwen3.5-27b", "tiny"] = "qwen3-8b"
     """target shape (random weights)"""
     layout: Literal["single", "colocated", "split"] = "single"
     """rank layout (colocated and split under torchrun)"""

@@ -54,14 +54,35 @@ def mlp_flops_per_token(t) -> float:
     return 2 * (H * experts + 3 * H * inter * t.num_experts_per_tok + (3 * H * shared + H if shared else 0))
 
 
+GATED_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # q_proj also writes a gate for the output
+
+
+def attention_flops_per_token(t, kind: str) -> float:
+    """Matmul FLOPs of one layer's attention projections for one token: q, k, v, o, or a
+    linear-attention layer's (Qwen3.5 / Qwen3-Next gated delta net: qkv, z, a, b in; out)."""
+    H = t.hidden_size
+    if kind == "linear_attention":
+        nk, nv = t.linear_num_key_heads, t.linear_num_value_heads
+        dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+        return 2 * H * (2 * nk * dk + 2 * nv * dv + 2 * nv) + 2 * nv * dv * H
+    h, g = t.num_attention_heads, t.num_key_value_heads
+    hd = getattr(t, "head_dim", None) or H // h
+    q = h * hd * (2 if t.model_type in GATED_ATTENTION_MODEL_TYPES else 1)
+    return 2 * (H * q + 2 * H * g * hd + h * hd * H)
+
+
+def layer_types(t) -> list[str]:
+    return list(getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers)
+
+
 def causal_pairs_per_layer(t, doc_len: float, layers: int) -> float:
     """(query, key) pairs one document of `doc_len` tokens attends over, summed over the first
     `layers` layers: doc_len (doc_len + 1) / 2 for full attention, fewer in a sliding window."""
-    types = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
     L, W = int(doc_len), getattr(t, "sliding_window", None)
     full = L * (L + 1) / 2
     windowed = full if not W or W >= L else W * (W + 1) / 2 + (L - W) * W
-    return sum(windowed if kind == "sliding_attention" else full for kind in types[:layers])
+    pairs = {"sliding_attention": windowed, "linear_attention": 0.0}  # a recurrence has no pairs
+    return sum(pairs.get(kind, full) for kind in layer_types(t)[:layers])
 
 
 def step_flops(cfg, preset: str) -> dict:
@@ -79,12 +100,14 @@ def step_flops(cfg, preset: str) -> dict:
     d_inter = cfg.drafter.intermediate_size or inter
     D_layers = cfg.drafter.num_layers
 
-    layer_linear = 2 * (H * h * hd + 2 * H * g * hd + h * hd * H) + mlp_flops_per_token(t)  # per token
     layers_run = L if cfg.step.label_source != "data" else max(taps) + 1
+    # per token: every decoder matmul of the layers run (what FP8 runs)
+    target_linear = sum(attention_flops_per_token(t, kind) + mlp_flops_per_token(t)
+                        for kind in layer_types(t)[:layers_run])
     docs = max(1, int(S // Ld))
     # (query, key) pairs of causal attention per row, over the layers run
     causal_pairs = docs * causal_pairs_per_layer(t, Ld, layers_run)
-    target = layers_run * S * layer_linear + 4 * h * hd * causal_pairs
+    target = S * target_linear + 4 * h * hd * causal_pairs
     candidates = docs * (Ld - Ld // 4 - 1)  # synthetic documents: the first quarter is the prompt
     anchors = min(N, candidates)
     if cfg.step.label_source != "data":
@@ -110,7 +133,7 @@ def step_flops(cfg, preset: str) -> dict:
     parts = {"target": target / S, "drafter_fwd": drafter_fwd / S, "drafter_bwd": 2 * drafter_fwd / S,
              "lm_head_ce": head / S}
     return {"per_token": sum(parts.values()), "parts": parts, "visible_context_keys": ctx_keys,
-            "target_linear": layers_run * layer_linear}  # per token: the decoder matmuls (what FP8 runs)
+            "target_linear": target_linear}  # per token: the decoder matmuls (what FP8 runs)
 
 
 def _median_seconds(fn, repeats: int = 10) -> float:

@@ -49,6 +49,14 @@ PRESETS: dict[str, dict] = {
                        sliding_window=1024, vocab_size=262208, rms_norm_eps=1e-6, max_position_embeddings=131072,
                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10 + ["sliding_attention"] * 2,
                        tie_word_embeddings=True),
+    # Qwen3.5-27B's text stack: 3 gated-delta-net (linear attention) layers to 1 full-attention layer
+    # (the Hugging Face forward; its fast kernels come with the `fla` extra)
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, vocab_size=248320, rms_norm_eps=1e-6,
+                        max_position_embeddings=262144, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+                        tie_word_embeddings=False),
     # tiny, for CPU tests of the benchmark itself
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
