@@ -13,6 +13,8 @@ runs each case as its own `dflash-train` process and classifies what happened:
 It prints the table and the counts, writes them to OUT/report.md and OUT/report.json, and
 exits 1 when any case is a DEFECT. A full disk is simulated with RLIMIT_FSIZE (writes past the
 limit fail with EFBIG, as a full disk fails with ENOSPC); read-only places need a non-root user.
+`scripts/recipe_data.sh` is probed the same way, each case in a scratch git repository that
+keeps the fixture's drafter (its one line starts `recipe_data: `).
 """
 
 from __future__ import annotations
@@ -47,7 +49,21 @@ CHILD = textwrap.dedent("""
     from dflash_train.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
-LEFTOVER = re.compile(r"(^\..+\.(tmp|old)-\d+@)|(\.tmp$)|(^\.write-test-)")
+# The child of a SIGTERM that lands while export writes the weights.
+SIGTERM_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import dflash_train.drafter.checkpoint as checkpoint
+    real = checkpoint.save
+    def save(*args, **kwargs):
+        data = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return data
+    checkpoint.save = save
+    from dflash_train.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+RECIPE_DATA = ROOT / "scripts" / "recipe_data.sh"
+LEFTOVER = re.compile(r"(^\..+\.(tmp|old)-\d+@)|(\.tmp$)|(^\.write-test-)|(^\..+\.(restore|old)-[A-Za-z0-9]{6}$)")
 
 
 @dataclass
@@ -60,10 +76,12 @@ class Case:
     protect: Callable[[Path], list[Path]] | None = None  # files that must come out unchanged
     check: Callable[[Path, "Result"], str | None] | None = None  # a DEFECT message, or None
     fsize: int | None = None
-    kind: str = "plain"  # plain | twice | group-sigint
+    kind: str = "plain"  # plain | twice | group-sigint | sigterm-mid-write | script (recipe_data.sh)
     timeout: float = 180.0
     note: str = ""
     known: str = ""  # a known weak point worked on elsewhere: a wrong exit 0 here loses nothing, so it is WEAK
+    cwd: Callable[[Path], Path] | None = None  # where it runs (default: the case's folder)
+    expect_rc: int | None = None  # an exit status other than 2 (error) or 0 (ok) that is the right one
 
 
 @dataclass
@@ -170,10 +188,16 @@ def run_case(case: Case, root: Path) -> Result:
     elif case.kind == "group-sigint":
         result = _run_group_sigint(argv, where, case)
     else:
+        command = {"script": ["bash", str(RECIPE_DATA)], "sigterm-mid-write": [sys.executable, "-c", SIGTERM_CHILD]
+                   }.get(case.kind, [sys.executable, "-c", CHILD])
+        env = _env(case.fsize)
+        if case.kind == "script":  # git looks no further up than the case's folder (the probe may run in a clone)
+            env["GIT_CEILING_DIRECTORIES"] = str(where.parent)
         try:
-            proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, cwd=where,
-                                  env=_env(case.fsize), timeout=case.timeout)
-            result = Result(proc.returncode, proc.stdout, proc.stderr, 0.0)
+            proc = subprocess.run([*command, *argv], capture_output=True, text=True,
+                                  cwd=case.cwd(where) if case.cwd else where, env=env, timeout=case.timeout)
+            result = Result(proc.returncode, proc.stdout, proc.stderr, 0.0,
+                            extra={"expect_rc": case.expect_rc} if case.expect_rc is not None else {})
         except subprocess.TimeoutExpired as exc:
             result = Result(None, str(exc.stdout or ""), str(exc.stderr or ""), 0.0)
     result.seconds = time.perf_counter() - t0
@@ -244,7 +268,8 @@ def classify(case: Case, r: Result, where: Path, before: dict, after: dict) -> N
             defects.append(msg)
     err_lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
     last = err_lines[-1] if err_lines else ""
-    one_line = last.startswith(f"dflash-train {case.job}: error:") and "Traceback" not in r.err
+    prefix = "recipe_data: " if case.kind == "script" else f"dflash-train {case.job}: error:"
+    one_line = last.startswith(prefix) and "Traceback" not in r.err
     expect_rc = r.extra.get("expect_rc", 2 if case.expect == "error" else 0)
     if case.expect == "error" and r.rc == 0:
         if case.known and not defects:
@@ -255,8 +280,9 @@ def classify(case: Case, r: Result, where: Path, before: dict, after: dict) -> N
         r.verdict, r.why = "DEFECT", "; ".join(defects)
     elif r.rc == expect_rc and case.expect == "ok":
         r.verdict, r.why = "OK", "success"
-    elif r.rc == expect_rc == 130:
-        r.verdict, r.why = ("OK", last[:150]) if "Traceback" not in r.err else ("WEAK", "traceback on interrupt")
+    elif r.rc == expect_rc and expect_rc in (130, 143):
+        r.verdict, r.why = ("OK", last[:150]) if "Traceback" not in r.err and last else \
+            ("WEAK", "traceback or no word on the interrupt")
     elif r.rc == 2 and one_line:
         missing = [n for n in case.names if n not in last]
         r.verdict, r.why = ("OK", last[:150]) if not missing else ("WEAK", f"does not name {missing}: {last[:150]}")
@@ -644,9 +670,207 @@ def other_cases(fx: dict) -> list[Case]:
     ]
 
 
+LONE_SURROGATE = '{"messages": [{"role": "user", "content": "hi \\ud83d"}, {"role": "assistant", "content": "ok"}]}\n'
+
+
+def _absent(*names: str) -> Callable[[Path, Result], str | None]:
+    """A check: none of `names` (relative to the case folder) exists afterwards."""
+    def check(w: Path, r: Result) -> str | None:
+        left = [n for n in names if (w / n).exists() or (w / n).is_symlink()]
+        return f"left behind: {', '.join(left)}" if left else None
+    return check
+
+
+def _edited_drafter(fx: dict, w: Path) -> Path:
+    """The fixture's drafter with a config.json that does not describe its weights."""
+    d = _copy(fx["drafter"], w / "d")
+    config = json.loads((d / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def input_cases(fx: dict) -> list[Case]:
+    """Inputs a newcomer hands over: text that is no Unicode, sizes past any machine, settings that would be
+    ignored, files edited by hand, paths that lead nowhere."""
+    target, tiny = str(fx["target"]), ["--target", str(fx["target"])]
+    gen = ["generate", *tiny, "--device", "cpu", "--max-new-tokens", "4", "--no-progress"]
+    ev = ["eval", *tiny, "--device", "cpu", "--no-progress", "--max-new-tokens", "4", "--prompts", str(fx["prompts"])]
+
+    def c(name, job, build, expect="error", names=(), **kw):
+        return Case(f"{job}/{name}", job, lambda w: [a.replace("{w}", str(w)) for a in build(w)], expect, names, **kw)
+
+    def trained(w: Path) -> Path:
+        return _copy(fx["run"], w / "run")
+
+    def hand_edited(w: Path) -> None:
+        trained(w)
+        path = w / "run" / "config.yaml"
+        path.write_text(path.read_text().replace("lr: 0.0006", "lr: 0.003"))
+
+    def edit_kept(w: Path, r: Result) -> str | None:
+        kept = w / "run" / "config.yaml.edited"
+        return None if kept.is_file() and "lr: 0.003" in kept.read_text() else "the hand-edited config.yaml was lost"
+
+    return [
+        c("lone surrogate", "prepare", lambda w: ["prepare", str(_write(w / "rows.jsonl", LONE_SURROGATE)), "-o",
+                                                  "{w}/out", *tiny, "--no-progress"],
+          names=("rows.jsonl:1", "surrogate"), check=_absent("out")),
+        c("lone surrogate", "generate", lambda w: [*gen, "--prompts", str(_write(w / "p.jsonl", LONE_SURROGATE)),
+                                                   "--output", "{w}/o.jsonl"], names=("p.jsonl:1", "surrogate"),
+          check=_absent("o.jsonl")),
+        c("lone surrogate", "eval", lambda w: [*ev, "--drafter", str(fx["drafter"]), "--prompts",
+                                               str(_write(w / "p.jsonl", LONE_SURROGATE)), "-o", "{w}/rep"],
+          names=("p.jsonl:1", "surrogate"), check=_absent("rep")),
+        c("batch size 1e9", "generate", lambda w: [*gen, "--prompts", str(fx["chats"]), "--output", "{w}/o.jsonl",
+                                                   "--batch-size", "1000000000"], names=("--batch-size",),
+          check=_absent("o.jsonl")),
+        c("existing output, other settings", "generate", lambda w: [
+            *gen, "--prompts", str(fx["chats"]), "--output", str(_write(w / "o.jsonl", json.dumps(
+                {"id": "r-x", "messages": [], "generator": {"model": "target", "temperature": 0.0, "top_p": 1.0,
+                                                            "top_k": 0, "max_new_tokens": 99}}) + "\n"))],
+          names=("max_new_tokens", "--append-other-settings"), protect=lambda w: [w / "o.jsonl"]),
+        c("fails before any row", "generate", lambda w: [*gen, "--prompts", str(fx["chats"]), "--output",
+                                                         "{w}/o.jsonl", "--engine", "http", "--base-url",
+                                                         "http://127.0.0.1:9", "--retries", "0"],
+          check=lambda w, r: _absent("o.jsonl")(w, r) or ("promises a resume with nothing written"
+                                                           if "finished rows are saved" in r.err else None)),
+        c("markov rank 2e9", "train", lambda w: ["train", *train_args(fx["target"], fx["data"], w / "run"),
+                                                 "--drafter.variant", "dspark", "--drafter.markov_rank", "2000000000"],
+          names=("markov_rank",), check=_absent("run")),
+        c("decay fraction 5", "train", lambda w: ["train", *train_args(fx["target"], fx["data"], w / "run"),
+                                                  "--optim.schedule", "wsd", "--optim.decay_fraction", "5"],
+          names=("decay_fraction must be",)),  # not "schedule must be": the schedule is fine
+        c("dpace alpha without dpace", "train", lambda w: ["train", *train_args(fx["target"], fx["data"], w / "run"),
+                                                           "--loss.dpace_alpha", "0.3"], names=("dpace_alpha",)),
+        c("gated head without dspark", "train", lambda w: ["train", *train_args(fx["target"], fx["data"], w / "run"),
+                                                           "--drafter.markov_head", "gated"], names=("markov_head",)),
+        c("resume over a hand-edited config", "train", lambda w: (hand_edited(w), [
+            "train", *train_args(fx["target"], fx["data"], w / "run", steps=4), "--resume"])[1], expect="ok",
+          check=edit_kept),
+        c("a run's own config as --config", "train", lambda w: (trained(w), [
+            "train", "--config", str(w / "run" / "config.yaml"), "--run.output_dir", str(w / "run"), "--resume",
+            "--run.max_steps", "4"])[1], expect="ok"),
+        c("config is a folder", "train", lambda w: (w.joinpath("cfg").mkdir(), [
+            "train", *train_args(fx["target"], fx["data"], w / "run"), "--config", "{w}/cfg"])[1],
+          names=("a folder, not a file",)),
+        c("symlink loop input", "prepare", lambda w: ((w / "a.jsonl").symlink_to(w / "b.jsonl"),
+                                                      (w / "b.jsonl").symlink_to(w / "a.jsonl"),
+                                                      ["prepare", "{w}/a.jsonl", "-o", "{w}/out", *tiny])[2],
+          names=("a.jsonl", "a loop of symbolic links")),
+        c("config disagrees with weights", "eval", lambda w: [*ev, "--drafter", str(_edited_drafter(fx, w)),
+                                                              "-o", "{w}/rep"], names=("config.json",)),
+        c("config disagrees with weights", "export", lambda w: ["export", str(_edited_drafter(fx, w)), "-o",
+                                                                "{w}/out"],
+          names=("config.json",), check=_absent("out")),
+        c("strict without greedy", "eval", lambda w: [*ev, "--drafter", str(fx["drafter"]), "--strict",
+                                                      "--no-greedy", "-o", "{w}/rep"], names=("--strict",)),
+        c("every prompt over the limit", "eval", lambda w: [*ev, "--drafter", str(fx["drafter"]),
+                                                            "--max-prompt-tokens", "1", "-o", "{w}/rep"],
+          names=("--max-prompt-tokens",)),
+        c("a source with no prompt", "prompts", lambda w: ["prompts", "--sources", "stdlib-code", "--stdlib",
+                                                           str(_write(w / "lib" / "README", "no code") and w / "lib"),
+                                                           "-o", "{w}/p"], names=("stdlib-code",), check=_absent("p")),
+        Case("export/SIGTERM while writing", "export", lambda w: ["export", str(fx["run"]), "-o", str(w / "out")],
+             kind="sigterm-mid-write", expect_rc=143, names=("SIGTERM",), check=_absent("out")),
+    ]
+
+
+def _repo(fx: dict, w: Path) -> Path:
+    """A scratch clone of the project's script that keeps the fixture's drafter as `kept`."""
+    repo = w / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(RECIPE_DATA, repo / "scripts" / "recipe_data.sh")
+    (repo / "README.md").write_text("x\n")
+    for args in (["init", "-q"], ["config", "user.email", "probe@example.com"], ["config", "user.name", "probe"],
+                 ["add", "-A"], ["commit", "-qm", "init"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    subprocess.run(["bash", str(RECIPE_DATA), "store-drafter", "kept", str(fx["drafter"])], cwd=repo, check=True,
+                   capture_output=True)
+    return repo
+
+
+def _merge_manifest_naming(repo: Path, name: str, fx: dict) -> None:
+    """A kept drafter whose manifest names `name` among its files (a commit this script did not write)."""
+    import hashlib
+
+    kept = ("config.json", "model.safetensors")
+    files = {f: hashlib.sha256((fx["drafter"] / f).read_bytes()).hexdigest() for f in kept}
+    files[name] = "0" * 64
+    env = {**os.environ, "GIT_INDEX_FILE": str(repo / ".git" / "probe-index")}
+    for f, text in [(f, (fx["drafter"] / f).read_bytes()) for f in kept] + [
+            ("manifest.json", json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
+                                          "files": files}).encode())]:
+        sha = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=repo, input=text, capture_output=True,
+                             check=True).stdout.decode().strip()
+        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"100644,{sha},recipe-drafter/bad/{f}"],
+                       cwd=repo, env=env, check=True)
+    tree = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    commit = subprocess.run(["git", "commit-tree", tree, "-m", "recipe drafter: bad"], cwd=repo, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    subprocess.run(["git", "merge", "-q", "-s", "ours", "--allow-unrelated-histories", "--no-edit", commit], cwd=repo,
+                   check=True, capture_output=True)
+
+
+def recipe_cases(fx: dict) -> list[Case]:
+    """scripts/recipe_data.sh: names, destinations and manifests that must never cost the user a file."""
+    def r(name, build, expect="error", names=(), **kw):
+        return Case(f"recipe_data/{name}", "recipe_data", build, expect, names, kind="script",
+                    cwd=lambda w: w / "repo", **kw)
+
+    def restored(folder: str, want: bytes | None = None) -> Callable[[Path, Result], str | None]:
+        def check(w: Path, res: Result) -> str | None:
+            weights = w / "repo" / folder / "model.safetensors"
+            if not weights.is_file():
+                return f"exit {res.rc} but nothing restored into {folder}"
+            if want is not None and weights.read_bytes() != want:
+                return f"{folder} does not hold the drafter restored last"
+            return None
+        return check
+
+    def own_export(w: Path) -> Path:
+        d = _copy(fx["drafter"], w / "repo" / "mine")
+        (d / "notes.txt").write_text("mine\n")
+        return d
+
+    def second(w: Path) -> None:  # an earlier restore, then another drafter kept
+        subprocess.run(["bash", str(RECIPE_DATA), "restore-drafter", "out"], cwd=w / "repo", check=True,
+                       capture_output=True)
+        other = _copy(fx["drafter"], w / "other")
+        (other / "model.safetensors").write_bytes(b"another drafter")
+        subprocess.run(["bash", str(RECIPE_DATA), "store-drafter", "second", str(other)], cwd=w / "repo", check=True,
+                       capture_output=True)
+
+    return [
+        r("restore-drafter into ''", lambda w: (_repo(fx, w), ["restore-drafter", ""])[1], names=("DIR",)),
+        r("restore-drafter into DIR/", lambda w: (_repo(fx, w), ["restore-drafter", "out/"])[1], expect="ok",
+          check=restored("out")),
+        r("restore-drafter over an earlier restore, DIR/", lambda w: (_repo(fx, w), second(w),
+                                                                     ["restore-drafter", "out/"])[2], expect="ok",
+          check=restored("out", b"another drafter")),
+        r("restore-drafter onto the user's export", lambda w: (_repo(fx, w), own_export(w),
+                                                              ["restore-drafter", "mine"])[2], names=("mine",),
+          protect=lambda w: [w / "repo" / "mine"]),
+        r("store-drafter, a space in a file name", lambda w: (_repo(fx, w), ["store-drafter", "spaced", str(
+            _write(_copy(fx["drafter"], w / "spaced") / "my notes.txt", "x").parent)])[1], names=("my notes.txt",)),
+        r("manifest naming ../victim.txt", lambda w: (_repo(fx, w),
+                                                      _merge_manifest_naming(w / "repo", "../victim.txt", fx),
+                                                      _write(w / "repo" / "victim.txt", "precious\n"),
+                                                      ["restore-drafter", "out"])[3], names=("../victim.txt",),
+          protect=lambda w: [w / "repo" / "victim.txt"], check=lambda w, res: _absent("repo/out")(w, res)),
+        r("rows of a torn last line", lambda w: (_repo(fx, w),
+                                                 _write(w / "repo" / "gen.jsonl", '{"id": "a"}\n{"id": "b'),
+                                                 ["rows", "gen.jsonl"])[2], names=("gen.jsonl:2", "torn"),
+          check=lambda w, res: "printed rows before failing" if res.out else None),
+        Case("recipe_data/list outside a repository", "recipe_data", ["list"], names=("git repository",),
+             kind="script"),
+    ]
+
+
 def all_cases(fx: dict) -> list[Case]:
     return [*prepare_cases(fx), *train_cases(fx), *export_cases(fx), *eval_cases(fx), *bench_cases(fx),
-            *other_cases(fx)]
+            *other_cases(fx), *input_cases(fx), *recipe_cases(fx)]
 
 
 # -- report --------------------------------------------------------------------------------------------

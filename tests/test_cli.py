@@ -76,8 +76,14 @@ def test_init_from_target_options(capsys):
     (["--optim.eps", "-1"], "optim.eps must be > 0"),
     (["--optim.weight_decay", "-0.1"], "optim.weight_decay >= 0"),
     (["--step.attention", "fast"], "step.attention: 'fast' is not one of ['auto', 'flex', 'dense']"),
-    (["--run.compile=maybe"], "run.compile: expected true/false"),
-    (["--run.compile_autotune"], "run.compile_autotune needs run.compile: true"),
+    (["--run.compile=maybe"], "run.compile: expected true/false or 'auto', got 'maybe'"),
+    (["--run.compile_autotune", "--no-run.compile"], "run.compile_autotune needs run.compile: true"),
+    (["--optim.decay_fraction", "5", "--optim.schedule", "wsd"], "optim.decay_fraction must be in (0, 1], got 5.0"),
+    (["--optim.decay_fraction", "0.5"], "optim.decay_fraction (0.5) applies to optim.schedule wsd; the schedule is"),
+    (["--loss.dpace_alpha", "0.3"], "loss.dpace_alpha (0.3) applies to loss.weighting dpace; the weighting is 'decay'"),
+    (["--drafter.markov_head", "gated"], "drafter.markov_head ('gated') shapes the dspark bigram head; "
+                                         "drafter.variant is 'dflash'"),
+    (["--drafter.markov_rank", "64"], "drafter.markov_rank (64) shapes the dspark bigram head"),
     (["--drafter.init_from_target", "first"], "drafter.init_from_target: 'first' is not one of"),
     (["--drafter.init_target_layers", "1,2"], "drafter.init_target_layers is used only with drafter.init_from_target=layers"),
     (["--drafter.init_from_target", "layers", "--drafter.init_target_layers", "1,2"], "one target layer id per drafter layer (5), got 2"),
@@ -259,3 +265,58 @@ def test_a_list_option_given_twice_keeps_both(capsys):
                  "loss.chunk_rows=64", "--print-config"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["set"] == ["run.compile_autotune=true", "optim.compiled_step=false", "loss.chunk_rows=64"]
+
+
+def test_auto_or_a_value_options_take_every_spelling(capsys):
+    """`bool | auto` and `int | auto` fields: auto by default, a bare flag, --no-flag, `--flag auto`, a
+    number; anything else is one line naming what the field takes."""
+    assert main(_train()) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert (cfg["run"]["compile"], cfg["run"]["drafter_dtype"], cfg["target"]["forward"], cfg["target"]["compile"]) \
+        == ("auto", "auto", "auto", "auto")
+    spellings = ((["--run.compile"], True), (["--no-run.compile"], False), (["--run.compile", "auto"], "auto"),
+                 (["--run.compile", "false", "--optim.lr", "1e-3"], False))
+    for options, compiled in spellings:
+        assert main(_train(*options)) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["run"]["compile"] == compiled, options
+    gen = ["generate", "--prompts", "p.jsonl", "--output", "o.jsonl", "--print-config"]
+    assert main(gen) == 0 and yaml.safe_load(capsys.readouterr().out)["batch_size"] == "auto"
+    assert main([*gen, "--batch-size", "48"]) == 0 and yaml.safe_load(capsys.readouterr().out)["batch_size"] == 48
+    assert main([*gen, "--batch-size", "many"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "dflash-train generate: error: batch_size: expected an integer or 'auto', got 'many'"
+    assert main([*gen, "--batch-size", "0"]) == 2
+    assert "batch_size must be >= 1 or auto, got 0" in capsys.readouterr().err
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.yaml")
+    for path, what in [("run", "a folder, not a file (a run's saved config is {w}/run/config.yaml)"),
+                       ("loop-a", "a loop of symbolic links"),
+                       ("dangling", "a symbolic link to '{w}/gone.yaml', which does not exist")]:
+        assert main(_train("--config", str(tmp_path / path))) == 2
+        assert capsys.readouterr().err.strip() == \
+            f"dflash-train train: error: config file {tmp_path / path}: {what.format(w=tmp_path)}"
+    assert main(_train("--config", str(tmp_path / "none.yaml"))) == 2
+    assert capsys.readouterr().err.strip().endswith(f"config file not found: {tmp_path / 'none.yaml'}")
+    assert main(["prepare", str(tmp_path / "loop-a"), "-o", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == f"dflash-train prepare: error: input {tmp_path / 'loop-a'}: a loop of " \
+                                              f"symbolic links"
+
+
+def test_a_runs_saved_config_is_a_valid_config_file(tmp_path, capsys):
+    """What a run writes to config.yaml (its options plus what it resolved) reads back as --config."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({"optim": {"lr": 0.002}, "drafter_resolved": {"mask_token_id": 3},
+                                     "data_resolved": {"train_samples": 10}}))
+    assert main(_train("--config", str(saved))) == 0
+    printed = capsys.readouterr()
+    assert yaml.safe_load(printed.out)["optim"]["lr"] == 0.002
+    assert f"{saved}: a run's saved config; its record of what the run resolved (drafter_resolved, " \
+           f"data_resolved) is left out" in printed.err
+    saved.write_text("drafter_resolvd: {}\n")  # a typo is still refused
+    assert main(_train("--config", str(saved))) == 2
+    assert "unknown config key(s) drafter_resolvd" in capsys.readouterr().err

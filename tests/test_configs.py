@@ -20,8 +20,8 @@ def test_configs_are_found():
 def test_config_loads(path):
     cfg = load_config(TrainConfig, str(path), {})
     assert cfg.data.path and cfg.run.output_dir
-    if cfg.target.compile:
-        assert cfg.target.forward == "packed"
+    if cfg.target.compile is True:
+        assert cfg.target.forward in ("packed", "auto")
 
 
 def test_the_dspark_recipe_is_the_diverse_recipe_with_the_variant_on():
@@ -42,3 +42,16 @@ def test_an_unknown_variant_is_one_clear_error(tmp_path):
         load_config(TrainConfig, str(path), {"data.path": "d", "run.output_dir": "o"})
     with pytest.raises(ConfigError, match="drafter.markov_rank must be >= 1, got 0"):
         load_config(TrainConfig, None, {"data.path": "d", "run.output_dir": "o", "drafter.markov_rank": "0"})
+
+
+def test_the_recipes_keep_the_settings_they_were_measured_with():
+    """The defaults moved to `auto` (the fast path on a GPU); a shipped recipe states what it measured with."""
+    from dflash_train.data.prompts import asset_path
+
+    for name in ("smollm2-135m.yaml", "smollm2-135m-diverse.yaml", "smollm2-135m-diverse-dspark.yaml"):
+        cfg = load_config(TrainConfig, str(CONFIGS[0].parent / name), {})
+        assert (cfg.run.compile, cfg.run.drafter_dtype) == (False, "float32"), name
+        assert "auto" not in (cfg.target.forward, cfg.target.compile), name
+    gpu_demo = load_config(TrainConfig, str(asset_path("demo_gpu.yaml")), {})
+    assert (gpu_demo.target.forward, gpu_demo.target.compile, gpu_demo.run.compile, gpu_demo.run.drafter_dtype) == \
+        ("hf", False, False, "float32")

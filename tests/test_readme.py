@@ -1,18 +1,22 @@
-"""The README's command blocks work as written.
+"""The README's command blocks work as pasted.
 
-Every ```bash block of README.md is run, command after command, in a fresh folder (beside a
-link to the checkout's `src/`, so the paths the README names resolve), with the tests' tiny
-target in place of `builtin`. A block marked `<!-- readme-test: check-only (why) -->` on the
+Every ```bash block of README.md is run by `bash -e` in a fresh folder that holds links to the
+checkout's `src/`, `configs/` and `.venv/` (what a fresh clone after `scripts/setup.sh` has), with
+a PATH that holds no virtual environment (`/usr/bin:/bin`, as a new shell has), so a bare
+`dflash-train` fails there as it fails for a newcomer. The tests' tiny target replaces `builtin`
+after `--target` / `--target.path`. A block marked `<!-- readme-test: check-only (why) -->` on the
 line before it is parsed instead: each command must take every option it is given (its job
-resolves the config, as `--print-config` does), and each step must read only what an earlier
-step of the block writes (dataset, run, drafter). `<!-- readme-test: skip (why) -->` leaves a
-block out; the reason is required.
+resolves the config, as `--print-config` does), and each step must read only what an earlier step
+of the block writes (dataset, run, drafter). `<!-- readme-test: skip (why) -->` leaves a block
+out; the reason is required.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,37 +27,41 @@ from dflash_train.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>[a-z-]+) \((?P<why>[^)]+)\) -->\n)?```bash\n(?P<body>.*?)```", re.S)
 # options that name the target model; `builtin` there becomes the tiny target
-TARGET_OPTIONS = {"--target", "--target.path"}
+TARGET = re.compile(r"(--target(?:\.path)?)(\s+|=)builtin\b")
+CLEAN_PATH = "/usr/bin:/bin"  # a new shell's PATH: no virtual environment on it
 
 
-def readme_blocks(text: str) -> list[tuple[str, list[list[str]]]]:
-    """(mark, commands) of every bash block; a command is its argv after `dflash-train` (or
-    `torchrun ... -m dflash_train`). Any other command is an error unless the block is skipped."""
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(mark, body) of every bash block; mark is run, check-only or skip."""
     out = []
     for m in BLOCK.finditer(text):
         mark = m["mark"] or "run"
         assert mark in ("run", "check-only", "skip"), f"unknown readme-test mark {mark!r}"
-        if mark == "skip":
-            continue
-        body = re.sub(r"\\\n", " ", m["body"])  # continuation lines
-        commands = []
-        for line in body.splitlines():
-            line = line.split(" #")[0].strip()
-            if not line or line.startswith("#"):
-                continue
-            argv = shlex.split(line)
-            if argv[0] == "torchrun":
-                argv = argv[argv.index("dflash_train") + 1:]
-            else:
-                assert argv[0] == "dflash-train", f"the README test cannot run {line!r}: mark its block"
-                argv = argv[1:]
-            commands.append(argv)
-        out.append((mark, commands))
+        out.append((mark, m["body"]))
     return out
 
 
-def _tiny(argv: list[str], target: str) -> list[str]:
-    return [target if i and argv[i - 1] in TARGET_OPTIONS and a == "builtin" else a for i, a in enumerate(argv)]
+def commands(body: str) -> list[list[str]]:
+    """The argv of every command of a block after the program (`.venv/bin/dflash-train`, or
+    `.venv/bin/torchrun ... -m dflash_train`); any other command is an error (mark the block)."""
+    out = []
+    for line in re.sub(r"\\\n", " ", body).splitlines():
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        argv = shlex.split(line)
+        if Path(argv[0]).name == "torchrun":
+            argv = argv[argv.index("dflash_train") + 1:]
+        else:
+            assert Path(argv[0]).name == "dflash-train", f"the README test cannot run {line!r}: mark its block"
+            argv = argv[1:]
+        out.append(argv)
+    return out
+
+
+def readme_blocks(text: str) -> list[tuple[str, list[list[str]]]]:
+    """(mark, commands) of every block that is not skipped."""
+    return [(mark, commands(body)) for mark, body in blocks(text) if mark != "skip"]
 
 
 def _resolved(argv: list[str], capsys) -> dict:
@@ -79,10 +87,27 @@ def check_chain(commands: list[list[str]], capsys) -> None:
         written.add(cfg["run"]["output_dir"] if job == "train" else cfg.get("output"))
 
 
+def fresh_clone(where: Path) -> Path:
+    """A folder laid out as a fresh clone after scripts/setup.sh: the checkout's src/, configs/, .venv/."""
+    where.mkdir()
+    for name in ("src", "configs", ".venv"):
+        (where / name).symlink_to(ROOT / name)
+    return where
+
+
+def run_block(body: str, where: Path, target: Path) -> subprocess.CompletedProcess:
+    """The block as pasted into a new shell (`bash -e`, no virtual environment on the PATH)."""
+    script = TARGET.sub(lambda m: f"{m[1]}{m[2]}{shlex.quote(str(target))}", body)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env.update(PATH=CLEAN_PATH, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(["bash", "-e", "-c", script], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=1800)
+
+
 def test_readme_blocks_are_found_and_marked() -> None:
-    blocks = readme_blocks((ROOT / "README.md").read_text())
-    assert [mark for mark, _ in blocks] == ["run", "check-only"]
-    assert [c[0] for c in blocks[0][1]] == ["generate", "prepare", "train", "export", "eval"]
+    found = readme_blocks((ROOT / "README.md").read_text())
+    assert [mark for mark, _ in found] == ["run", "check-only"]
+    assert [c[0] for c in found[0][1]] == ["generate", "prepare", "train", "export", "eval"]
 
 
 def test_a_wrong_command_fails_the_check(capsys) -> None:
@@ -97,21 +122,27 @@ def test_a_wrong_command_fails_the_check(capsys) -> None:
 
 
 def test_the_check_only_blocks_parse_and_chain(capsys) -> None:
-    for mark, commands in readme_blocks((ROOT / "README.md").read_text()):
+    for mark, found in readme_blocks((ROOT / "README.md").read_text()):
         if mark == "check-only":
-            check_chain(commands, capsys)
+            check_chain(found, capsys)
 
 
-def test_the_readme_commands_run_as_written(tiny_targets, tmp_path, monkeypatch, capsys) -> None:
-    (tmp_path / "src").symlink_to(ROOT / "src")  # the paths the README names, from the checkout
-    monkeypatch.chdir(tmp_path)
-    for mark, commands in readme_blocks((ROOT / "README.md").read_text()):
+def test_a_bare_dflash_train_fails_in_a_new_shell(tmp_path) -> None:
+    """What the test's shell has on its PATH: no `dflash-train` (the README must not rely on one)."""
+    done = run_block("dflash-train --version\n", fresh_clone(tmp_path / "clone"), tmp_path)
+    assert done.returncode == 127 and "dflash-train: command not found" in done.stderr
+    done = run_block(".venv/bin/dflash-train --version\n", tmp_path / "clone", tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("dflash-train ")
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_as_pasted(tiny_targets, tmp_path, capsys) -> None:
+    clone = fresh_clone(tmp_path / "clone")
+    for mark, body in blocks((ROOT / "README.md").read_text()):
         if mark != "run":
             continue
-        check_chain(commands, capsys)
-        for argv in commands:
-            argv = _tiny(argv, str(tiny_targets["llama"]))
-            rc = main(argv)
-            assert rc == 0, f"dflash-train {' '.join(argv)} exited {rc}: {capsys.readouterr().err[-2000:]}"
-    assert (tmp_path / "drafters" / "mine" / "model.safetensors").is_file()
-    assert list((tmp_path / "runs" / "eval").glob("*/report.json"))
+        check_chain(commands(body), capsys)
+        done = run_block(body, clone, tiny_targets["llama"])
+        assert done.returncode == 0, f"the README block exited {done.returncode}:\n{done.stderr[-3000:]}"
+    assert (clone / "drafters" / "mine" / "model.safetensors").is_file()
+    assert list((clone / "runs" / "eval").glob("*/report.json"))

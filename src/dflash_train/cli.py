@@ -23,6 +23,7 @@ from dflash_train import __version__
 from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, leaf_fields, normalize_argv
 from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError, storage_error
 from dflash_train.utils.log import setup_logging
+from dflash_train.utils.signals import Terminated
 
 log = logging.getLogger("dflash_train.cli")
 
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if user is None:
             raise
         return _user_error(name, user, args.debug)
+    except Terminated as exc:
+        print(f"dflash-train {name}: stopped by SIGTERM before it finished; nothing half-written is left",
+              file=sys.stderr, flush=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

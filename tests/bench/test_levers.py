@@ -80,9 +80,10 @@ def test_bad_lever_settings_are_config_errors(tmp_path):
         path.write_text(json.dumps({"preset": "qwen3-8b", "rows": []}))
         run(BenchConfig(**TINY, levers="baseline", append=True, out=str(path)))
     with pytest.raises(ConfigError, match="target.forward: packed"):
-        load_config(TrainConfig, None, {"target.compile": "true"})
+        load_config(TrainConfig, None, {"target.compile": "true", "target.forward": "hf"})
     with pytest.raises(ConfigError, match="attn_implementation"):
-        load_config(TrainConfig, None, {"target.sdpa_backend": "flash", "target.attn_implementation": "eager"})
+        load_config(TrainConfig, None, {"target.sdpa_backend": "flash", "target.attn_implementation": "eager",
+                                        "target.forward": "hf"})
     with pytest.raises(ConfigError, match="overlap_target"):
         load_config(TrainConfig, None, {"pipeline.overlap_target": "true", "pipeline.layout": "split",
                                         "pipeline.target_ranks": "1", "pipeline.drafter_ranks": "1"})

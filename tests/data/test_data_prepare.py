@@ -234,3 +234,20 @@ def test_cli_with_tokenizer_dir_and_template(tmp_path, inputs, capsys, deepseek_
 
     rc = main(["prepare", str(inputs[0]), "--target", str(deepseek_dir()), "-o", str(out), "--no-progress"])
     assert rc == 2 and "already exists" in capsys.readouterr().err
+
+
+def test_the_batch_table_names_the_budget_it_is_for(tiny_targets, tmp_path, capsys):
+    """The table is for the budget a training run will use: prepare's --token-budget, train's default otherwise."""
+    from dflash_train.cli import main
+    from ..conftest import synthetic_conversations
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in synthetic_conversations(40)))
+    base = ["prepare", str(rows), "--target", str(tiny_targets["llama"]), "--no-progress"]
+    assert main([*base, "-o", str(tmp_path / "a"), "--token-budget", "512"]) == 0
+    printed = capsys.readouterr().out
+    assert ("the batches a training run makes of it at data.plan.token_budget 512 (--token-budget N shows the plan "
+            "for the budget your training config sets: 49,152 by default)") in printed
+    assert "(token budget 512, one packed row per batch)" in printed
+    assert main([*base, "-o", str(tmp_path / "b")]) == 0
+    assert "at data.plan.token_budget 49,152 (" in capsys.readouterr().out

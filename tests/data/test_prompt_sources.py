@@ -25,7 +25,7 @@ from dflash_train.data.prompt_sources.licences import expression_ok
 from dflash_train.data.prompt_sources.math_problems import TEMPLATES, math_prompts
 from dflash_train.data.prompt_sources.python_code import _WRITE, code_prompts, first_sentence
 from dflash_train.data.prompt_sources.text_docs import MAX_CHARS, MIN_CHARS, passages
-from dflash_train.utils.errors import DataError, OutputError
+from dflash_train.utils.errors import DataError, InputError, OutputError
 
 CLAMP = '''\
 def clamp(value, low, high):
@@ -211,6 +211,18 @@ def test_build_fails_loudly_on_a_humaneval_function_in_a_source(tmp_path, guard,
     cfg = PromptsConfig(output=str(tmp_path / "out"), sources=["stdlib-code"], stdlib=str(root))
     with pytest.raises(HumanEvalLeak, match=r"source stdlib-code:.*stdlib:leak.has_close_elements.*HumanEval/0"):
         build(cfg, guard)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_source_that_finds_no_prompt_is_an_error_not_an_empty_set(tmp_path, guard):
+    root = tmp_path / "lib"
+    root.mkdir()
+    (root / "README.txt").write_text("no Python here")
+    cfg = PromptsConfig(output=str(tmp_path / "out"), sources=["math", "stdlib-code"], stdlib=str(root))
+    with pytest.raises(InputError) as exc:
+        build(cfg, guard)
+    assert str(exc.value) == (f"--sources stdlib-code: no prompt found in the standard library at {root} (--stdlib); "
+                              f"give it something to read, or leave it out of --sources")
     assert not (tmp_path / "out").exists()  # nothing written
 
 

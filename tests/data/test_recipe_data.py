@@ -157,7 +157,9 @@ def test_drafters_round_trip_through_a_clone_newest_first_or_by_name(repo: Path,
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     run(clone, "restore-drafter", "newest")
     assert (clone / "newest" / "model.safetensors").read_bytes() == b"\x01\x02" * 999
-    assert sorted(p.name for p in (clone / "newest").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (clone / "newest").iterdir()) == [".recipe-drafter", "config.json",
+                                                                    "model.safetensors"]
+    assert json.loads((clone / "newest" / ".recipe-drafter").read_text())["name"] == "stage2"
     run(clone, "restore-drafter", "older", "stage1")
     assert (clone / "older" / "model.safetensors").read_bytes() == bytes(range(256)) * 40
     # restoring over an earlier restore replaces it whole
@@ -207,12 +209,97 @@ def test_restore_drafter_refuses_a_file_its_manifest_disagrees_with(repo: Path, 
         (bad / "model.safetensors").unlink()
     (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
                                                    "files": files}))
+    run(repo, "restore-drafter", "out")  # an earlier restore there stays as it was
     merge_by_hand(repo, bad, "recipe-drafter/bad", "recipe drafter: bad")
-    restored = drafter_dir(repo / "out", b"earlier")  # an earlier restore there stays as it was
     proc = run(repo, "restore-drafter", "out", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     expected = ("bad/model.safetensors: sha256 differs from its manifest" if case == "other checksum"
                 else "bad/model.safetensors: listed in its manifest, missing from its commit")
     assert proc.stderr.startswith(f"recipe_data: {expected}")
-    assert (restored / "model.safetensors").read_bytes() == b"earlier"
-    assert not (repo / "out.tmp-restore").exists()
+    assert (repo / "out" / "model.safetensors").read_bytes() == b"w" * 10
+    assert not list(repo.glob(".out.*"))  # no temporary folder left beside it
+
+
+def _tree_digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_restore_drafter_takes_a_trailing_slash_and_replaces_only_its_own_restores(repo: Path, tmp_path: Path) -> None:
+    run(repo, "store-drafter", "one", str(drafter_dir(tmp_path / "one", b"1" * 10)))
+    assert run(repo, "restore-drafter", "out/").stdout == "restored the drafter one into out\n"
+    assert (repo / "out" / "model.safetensors").read_bytes() == b"1" * 10
+    run(repo, "store-drafter", "two", str(drafter_dir(tmp_path / "two", b"2" * 10)))
+    run(repo, "restore-drafter", "out/")  # onto the earlier restore, named with the slash: replaced whole
+    assert (repo / "out" / "model.safetensors").read_bytes() == b"2" * 10
+    assert sorted(p.name for p in (repo / "out").iterdir()) == [".recipe-drafter", "config.json", "model.safetensors"]
+    assert not list(repo.glob(".out.*"))
+
+
+@pytest.mark.parametrize("dest", ["", "/", "mine", "mine/", "linked"])
+def test_restore_drafter_never_replaces_a_folder_it_did_not_make(repo: Path, tmp_path: Path, dest: str) -> None:
+    run(repo, "store-drafter", "one", str(drafter_dir(tmp_path / "one", b"1" * 10)))
+    mine = drafter_dir(repo / "mine", b"my own export")  # what `dflash-train export` writes, and notes of mine
+    (mine / "notes.txt").write_text("keep\n")
+    (repo / "linked").symlink_to(mine)
+    before = _tree_digest(mine)
+    proc = run(repo, "restore-drafter", dest, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    if dest in ("", "/"):
+        assert proc.stderr == f"recipe_data: DIR '{dest}': name the folder to restore into\n"
+    else:
+        assert proc.stderr == (f"recipe_data: {dest.rstrip('/')} exists and was not made by restore-drafter (no "
+                               f".recipe-drafter in it): name a new folder; nothing there is replaced\n")
+    assert _tree_digest(mine) == before and not list(repo.glob(".mine.*"))
+
+
+def test_store_drafter_refuses_a_file_restore_could_not_give_back(repo: Path, tmp_path: Path) -> None:
+    folder = drafter_dir(tmp_path / "d", b"w" * 10)
+    (folder / "my notes.txt").write_text("x")
+    head = git(repo, "rev-parse", "HEAD")
+    proc = run(repo, "store-drafter", "d", str(folder), check=False)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"recipe_data: {folder}/my notes.txt: a file name restore cannot give back (letters, digits, '.', '_' and "
+        f"'-' only, not starting with '.'): rename it or move it out\n")
+    assert git(repo, "rev-parse", "HEAD") == head
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "/tmp/victim.txt", "a b.txt"])
+def test_a_manifest_naming_a_path_outside_the_drafter_writes_nothing(repo: Path, tmp_path: Path, name: str) -> None:
+    victim = repo / "victim.txt"
+    victim.write_text("precious\n")
+    bad = drafter_dir(tmp_path / "bad", b"x" * 10)
+    files = {n: hashlib.sha256((bad / n).read_bytes()).hexdigest() for n in ("config.json", "model.safetensors")}
+    files[name] = "0" * 64
+    (bad / "manifest.json").write_text(json.dumps({"name": "bad", "date": "2026-01-01", "bytes": 1, "note": "",
+                                                   "files": files}))
+    merge_by_hand(repo, bad, "recipe-drafter/bad", "recipe drafter: bad")
+    proc = run(repo, "restore-drafter", "out", check=False)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"recipe_data: bad: its manifest names {name!r} (sha256 '{'0' * 64}'): not a file name or checksum this "
+        f"script writes; nothing was restored\n")
+    assert victim.read_text() == "precious\n" and not (repo / "out").exists() and not list(repo.glob(".out.*"))
+
+
+def test_rows_of_a_file_with_a_torn_last_line_print_nothing_and_say_so(repo: Path) -> None:
+    (repo / "gen.jsonl").write_text(rows("a", "b") + '{"id": "c", "messa')
+    proc = run(repo, "rows", "gen.jsonl", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("recipe_data: gen.jsonl:3: a torn last line (no newline: a run stopped while writing it); "
+                           "rerun generate on the file (it drops the line and resumes), then again\n")
+
+
+def test_outside_a_repository_and_in_a_shallow_clone_it_says_what_to_do(repo: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    proc = subprocess.run(["bash", str(repo / "scripts" / "recipe_data.sh"), "list"], cwd=outside, capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "recipe_data: not inside a git repository: run it in a clone of this project\n"
+    run(repo, "store-drafter", "one", str(drafter_dir(tmp_path / "one", b"1" * 10)))
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)], check=True)
+    proc = run(shallow, "restore-drafter", "d", check=False)
+    assert proc.returncode == 2 and proc.stderr == (
+        "recipe_data: no drafter kept in this repository's history; this clone is shallow (git clone --depth): run "
+        "'git fetch --unshallow' to fetch the history they live in\n")
+    assert "this clone is shallow" in run(shallow, "list").stdout

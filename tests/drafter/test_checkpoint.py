@@ -74,3 +74,34 @@ def test_atomic_write_keeps_the_old_version_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary left behind
     atomic_directory_write(target, lambda d: (d / "a.txt").write_text("new"))
     assert (target / "a.txt").read_text() == "new"
+
+
+def _edit_config(directory, **changes):
+    data = json.loads((directory / "config.json").read_text())
+    for dotted, value in changes.items():
+        node, *path = dotted.split("__")
+        (data[node] if path else data).__setitem__(path[0] if path else node, value)
+    (directory / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"intermediate_size": 48}, "layers.0.mlp.gate_proj.weight is [24, 16] there, config.json makes it [48, 16]"),
+    ({"dflash_config__target_layer_ids": [0, 1, 2, 3]}, "fc.weight is [16, 48] there, config.json makes it [16, 64]"),
+    ({"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3},
+     "layers.2.self_attn.q_proj.weight is missing there"),
+    ({"num_hidden_layers": 1, "layer_types": ["full_attention"]},
+     "layers.1.input_layernorm.weight is there, config.json has no such tensor"),
+    ({"hidden_size": 4096}, "layers.0.self_attn.q_proj.weight is [32, 16] there, config.json makes it [32, 4096]"),
+    ({"hidden_size": 2_000_000_000}, "config.json: describes no drafter this version builds (Storage size"),
+    ({"rope_scaling": True}, "config.json: describes no drafter this version builds"),
+])
+def test_a_config_that_does_not_describe_the_weights_is_named_before_anything_is_allocated(tmp_path, changes,
+                                                                                              problem):
+    out = save_drafter(DFlashDrafter(tiny_config()), tmp_path / "d")
+    _edit_config(out, **changes)
+    with pytest.raises(ModelError) as exc:
+        load_drafter(out)
+    assert problem in str(exc.value)
+    if "there" in problem:
+        assert str(exc.value).startswith(f"{out}: config.json does not describe model.safetensors: ")
+        assert str(exc.value).endswith("use the config.json exported with these weights")

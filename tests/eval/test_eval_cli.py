@@ -48,6 +48,27 @@ def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_pat
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "tau (tokens per target forward)" in printed and "speedup" in printed
+    # a CPU run says why its speedup is what it is, with its own costs
+    assert "on this CPU a verify forward of 4 tokens cost " in printed and "so speculation pays only once tau " \
+        "passes" in printed
+
+
+def test_eval_refuses_strict_without_greedy_and_names_why_no_prompt_is_left(tiny_targets, loaded_targets, tmp_path,
+                                                                             capsys):
+    model, tok = loaded_targets["llama"]
+    drafter_dir = save_drafter(random_drafter(model, tok, 4), tmp_path / "drafter")
+    base = ["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir), "--prompts",
+            str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "4", "--output", str(tmp_path / "r"),
+            "--no-progress"]
+    assert cli_main([*base, "--strict", "--no-greedy"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "dflash-train eval: error: --strict checks every output against plain greedy decoding, which --no-greedy "
+        "leaves out: drop one of the two")
+    shortest = min(len(encode_prompt(tok, p)) for p in load_prompts(str(tmp_path / "p.jsonl")))
+    assert cli_main([*base, "--max-prompt-tokens", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-train eval: error: no prompt left to evaluate: all 3 are longer than --max-prompt-tokens 5 (the "
+        f"shortest has {shortest:,} tokens); raise it or give shorter prompts")
 
 
 def test_eval_cli_draft_window(tiny_targets, loaded_targets, tmp_path, monkeypatch):
@@ -252,6 +273,23 @@ def test_demo_summary_explains_a_cpu_run_and_quotes_the_registry(tmp_path):
         "on this CPU a verify forward of 8 tokens cost 2.0x a plain greedy token and the drafter 0.5x, so "
         "speculation pays only once tau passes ~2.5 (measured: 1.08); on a GPU a forward of 8 tokens costs about "
         "as much as one"]
+
+
+def test_the_demo_ends_with_the_next_commands_spelled_as_it_was_started(monkeypatch):
+    from pathlib import Path
+
+    from dflash_train.eval.demo import next_lines
+
+    monkeypatch.setattr("sys.argv", [".venv/bin/dflash-train", "demo"])
+    assert next_lines(Path("runs/demo/drafter")) == [
+        "", "next:",
+        "  .venv/bin/dflash-train eval --target builtin --drafter runs/demo/drafter --prompts humaneval "
+        "--num-prompts 4 --max-new-tokens 128   # this drafter on code prompts",
+        "  bash scripts/recipe_data.sh restore-drafter drafters/smollm2-recipe   # a drafter trained on a GPU, then "
+        "the same eval with --drafter drafters/smollm2-recipe",
+        "  README.md, \"Train a drafter for your model\": the same five steps on your own model and data"]
+    monkeypatch.setattr("sys.argv", ["/usr/lib/python3/site-packages/dflash_train/__main__.py", "demo"])
+    assert next_lines(Path("d"))[2].startswith("  python -m dflash_train eval ")
 
 
 def test_demo_replaces_only_its_own_directory(tmp_path):

@@ -189,6 +189,9 @@ def test_cli_reports_an_unreachable_server_in_one_line(tmp_path, capsys):
                "--output", str(tmp_path / "o.jsonl"), "--retries", "1", "--retry-backoff-s", "0.01", "--progress", "false"])
     err = capsys.readouterr().err
     assert rc == 2 and f"127.0.0.1:{port}/v1/models after 2 attempts" in err and "Traceback" not in err
+    # nothing was written: no resume is promised, and no empty output is left behind
+    assert f"no row was written to {tmp_path / 'o.jsonl'} (nothing to resume)" in err
+    assert "finished rows are saved" not in err and not (tmp_path / "o.jsonl").exists()
 
 
 def test_generate_over_http_end_to_end(server, tmp_path):

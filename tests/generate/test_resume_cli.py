@@ -50,7 +50,8 @@ def test_sigkill_then_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, 
             "max_prompt_tokens": 320, "device": "cpu", "flush_rows": 1, "progress": False}  # fmt: skip
 
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "dflash_train", "generate", "--output", str(out), "--prompts", str(prompts)]
+    cmd = [sys.executable, "-m", "dflash_train", "generate", "--output", str(out), "--prompts", str(prompts),
+           "--summary", "json"]
     for key in ("target", "max_new_tokens", "batch_size", "max_prompt_tokens", "device", "flush_rows", "progress"):
         cmd += [f"--{key.replace('_', '-')}", str(args[key])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

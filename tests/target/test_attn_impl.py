@@ -136,7 +136,8 @@ def test_target_config_defaults_to_auto_and_an_sdpa_kernel_needs_sdpa_or_auto():
     assert TargetConfig().attn_implementation == "auto"
     TargetConfig(sdpa_backend="flash")  # auto: checked against the model once it is known
     with pytest.raises(ValueError, match="target.sdpa_backend=flash needs target.attn_implementation: sdpa"):
-        TargetConfig(sdpa_backend="flash", attn_implementation="eager")
+        TargetConfig(sdpa_backend="flash", attn_implementation="eager", forward="hf")
+    TargetConfig(sdpa_backend="flash", attn_implementation="eager")  # forward auto: checked once it is decided
 
 
 def test_eval_refuses_an_unsupported_choice_in_one_line_before_the_target_loads(tmp_path, monkeypatch, capsys):

@@ -135,7 +135,8 @@ def test_flex_document_attention_needs_the_packed_forward():
     with pytest.raises(ValueError, match="flex"):
         TargetRunner(_target("tiny"), TAPS, document_attention="flex")
     with pytest.raises(ValueError, match="document_attention: flex needs target.forward: packed"):
-        TargetConfig(document_attention="flex")
+        TargetConfig(forward="hf", document_attention="flex")
+    assert TargetConfig(document_attention="flex").forward == "auto"  # decided with the model (it takes packed)
     assert TargetConfig(forward="packed", document_attention="flex").document_attention == "flex"
 
 

@@ -275,6 +275,48 @@ def test_export_takes_the_newest_checkpoint_that_verifies(tmp_path, caplog):
         export(tmp_path / "r1", tmp_path / "out3")
 
 
+SIGTERM_MID_WRITE = """
+import os, signal, sys
+import dflash_train.drafter.checkpoint as checkpoint
+real = checkpoint.save
+
+def save_then_terminated(*args, **kwargs):  # SIGTERM while the weights are being written
+    data = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return data
+
+checkpoint.save = save_then_terminated
+from dflash_train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_export_says_so_and_leaves_nothing_half_written(tmp_path):
+    save(tmp_path / "r1" / "checkpoints", 1)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", SIGTERM_MID_WRITE, "export", str(tmp_path / "r1"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("dflash-train export: stopped by SIGTERM before it finished; "
+                                                    "nothing half-written is left")
+    assert not out.exists() and hidden(tmp_path) == []  # no temporary folder beside it either
+
+
+def test_export_of_a_finished_run_says_why_it_exists_beside_final(tmp_path, capsys):
+    from dflash_train.cli import main
+    from dflash_train.drafter.checkpoint import save_drafter
+
+    ckpt = save(tmp_path / "r1" / "checkpoints", 1)
+    save_drafter(load_drafter(ckpt / "drafter"), tmp_path / "r1" / "final")  # as a run that ends writes it
+    assert main(["export", str(tmp_path / "r1"), "-o", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"{tmp_path / 'r1' / 'final'} holds the same drafter (a run that ends writes it there); export is for a "
+        f"chosen checkpoint, another --dtype, a run stopped before its end, and a folder apart from the run (that "
+        f"--resume never touches)")
+    assert main(["export", str(tmp_path / "r1"), "-o", str(tmp_path / "out32"), "--dtype", "float32"]) == 0
+    assert "holds the same drafter" not in capsys.readouterr().out  # float32 differs from final/'s bf16
+
+
 @pytest.mark.parametrize("initialized", [False, True])
 def test_rng_capture_takes_cuda_generators_only_where_cuda_is_in_use(monkeypatch, initialized):
     """A CPU run on a GPU machine never creates a CUDA context to save generators it never used

@@ -94,10 +94,18 @@ def test_gemma2_heads_carry_the_logit_cap_whole_or_split(family_runs, tmp_path):
     assert len(find_decoder_layers(whole.model)) == 4
 
 
+def test_packed_forward_on_a_family_it_does_not_take_is_one_line_before_it_loads(family_runs, tmp_path, capsys,
+                                                                                  refuse_models):
+    target, data = family_runs["gemma3"]  # a multimodal wrapper: the Hugging Face forward only
+    assert main(cli_args(demo_overrides(target, data, tmp_path / "run", **{"target.forward": "packed"}))) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train train: error")]
+    assert len(err) == 1 and err[0].startswith(
+        "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, qwen2, "
+        "qwen3, qwen3_moe, gemma2, gemma3_text, gpt_oss decoders, not 'gemma3'; use target.forward: hf for this "
+        "model"), err
+
+
 @pytest.mark.parametrize("extra, message", [
-    ({"target.forward": "packed"},
-     "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, qwen2, "
-     "qwen3 decoders, not 'gemma2'; use target.forward: hf for this model"),
     ({"target.attn_implementation": "sdpa"},
      "dflash-train train: error: the target's model type gemma2 (Gemma2ForCausalLM) does not support "
      "attn_implementation sdpa (it soft-caps its attention scores, which sdpa cannot): use "

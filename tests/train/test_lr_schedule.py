@@ -45,7 +45,12 @@ def test_scheduler_follows_the_config_and_a_changing_total():
     assert lrs == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
 
 
-@pytest.mark.parametrize("bad", [{"schedule": "linear"}, {"decay_fraction": 0.0}, {"decay_fraction": 1.5}])
-def test_bad_schedule_settings_are_refused(bad):
-    with pytest.raises(ValueError, match="optim.schedule"):
+@pytest.mark.parametrize("bad, message", [
+    ({"schedule": "linear"}, "optim.schedule must be cosine or wsd, got 'linear'"),
+    ({"decay_fraction": 0.0, "schedule": "wsd"}, r"optim.decay_fraction must be in \(0, 1\], got 0.0"),
+    ({"decay_fraction": 1.5, "schedule": "wsd"}, r"optim.decay_fraction must be in \(0, 1\], got 1.5"),
+    ({"decay_fraction": 0.5}, r"optim.decay_fraction \(0.5\) applies to optim.schedule wsd; the schedule is 'cosine'"),
+])
+def test_bad_schedule_settings_are_refused_naming_the_field_at_fault(bad, message):
+    with pytest.raises(ValueError, match=message):
         OptimConfig(**bad)

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from dflash_train.data.prepare import FORMAT_VERSION, MANIFEST
 from dflash_train.utils.errors import DataError, InputError
+from dflash_train.utils.fs import missing_reason
 
 
 class Sample(NamedTuple):
@@ -59,6 +60,9 @@ class TokenDataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise InputError(f"{self.path}: {missing_reason(self.path, want='folder')} (a dataset folder written by "
+                             f"dflash-train prepare)")
         if not manifest_path.is_file():
             raise InputError(f"{self.path}: no {MANIFEST} (not a prepared dataset, or prepare did not finish)")
         self.manifest: dict[str, Any] = read_manifest(manifest_path)

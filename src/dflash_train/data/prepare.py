@@ -87,7 +87,8 @@ class PrepareConfig:
     text_eos: bool = False
     """append EOS to plain-text rows"""
     token_budget: int = 49152
-    """tokens per batch of the batch table printed at the end (the training plan's data.plan.token_budget)"""
+    """tokens per batch of the batch table printed at the end: give the data.plan.token_budget the training
+    config sets (the default is train's own default)"""
     progress: bool = True
     """show a progress bar"""
 

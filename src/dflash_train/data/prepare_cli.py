@@ -13,6 +13,7 @@ from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.utils.errors import DataError
 
 CONFIG = PrepareConfig
+TRAIN_BUDGET = BatchPlanConfig().token_budget  # train's default data.plan.token_budget
 
 
 def run(cfg: PrepareConfig, args: argparse.Namespace | None = None) -> int:
@@ -40,5 +41,7 @@ def run(cfg: PrepareConfig, args: argparse.Namespace | None = None) -> int:
               f"p90 {length['p90']:,.0f}, p99 {length['p99']:,.0f}, max {length['max']:,}")
         lengths = TokenDataset(cfg.output).lengths
         budget = max(cfg.token_budget, int(lengths.max()))
+        print(f"the batches a training run makes of it at data.plan.token_budget {budget:,} (--token-budget N shows "
+              f"the plan for the budget your training config sets: {TRAIN_BUDGET:,} by default)")
         print(BatchPlanner(lengths, BatchPlanConfig(token_budget=budget)).describe())
     return 0

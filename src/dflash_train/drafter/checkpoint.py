@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from dflash_train.drafter.config import MARKOV_HEADS, DrafterConfig
@@ -203,10 +204,12 @@ def load_drafter_as(directory: str | Path, config: DrafterConfig) -> DFlashDraft
 
 def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
     directory = Path(directory)
-    model = DFlashDrafter(load_drafter_config(directory))
+    config = load_drafter_config(directory)
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.is_file():
         raise ModelError(f"{weights_path} is missing: not a DFlash drafter checkpoint")
+    check_weights_match_config(directory, config)  # before any memory the config asks for is allocated
+    model = DFlashDrafter(config)
     try:
         state = load_file(str(weights_path))
     except (OSError, SafetensorError) as exc:
@@ -217,3 +220,28 @@ def load_drafter(directory: str | Path, *, device=None, dtype: torch.dtype | Non
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device) if device is not None else model
+
+
+def check_weights_match_config(directory: Path, config: DrafterConfig) -> None:
+    """ModelError naming the first tensors whose presence or shape in model.safetensors is not what
+    config.json describes (a config.json edited or copied from another drafter). Compared against a
+    drafter built on the meta device: no memory is allocated, whatever sizes config.json names."""
+    weights_path = directory / WEIGHTS_NAME
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise ModelError(f"{weights_path}: cannot read the weights ({exc})") from None
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config).state_dict().items()}
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise ModelError(f"{directory / CONFIG_NAME}: describes no drafter this version builds ({exc})") from None
+    problems = [f"{k} is {list(found[k])} there, config.json makes it {list(v)}"
+                for k, v in expected.items() if k in found and found[k] != v]
+    problems += [f"{k} is missing there" for k in expected if k not in found]
+    problems += [f"{k} is there, config.json has no such tensor" for k in found if k not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ModelError(f"{directory}: config.json does not describe model.safetensors: {'; '.join(problems[:3])}"
+                         f"{more}; use the config.json exported with these weights")

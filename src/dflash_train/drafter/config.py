@@ -20,6 +20,7 @@ LAYER_TYPES = (FULL, SLIDING)
 # "Variant: dspark").
 VARIANTS = ("dflash", "dspark")
 MARKOV_HEADS = ("vanilla", "gated")  # dspark's head: the bigram bias alone, or gated by the slot's hidden state
+MARKOV_RANK = 256  # drafter.markov_rank's default: another value without variant dspark is refused
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -118,6 +119,10 @@ class DrafterConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
         _check_variant(self.variant, self.markov_rank, self.markov_head_type)
+        if self.variant == "dspark" and self.markov_rank > self.vocab_size:
+            raise ValueError(f"markov_rank (drafter.markov_rank) {self.markov_rank:,} is above the vocabulary size "
+                             f"{self.vocab_size:,}: the bigram head's tables are [vocab, rank], and a rank above the "
+                             f"vocabulary adds nothing")
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -263,8 +268,8 @@ class DrafterSpec:
     variant: Literal["dflash", "dspark"] = "dflash"
     """dflash = slots drafted independently; dspark = plus a low-rank bigram head that conditions each
     slot on the token before it (docs/dflash-spec.md, "Variant: dspark")"""
-    markov_rank: int = 256
-    """dspark only: rank r of the bigram head (two [vocab, r] tables)"""
+    markov_rank: int = MARKOV_RANK
+    """dspark only: rank r of the bigram head (two [vocab, r] tables; at most the vocabulary's size)"""
     markov_head: Literal["vanilla", "gated"] = "vanilla"
     """dspark only: vanilla = the bias reads the previous token alone; gated = its code is gated by
     the slot's hidden state (DSpark's gated head: one [r, H + r] projection more)"""
@@ -297,6 +302,12 @@ class DrafterSpec:
             raise ValueError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
         if self.markov_head not in MARKOV_HEADS:
             raise ValueError(f"drafter.markov_head must be one of {list(MARKOV_HEADS)}, got {self.markov_head!r}")
+        ignored = [f"drafter.{name} ({getattr(self, name)!r})" for name, default in
+                   (("markov_rank", MARKOV_RANK), ("markov_head", "vanilla")) if getattr(self, name) != default]
+        if ignored and self.variant != "dspark":  # set, and they would be ignored
+            raise ValueError(f"{' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} the dspark "
+                             f"bigram head; drafter.variant is "
+                             f"{self.variant!r}, which has none: set drafter.variant dspark, or leave them out")
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:

@@ -32,6 +32,7 @@ RowWeigher = Callable[[torch.Tensor, slice], torch.Tensor]
 
 WEIGHTINGS = ("decay", "cap", "cap+decay", "dpace", "uniform")
 CONFIDENCE_WEIGHTINGS = ("cap", "cap+decay", "dpace")  # need the drafter's probability of each label
+DPACE_ALPHA = 0.5  # loss.dpace_alpha's default: another value without weighting dpace is refused
 
 
 def default_gamma(block_size: int) -> float:
@@ -50,7 +51,7 @@ class LossConfig:
     """weight of the acceptance-aware term in cap+decay"""
     cap_eps: float = 1e-2
     """floor of the acceptance-aware weights"""
-    dpace_alpha: float = 0.5
+    dpace_alpha: float = DPACE_ALPHA
     """D-PACE's smoothing toward 1: a slot's confidence is dpace_alpha + (1 - dpace_alpha) * p"""
     chunk_rows: int = 4096
     """rows of the [rows, vocab] logits computed at once (memory vs speed); rounded down to whole
@@ -71,6 +72,9 @@ class LossConfig:
             raise ValueError(f"loss.cap_eps must be in (0, 1), got {self.cap_eps}")
         if not 0 < self.dpace_alpha <= 1:
             raise ValueError(f"loss.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.dpace_alpha != DPACE_ALPHA and self.weighting != "dpace":  # set, and it would be ignored
+            raise ValueError(f"loss.dpace_alpha ({self.dpace_alpha}) applies to loss.weighting dpace; the weighting "
+                             f"is {self.weighting!r}: set loss.weighting dpace, or leave dpace_alpha out")
         if self.chunk_rows < 1:
             raise ValueError("loss.chunk_rows must be >= 1")
 

@@ -20,7 +20,7 @@ import transformers
 from dflash_train.data.prompts import load_prompts, prompt_set_name
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import mismatches_with_target
-from dflash_train.eval.report import plot_report, summary_lines, write_json
+from dflash_train.eval.report import cpu_cost_line, plot_report, summary_lines, write_json
 from dflash_train.speculative.decoders import NEAR_TIE_ULPS
 from dflash_train.speculative.evaluate import build_report, evaluate_prompts, measure_batched
 from dflash_train.target.attn_impl import AttnImplementation, resolve_attn_implementation
@@ -105,6 +105,9 @@ class EvalJobConfig:
             raise ValueError("slots must be >= 1")
         if self.slots > 1 and self.greedy:
             raise ValueError("--slots N measures tau and the outputs only: add --no-greedy (speedups are batch 1's)")
+        if self.strict and not self.greedy:
+            raise ValueError("--strict checks every output against plain greedy decoding, which --no-greedy leaves "
+                             "out: drop one of the two")
 
 
 CONFIG = EvalJobConfig
@@ -156,6 +159,8 @@ def run(cfg: EvalJobConfig, args: argparse.Namespace | None = None) -> int:
     json_path = write_json(report, out / "report.json")
     png_path = plot_report(report, out / "report.png", title=f"{drafter_dir.name} on {prompt_set_name(cfg.prompts)}")
     print("\n".join(summary_lines(report)))
+    if device.type == "cpu" and (cost := cpu_cost_line(report)):  # why a CPU's speedup is below 1
+        print(cost)
     print(f"report: {json_path}\nfigure: {png_path}")
     kinds = report["overall"].get("divergences", {})
     if kinds.get("mismatch"):

@@ -8,8 +8,9 @@
     4. export   the inference checkpoint -> <output>/drafter
     5. eval     speculative vs plain greedy decoding on held-out prompts -> <output>/eval
 
-The target is loaded once (by the trainer) and reused for the evaluation. On 2 CPU cores
-the default run takes about 10 minutes; `--quick` (what CI runs) about 2.
+The target is loaded once (by the trainer) and reused for the evaluation. How long it takes
+(a CPU, a GPU, `--quick`) is measured in the README's table of run times; it ends with the
+commands to try next.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prompts import CHAT_ASSET, asset_path, load_prompts
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
-from dflash_train.eval.report import plot_report, summary_lines, write_json
+from dflash_train.eval.report import cpu_cost_line, plot_report, summary_lines, write_json
 from dflash_train.speculative.evaluate import build_report, evaluate_prompts
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.export_cli import export
 from dflash_train.train.run import print_summary
 from dflash_train.train.trainer import Trainer
+from dflash_train.utils.command import program
 from dflash_train.utils.config import cli, load_config
 from dflash_train.utils.device import choose_cpu_threads, resolve_device
 from dflash_train.utils.errors import EXIT_INTERRUPTED, DFlashError
@@ -189,24 +191,31 @@ def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
                      f"{(estimate - o['tau']) / o['tau']:+.1%}")
     lines += [*(cpu_lines(report, summary["steps"], drafter.config.num_hidden_layers) if device.type == "cpu" else []),
               *gpu_reference_lines(REGISTRY),
-              f"report: {json_path}", f"figure: {png_path}", f"total time {time.perf_counter() - start:.0f}s"]
+              f"report: {json_path}", f"figure: {png_path}", f"total time {time.perf_counter() - start:.0f}s",
+              *next_lines(out / "drafter")]
     print("\n".join(lines), flush=True)
     return 0
 
 
+def next_lines(drafter_dir: Path) -> list[str]:
+    """The commands to try after the demo, spelled as this one was started (`.venv/bin/dflash-train`,
+    `dflash-train` on the PATH, or `python -m dflash_train`)."""
+    dft = program()
+    lines = ["", "next:",
+             f"  {dft} eval --target builtin --drafter {drafter_dir} --prompts humaneval --num-prompts 4 "
+             f"--max-new-tokens 128   # this drafter on code prompts"]
+    if REGISTRY.is_file():  # a source checkout: the recipe's GPU-trained drafter is kept in its history
+        lines.append("  bash scripts/recipe_data.sh restore-drafter drafters/smollm2-recipe   # a drafter trained on "
+                     "a GPU, then the same eval with --drafter drafters/smollm2-recipe")
+    lines.append("  README.md, \"Train a drafter for your model\": the same five steps on your own model and data")
+    return lines
+
+
 def cpu_lines(report: dict, steps: int, layers: int) -> list[str]:
     """What a CPU run shows, with this run's own costs: why its speedup is below 1."""
-    o, B = report["overall"], report["block_size"]
-    lines = [f"what this CPU run shows: the whole pipeline and the measurement, not a useful drafter ({steps} steps "
-             f"of a {layers}-layer drafter trained from scratch)"]
-    if o.get("greedy_tok_per_s") and o["rounds"]:
-        per_token = 1 / o["greedy_tok_per_s"]  # seconds of one plain greedy token here
-        verify = o["verify_seconds"] / o["rounds"] / per_token
-        draft = o["draft_seconds"] / o["rounds"] / per_token
-        lines.append(f"on this CPU a verify forward of {B} tokens cost {verify:.1f}x a plain greedy token and the "
-                     f"drafter {draft:.1f}x, so speculation pays only once tau passes ~{verify + draft:.1f} "
-                     f"(measured: {o['tau']:.2f}); on a GPU a forward of {B} tokens costs about as much as one")
-    return lines
+    cost = cpu_cost_line(report)
+    return [f"what this CPU run shows: the whole pipeline and the measurement, not a useful drafter ({steps} steps "
+            f"of a {layers}-layer drafter trained from scratch)", *([cost] if cost else [])]
 
 
 def gpu_reference_lines(registry: Path) -> list[str]:

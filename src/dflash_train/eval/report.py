@@ -119,6 +119,20 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
+def cpu_cost_line(report: dict) -> str | None:
+    """On a CPU: what a verify forward and a draft cost in plain greedy tokens, and so the tau from which
+    speculation pays (why a CPU's speedup is below 1 where a GPU's is above); None without the timings."""
+    o, B = report["overall"], report["block_size"]
+    if not (o.get("greedy_tok_per_s") and o.get("rounds")):
+        return None
+    per_token = 1 / o["greedy_tok_per_s"]  # seconds of one plain greedy token here
+    verify = o["verify_seconds"] / o["rounds"] / per_token
+    draft = o["draft_seconds"] / o["rounds"] / per_token
+    return (f"on this CPU a verify forward of {B} tokens cost {verify:.1f}x a plain greedy token and the "
+            f"drafter {draft:.1f}x, so speculation pays only once tau passes ~{verify + draft:.1f} "
+            f"(measured: {o['tau']:.2f}); on a GPU a forward of {B} tokens costs about as much as one")
+
+
 def _spread(o: dict) -> str:
     n, spread = o.get("timing_repeats", 1), o.get("speedup_spread")
     if n < 2 or not spread:

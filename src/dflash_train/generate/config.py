@@ -41,7 +41,10 @@ class GenerateConfig:
     max_attempts_factor: float = field(default=20.0, metadata=_help("give up after synthesize x this many user-turn attempts"))
 
     # built-in engine
-    batch_size: int = field(default=64, metadata=_help("built-in engine: concurrent sequences (slots)"))
+    batch_size: int | Literal["auto"] = field(default="auto", metadata=_help(
+        "built-in engine: concurrent sequences (slots); auto = as many as the device's memory holds (the KV "
+        "cache fitted to the GPU's free memory, or to half the host's available memory on a CPU; at most 1,536 "
+        "on a GPU, 64 on a CPU), said with its size at the start"))
     max_prompt_tokens: int = field(default=2048, metadata=_help("longer prompts are skipped (built-in: sizes the KV cache)"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N"))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help("auto = bfloat16 on GPU, float32 on CPU"))
@@ -66,6 +69,12 @@ class GenerateConfig:
     # output
     flush_rows: int = field(default=32, metadata=_help("fsync the output after this many rows"))
     flush_seconds: float = field(default=5.0, metadata=_help("... or after this many seconds"))
+    append_other_settings: bool = field(default=False, metadata=_help(
+        "append to an output whose rows were written with other settings (model, sampling, seed, "
+        "max_new_tokens); else such an output is refused, naming what differs"))
+    summary: Literal["text", "json"] = field(default="text", metadata=_help(
+        "how the run's summary is printed at the end: text (a few lines) or json (every counter, the "
+        "engine's included: what scripts read)"))
     progress: bool = field(default=True, metadata=_help("show a progress bar"))
     log_every_seconds: float = field(default=60.0, metadata=_help(
         "without the progress bar: a progress line (rows, new tok/s) this often; 0 = none"))
@@ -83,7 +92,9 @@ class GenerateConfig:
         for name in ("synthesize", "prompt_min_chars", "retries", "top_k", "prompt_top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_new_tokens", "prompt_max_tokens", "batch_size", "max_prompt_tokens", "concurrency", "flush_rows"):
+        if self.batch_size != "auto" and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or auto, got {self.batch_size}")
+        for name in ("max_new_tokens", "prompt_max_tokens", "max_prompt_tokens", "concurrency", "flush_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_attempts_factor < 1:

@@ -33,17 +33,20 @@ from tqdm import tqdm
 
 from dflash_train import __version__
 from dflash_train.data.sources import Record, expand_inputs, iter_records
+from dflash_train.generate.attention import decode_attention_for
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.decoder import check_supported_config
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.http_engine import HttpEngine
 from dflash_train.generate.sampling import request_key
+from dflash_train.generate.sizing import (KvShape, auto_slots, cache_positions, device_capacity_bytes, free_bytes,
+                                          kv_shape, too_big)
 from dflash_train.generate.writer import JsonlAppender, read_rows, recover
 from dflash_train.target.chat_template import special_strings, user_header
 from dflash_train.target.loading import load_causal_lm, load_config, load_tokenizer, resolve_model_source
 from dflash_train.utils.device import choose_cpu_threads, resolve_device, resolve_dtype
-from dflash_train.utils.errors import DataError, ModelError
+from dflash_train.utils.errors import ConfigError, DataError, ModelError, OutputError
 from dflash_train.utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,11 @@ class Resumed:
     synth_done: int = 0  # synthetic rows of this seed
     next_attempt: int = 0  # one past the highest attempt of this seed written
     rows: int = 0
+    generators: dict[str, dict[str, Any]] = field(default_factory=dict)  # the distinct settings rows were written with
+
+
+# the row settings that shape the answers (a resume with other ones would mix them in one file)
+ANSWER_SETTINGS = ("model", "temperature", "top_p", "top_k", "max_new_tokens")
 
 
 class Driver:
@@ -321,20 +329,54 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
         raise ModelError(f"{source.describe()}: the tokenizer has no chat template; generate needs a chat model")
     max_new_tokens = max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1)
     # a family the engine cannot decode is refused from its config, before the weights load
-    check_supported_config(load_config(source).get_text_config(), cfg.max_prompt_tokens + max_new_tokens)
+    text_config = load_config(source).get_text_config()
+    check_supported_config(text_config, cfg.max_prompt_tokens + max_new_tokens)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    shape = _kv_shape(cfg, text_config, device, dtype, max_new_tokens)
+    if cfg.batch_size != "auto":  # a cache larger than the whole device: refused before the weights load
+        _refuse_too_big(cfg.batch_size, shape, device_capacity_bytes(device), device, "whole")
     if device.type == "cpu":
         threads, why = choose_cpu_threads(0)
         log.info("CPU threads: %d (%s)", threads, why)
     model = load_causal_lm(source, dtype=dtype, device=device, attn_implementation=cfg.attn_implementation,
                            attn_option="attn-implementation")
     engine = BuiltinEngine(
-        model, tokenizer, slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+        model, tokenizer, slots=_slots(cfg, shape, device), max_prompt_tokens=cfg.max_prompt_tokens,
         max_new_tokens=max_new_tokens, cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, attention=cfg.attention,
         model_name=source.name or source.describe(),
     )  # fmt: skip
     return engine, tokenizer
+
+
+def _kv_shape(cfg: GenerateConfig, text_config, device, dtype, max_new_tokens: int) -> KvShape:
+    """One slot's cache, with the cache length the engine will choose (its attention's block size)."""
+    shape = kv_shape(text_config, 1, dtype)
+    attention = cfg.attention if cfg.attention != "auto" else decode_attention_for(device, cfg.compile,
+                                                                                    [shape.head_dim])
+    return kv_shape(text_config, cache_positions(cfg.max_prompt_tokens, max_new_tokens, attention), dtype)
+
+
+def _refuse_too_big(slots: int, shape: KvShape, available: int | None, device, which: str) -> None:
+    """ConfigError when `slots` slots' cache exceeds `available` bytes: the device's `which` ("whole"
+    or "free") memory; a CPU host's is its available memory either way."""
+    where = f"the GPU's {which} memory" if device.type == "cuda" else "the host's available memory"
+    problem = too_big(slots, shape, available, where)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _slots(cfg: GenerateConfig, shape: KvShape, device) -> int:
+    """The engine's slots: --batch-size, checked against the memory left after the model loaded, or
+    what `auto` fits there (said in one line with the cache's size)."""
+    free = free_bytes(device)
+    if cfg.batch_size != "auto":
+        _refuse_too_big(cfg.batch_size, shape, free, device, "free")
+        return cfg.batch_size
+    choice = auto_slots(shape, device, free)
+    log.info("batch size auto: %d slots x %d positions, KV cache %.2f GiB (%s)", choice.slots, shape.positions,
+             choice.kv_bytes / 2**30, choice.why)
+    return choice.slots
 
 
 def _count_prompt_rows(cfg: GenerateConfig, done_ids: set[str]) -> int:
@@ -392,6 +434,10 @@ def _rows_done(cfg: GenerateConfig) -> Resumed:
     for row in read_rows(cfg.output):
         done.rows += 1
         done.done_ids.add(row["id"])
+        generator = row.get("generator")
+        if isinstance(generator, dict):
+            kept = {k: generator[k] for k in (*ANSWER_SETTINGS, "seed") if k in generator}
+            done.generators.setdefault(json.dumps(kept, sort_keys=True), kept)
         if row.get("synthetic"):
             users = [m.get("content", "") for m in row.get("messages", []) if m.get("role") == "user"]
             if users:
@@ -400,9 +446,48 @@ def _rows_done(cfg: GenerateConfig) -> Resumed:
             if row["id"].startswith(synth_prefix) and attempt.isdigit():
                 done.synth_done += 1
                 done.next_attempt = max(done.next_attempt, int(attempt) + 1)
-    if done.rows:
-        log.info("%s: %d rows already done, resuming", cfg.output, done.rows)
     return done
+
+
+def settings_changes(cfg: GenerateConfig, done: Resumed, model: str | None) -> list[str]:
+    """`setting: X there vs Y now` for each answer setting in which rows already in the output differ
+    from this run's (the model when it is known before it loads; the seed where either samples)."""
+    ours: dict[str, Any] = {**cfg.answer_sampling.to_dict(), "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+    if model is not None:
+        ours["model"] = model
+    changes = []
+    for theirs in done.generators.values():
+        sampled = theirs.get("temperature", 0) or cfg.temperature
+        for key in (*ANSWER_SETTINGS, *(("seed",) if sampled else ())):
+            if key in theirs and key in ours and theirs[key] != ours[key]:
+                change = f"{key}: {theirs[key]!r} there vs {ours[key]!r} now"
+                if change not in changes:
+                    changes.append(change)
+    return changes
+
+
+def _model_name(cfg: GenerateConfig, engine) -> str | None:
+    """The model name rows record, known before the model loads: a given engine's, the built-in engine's
+    target's (as BuiltinEngine names it); None for a server not asked yet."""
+    if engine is not None:
+        return engine.describe().get("model")
+    if cfg.engine == "builtin":
+        source = resolve_model_source(cfg.target)
+        return source.name or source.describe()
+    return None
+
+
+def _check_settings(cfg: GenerateConfig, done: Resumed, model: str | None) -> None:
+    """An output whose rows were written with other answer settings is appended to only when asked."""
+    changes = settings_changes(cfg, done, model)
+    if not changes:
+        return
+    if not cfg.append_other_settings:
+        raise OutputError(f"{cfg.output}: its {done.rows:,} rows were written with other settings ("
+                          f"{'; '.join(changes)}): rerun with those settings to resume, choose another --output, or "
+                          f"pass --append-other-settings to mix them in one file")
+    log.warning("%s: appending with other settings than its rows' (%s): --append-other-settings", cfg.output,
+                "; ".join(changes))
 
 
 def _summary(cfg: GenerateConfig, driver: Driver, engine, bad: list[DataError], *, existing: int,
@@ -460,48 +545,63 @@ def run_generate(cfg: GenerateConfig, *, engine=None, tokenizer=None, signals: S
 
     if cfg.prompts:
         _check_prompts(cfg)  # before the output file is touched
+    made_here = not Path(cfg.output).exists()
     with JsonlAppender(cfg.output, flush_rows=cfg.flush_rows, flush_seconds=cfg.flush_seconds) as out:
-        recover(cfg.output)  # under the lock: no other run is appending
-        done = _rows_done(cfg)
-
-        prompt_todo = _count_prompt_rows(cfg, done.done_ids) if cfg.prompts else 0
-        todo = prompt_todo + max(0, cfg.synthesize - done.synth_done)
-        if engine is None:
-            engine, tokenizer = build_engine(cfg, need_tokenizer=cfg.synthesize > 0)
-        header = user_header(tokenizer, cfg.system_prompt) if cfg.synthesize > 0 else None
-        bad: list[DataError] = []
-        records = None
-        if cfg.prompts:
-            records = round_robin_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad) if cfg.mix \
-                else iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad)
-
-        bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
-        t0 = time.perf_counter()
-        last = [t0]
-        # the bar's rate twice a second; without a bar (a batch job's log) a line now and then
-        interval = 0.5 if cfg.progress else cfg.log_every_seconds
-
-        def on_row(_tokens: int) -> None:
-            bar.update(1)
-            now = time.perf_counter()
-            if not interval or now - last[0] < interval:
-                return
-            last[0] = now
-            elapsed = max(now - t0, 1e-9)
-            rate = f"{driver.counts.new_tokens / elapsed:,.0f} new tok/s ({driver.counts.kept_tokens / elapsed:,.0f} kept)"
-            if cfg.progress:
-                bar.set_postfix_str(rate)
-            else:
-                log.info("generate: %d of %d conversations written, %s, %.0f s", driver.counts.written, todo, rate,
-                         now - t0)
-
-        driver = Driver(
-            cfg, out.add, engine.describe(), done=done, records=records, records_total=prompt_todo, header=header,
-            tokenizer=tokenizer, on_row=on_row, should_stop=should_stop,
-        )  # fmt: skip
         try:
-            engine.run(driver.next_request, driver.on_complete)
-        finally:
-            bar.close()
-        seconds = time.perf_counter() - t0
+            return _generate_into(out, cfg, engine=engine, tokenizer=tokenizer, should_stop=should_stop)
+        except BaseException:
+            if made_here:  # a run that failed before its first row leaves no empty output behind
+                out.discard_if_empty()
+            raise
+
+
+def _generate_into(out: JsonlAppender, cfg: GenerateConfig, *, engine, tokenizer,
+                   should_stop: Callable[[], str | None]) -> dict[str, Any]:
+    """The job with its output open and locked: resume what is there, build the engine, run it."""
+    recover(cfg.output)  # under the lock: no other run is appending
+    done = _rows_done(cfg)
+    _check_settings(cfg, done, _model_name(cfg, engine))
+    if done.rows:
+        log.info("%s: %d rows already done, resuming", cfg.output, done.rows)
+
+    prompt_todo = _count_prompt_rows(cfg, done.done_ids) if cfg.prompts else 0
+    todo = prompt_todo + max(0, cfg.synthesize - done.synth_done)
+    if engine is None:
+        engine, tokenizer = build_engine(cfg, need_tokenizer=cfg.synthesize > 0)
+    header = user_header(tokenizer, cfg.system_prompt) if cfg.synthesize > 0 else None
+    bad: list[DataError] = []
+    records = None
+    if cfg.prompts:
+        records = round_robin_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad) if cfg.mix \
+            else iter_records(cfg.prompts, skip_bad=cfg.skip_bad, bad=bad)
+
+    bar = tqdm(total=todo, unit="conv", dynamic_ncols=True, disable=not cfg.progress, desc="generate")
+    t0 = time.perf_counter()
+    last = [t0]
+    # the bar's rate twice a second; without a bar (a batch job's log) a line now and then
+    interval = 0.5 if cfg.progress else cfg.log_every_seconds
+
+    def on_row(_tokens: int) -> None:
+        bar.update(1)
+        now = time.perf_counter()
+        if not interval or now - last[0] < interval:
+            return
+        last[0] = now
+        elapsed = max(now - t0, 1e-9)
+        rate = f"{driver.counts.new_tokens / elapsed:,.0f} new tok/s ({driver.counts.kept_tokens / elapsed:,.0f} kept)"
+        if cfg.progress:
+            bar.set_postfix_str(rate)
+        else:
+            log.info("generate: %d of %d conversations written, %s, %.0f s", driver.counts.written, todo, rate,
+                     now - t0)
+
+    driver = Driver(
+        cfg, out.add, engine.describe(), done=done, records=records, records_total=prompt_todo, header=header,
+        tokenizer=tokenizer, on_row=on_row, should_stop=should_stop,
+    )  # fmt: skip
+    try:
+        engine.run(driver.next_request, driver.on_complete)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
     return _summary(cfg, driver, engine, bad, existing=done.rows, seconds=seconds)

@@ -114,6 +114,14 @@ class JsonlAppender:
             self._buffer.clear()
         self._last_flush = time.monotonic()
 
+    def discard_if_empty(self) -> bool:
+        """Remove the file, still under the lock, when nothing was ever written to it (a run that
+        failed before its first row and created the file); returns whether it was removed."""
+        if self._fd < 0 or self.written or self._buffer or os.fstat(self._fd).st_size:
+            return False
+        self.path.unlink(missing_ok=True)
+        return True
+
     def close(self) -> None:
         if self._fd < 0:
             return

@@ -8,6 +8,9 @@
                per drafter
 
 `layout: auto` means single without torchrun and colocated under torchrun.
+
+`target_group_size` G > 1 shards the frozen target over groups of G consecutive target ranks
+(FSDP2, target/sharded.py; docs/sharded-targets.md): each rank holds 1/G of its parameters.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class PipelineConfig:
     (dead_rank_timeout_s); this only ends a live rank stuck in a call that never returns"""
     startup_timeout_s: float = 1800.0
     """model loading may take long: the first barrier waits this long"""
+    target_group_size: int = 1
+    """ranks that hold one copy of the target between them, each 1/G of its weights (FSDP2; for targets
+    larger than one GPU): groups of this many consecutive target ranks (colocated: all ranks; split: the
+    target ranks). 1 = every target rank loads the whole target"""
     heartbeat_s: float = 1.0
     """every rank bumps a counter in the job's store this often (pipeline/heartbeat.py)"""
     dead_rank_timeout_s: float = 20.0
@@ -60,8 +67,31 @@ class PipelineConfig:
         if self.layout == "split" and self.overlap_target:
             raise ValueError("pipeline.overlap_target is for the single and colocated layouts (a split layout's "
                              "target ranks already run ahead of the drafters)")
+        if self.target_group_size < 1:
+            raise ValueError("pipeline.target_group_size must be >= 1")
+        if self.target_group_size > 1:
+            self._check_target_groups()
         if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("pipeline timeouts must be positive")
         if self.heartbeat_s <= 0 or self.dead_rank_timeout_s < 3 * self.heartbeat_s:
             raise ValueError("pipeline.heartbeat_s must be positive and pipeline.dead_rank_timeout_s at least "
                              "3 heartbeats")
+
+    def _check_target_groups(self) -> None:
+        G = self.target_group_size
+        if self.layout == "single":
+            raise ValueError(f"pipeline.target_group_size {G} shards the target over {G} processes: launch with "
+                             f"torchrun (layout colocated or split), not layout single")
+        if self.overlap_target:
+            raise ValueError("pipeline.overlap_target runs the target on a second CUDA stream, which a sharded "
+                             "target (pipeline.target_group_size > 1) does not: leave it off")
+        if self.layout == "split" and self.target_ranks % G:
+            raise ValueError(f"pipeline.target_ranks ({self.target_ranks}) must be a multiple of "
+                             f"pipeline.target_group_size ({G})")
+        # the G ranks of a group run their forwards together, each after its own drafter's credit: a
+        # drafter credits `queue_depth` batches ahead, and with queue_depth x drafter_ranks >= G every
+        # credit a group waits for depends only on batches of earlier rounds (docs/sharded-targets.md)
+        if self.layout == "split" and self.queue_depth * self.drafter_ranks < G:
+            raise ValueError(f"pipeline.queue_depth ({self.queue_depth}) x pipeline.drafter_ranks "
+                             f"({self.drafter_ranks}) must be >= pipeline.target_group_size ({G}): raise "
+                             f"queue_depth")

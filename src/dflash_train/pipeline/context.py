@@ -10,6 +10,10 @@ rank does both. Process groups:
   that must not wait behind GPU work.
 * `links`: one group per (target, drafter) pair that exchanges hidden states (split
   layout): NCCL GPU to GPU (`device` transport), gloo through host memory (`host`).
+* `target_group` (pipeline.target_group_size G > 1): the G consecutive target ranks that
+  hold one sharded copy of the target (FSDP2's all-gathers: NCCL on GPU, gloo on CPU), and
+  `target_group_control`, a gloo group of the same ranks (a split layout's target ranks
+  agree there, once a batch, whether the group runs a forward: pipeline/target_group.py).
 
 Why one group per pair, created and connected at start-up: NCCL creates the
 communicator of a group at its first operation, a handshake both peers must enter. Left
@@ -64,6 +68,9 @@ class DistContext:
     links: dict[tuple[int, int], object] = field(default_factory=dict)  # (target, drafter) -> group (split)
     link_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where link tensors live
     heartbeat: Heartbeat | None = None  # watches every other rank (distributed runs)
+    target_group: object | None = None  # ranks sharing one sharded target (pipeline.target_group_size > 1)
+    target_group_control: object | None = None  # the same ranks over gloo (split: per-batch agreement)
+    target_group_ranks: list[int] = field(default_factory=list)
 
     @property
     def is_target(self) -> bool:
@@ -126,6 +133,9 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     if layout == "single":
         if one_of_several_processes():
             raise ConfigError("pipeline.layout=single under torchrun with several processes: use colocated or split")
+        if cfg.target_group_size > 1:
+            raise ConfigError(f"pipeline.target_group_size {cfg.target_group_size} shards the target over several "
+                              f"processes: launch with torchrun (see docs/sharded-targets.md)")
         return DistContext(layout="single", device=resolve_device(device_name))
     if not launched_by_torchrun():
         raise ConfigError(f"pipeline.layout={layout} needs several processes: launch with torchrun "
@@ -138,6 +148,9 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
         targets, drafters = list(range(cfg.target_ranks)), list(range(cfg.target_ranks, world))
     else:
         targets = drafters = list(range(world))
+    if len(targets) % cfg.target_group_size:
+        raise ConfigError(f"pipeline.target_group_size {cfg.target_group_size} must divide the {len(targets)} "
+                          f"target ranks")
     device = resolve_device(device_name, local)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     shared = gpus_shared_on_node([resolve_device(device_name, i) for i in range(local_world)], rank - local, drafters)
@@ -157,6 +170,9 @@ def init_distributed(cfg: PipelineConfig, device_name: str) -> DistContext:
     ctx.heartbeat = Heartbeat(rank, world, interval_s=cfg.heartbeat_s, dead_after_s=cfg.dead_rank_timeout_s).start()
     ctx.control = dist.new_group(backend="gloo", timeout=working)
     ctx.drafters = dist.new_group(drafters, backend="nccl" if device.type == "cuda" else "gloo", timeout=working)
+    if cfg.target_group_size > 1:
+        connect_target_groups(ctx, cfg.target_group_size, backend="nccl" if device.type == "cuda" else "gloo",
+                              timeout=working)
     if layout == "split":
         on_device = _device_transport(cfg.transport, ctx)
         ctx.link_device = device if on_device else torch.device("cpu")
@@ -183,6 +199,20 @@ def gpus_shared_on_node(devices: list[torch.device], first_rank: int, drafter_ra
                 f"--nproc-per-node {len(ranks_on)}), give the extra processes to targets (pipeline.layout split), "
                 f"or train on the CPU (run.device cpu)")
     return any(len(ranks) > 1 for ranks in ranks_on.values())
+
+
+def target_groups(target_ranks: list[int], size: int) -> list[list[int]]:
+    """The target ranks in groups of `size` consecutive ranks, each holding one sharded target."""
+    return [target_ranks[i:i + size] for i in range(0, len(target_ranks), size)]
+
+
+def connect_target_groups(ctx: DistContext, size: int, *, backend: str, timeout: timedelta) -> None:
+    """Create every target group (all ranks, in one order: torch requires it) and keep this rank's."""
+    for ranks in target_groups(ctx.target_ranks, size):
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if ctx.rank in ranks:
+            ctx.target_group, ctx.target_group_control, ctx.target_group_ranks = group, control, ranks
 
 
 def link_pairs(ctx: DistContext) -> list[tuple[int, int]]:

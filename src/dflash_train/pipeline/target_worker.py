@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,57 +56,90 @@ class TargetWorker:
         self.start = broadcast_start(ctx)
 
     def run(self) -> dict:
-        ctx = self.ctx
-        T, D, t = ctx.num_targets, ctx.num_drafters, ctx.target_index
-        total = self.start["batches"] * D  # global batches the drafters will take
-        sender = HiddenStateSender(ctx, self.queue_depth)
-        plan = self.data.planner
-        positions = drafter_positions(plan, self.start["epoch"], self.start["index"], D)
-        pos_of_q: list[tuple[int, int]] = []
-        ended: set[int] = set()
-        mine = {ctx.drafter_of(g) for g in range(t, t + T * D, T)}
-        compute_s, tokens, wall0 = 0.0, 0, time.perf_counter()
-        # the job's recorder (installed for the process's whole life), else one for this loop
-        with contextlib.nullcontext(self.signals) if self.signals else StopSignals(second_ctrl_c_aborts=False) \
-                as signals:
-            for g in range(t, total, T):
-                if ended >= mine:
+        ctx, loop = self.ctx, self._loop()
+        T = ctx.num_targets
+        with self._signals() as signals:
+            for g in range(ctx.target_index, loop.total, T):
+                if loop.ended >= loop.mine:
                     break
-                q, d = divmod(g, D)
-                while len(pos_of_q) <= q:
-                    pos_of_q.append(next(positions))
+                q, d = divmod(g, ctx.num_drafters)
                 drafter_rank = ctx.drafter_ranks[d]
-                if drafter_rank in ended or not sender.wait_credit(drafter_rank, g):
-                    ended.add(drafter_rank)
+                if drafter_rank in loop.ended or not loop.sender.wait_credit(drafter_rank, g):
+                    loop.ended.add(drafter_rank)
                     continue
-                epoch, index = pos_of_q[q]
-                rows = plan.shard(epoch, d, D)[index]
-                batch = build_batch(self.data.train, rows, epoch=epoch, index=index)
-                if self.padding is not None:
-                    batch = batch.pad_to(*self.padding)
-                c0 = time.perf_counter()
-                if signals.received is None:
-                    out = self.runner.run_batch(batch, ctx.device)
-                    tensors = [out.taps] + ([out.final_hidden] if out.final_hidden is not None else [])
-                    tokens += batch.num_tokens
-                else:  # placeholders: the drafters discard this step and stop
-                    R, S = batch.input_ids.shape
-                    width = len(self.runner.layer_ids) * self.runner.hidden_size
-                    dtype = next(self.runner.model.parameters()).dtype
-                    tensors = [torch.zeros(R, S, width, dtype=dtype, device=ctx.device)]
-                    if self.runner.need_final:
-                        tensors.append(torch.zeros(R, S, self.runner.hidden_size, dtype=dtype, device=ctx.device))
-                if ctx.device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()  # honest compute time (once per batch)
-                compute_s += time.perf_counter() - c0
-                sender.stats.busy_ms.append((time.perf_counter() - c0) * 1000)
-                sender.send(drafter_rank, g, tensors, stop_request=signals.received is not None)
-            # every drafter ends its stream with END: read what is left of each
-            for drafter_rank in sorted(mine - ended):
-                if sender.wait_credit(drafter_rank, -1):
-                    raise RuntimeError(f"drafter rank {drafter_rank} credited a batch past the end of the plan")
-            sender.flush()
-        wall = time.perf_counter() - wall0
-        return {"role": "target", "rank": ctx.rank, "batches": sender.stats.items, "tokens": tokens,
-                "compute_s": compute_s, "wall_s": wall, "load_s": self.load_s, "tok_per_s": tokens / max(wall, 1e-9),
-                **sender.stats.as_dict(), "stop_signal": signals.received}
+                self._serve(loop, g, q, d, stop=signals.received is not None)
+            return self._finish(loop, signals)
+
+    # -- what every target rank's loop shares (the group worker's too: pipeline/target_group.py) --
+
+    def _loop(self) -> "_Loop":
+        ctx, D = self.ctx, self.ctx.num_drafters
+        positions = drafter_positions(self.data.planner, self.start["epoch"], self.start["index"], D)
+        mine = {ctx.drafter_of(g) for g in range(ctx.target_index, ctx.target_index + ctx.num_targets * D,
+                                                 ctx.num_targets)}
+        return _Loop(total=self.start["batches"] * D,  # global batches the drafters will take
+                     sender=HiddenStateSender(ctx, self.queue_depth), positions=positions, mine=mine)
+
+    def _signals(self):
+        """The job's recorder (installed for the process's whole life), else one for this loop."""
+        return contextlib.nullcontext(self.signals) if self.signals else StopSignals(second_ctrl_c_aborts=False)
+
+    def _serve(self, loop: "_Loop", g: int, q: int, d: int, *, stop: bool) -> None:
+        """Build batch g (drafter d's q-th), run the target (placeholders when stopping: the
+        drafters discard that step and stop) and send the result to drafter d."""
+        ctx = self.ctx
+        while len(loop.pos_of_q) <= q:
+            loop.pos_of_q.append(next(loop.positions))
+        epoch, index = loop.pos_of_q[q]
+        batch = build_batch(self.data.train, self.data.planner.shard(epoch, d, ctx.num_drafters)[index],
+                            epoch=epoch, index=index)
+        if self.padding is not None:
+            batch = batch.pad_to(*self.padding)
+        c0 = time.perf_counter()
+        if not stop:
+            out = self.runner.run_batch(batch, ctx.device)
+            tensors = [out.taps] + ([out.final_hidden] if out.final_hidden is not None else [])
+            loop.tokens += batch.num_tokens
+        else:
+            tensors = placeholders(self.runner, *batch.input_ids.shape, ctx.device)
+        if ctx.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # honest compute time (once per batch)
+        loop.compute_s += time.perf_counter() - c0
+        loop.sender.stats.busy_ms.append((time.perf_counter() - c0) * 1000)
+        loop.sender.send(ctx.drafter_ranks[d], g, tensors, stop_request=stop)
+
+    def _finish(self, loop: "_Loop", signals: StopSignals) -> dict:
+        for drafter_rank in sorted(loop.mine - loop.ended):  # every drafter ends its stream with END
+            if loop.sender.wait_credit(drafter_rank, -1):
+                raise RuntimeError(f"drafter rank {drafter_rank} credited a batch past the end of the plan")
+        loop.sender.flush()
+        wall = time.perf_counter() - loop.wall0
+        return {"role": "target", "rank": self.ctx.rank, "batches": loop.sender.stats.items, "tokens": loop.tokens,
+                "compute_s": loop.compute_s, "wall_s": wall, "load_s": self.load_s,
+                "tok_per_s": loop.tokens / max(wall, 1e-9), **loop.sender.stats.as_dict(),
+                "stop_signal": signals.received}
+
+
+@dataclass
+class _Loop:
+    """A target rank's progress through its share of the global batch order."""
+
+    total: int
+    sender: HiddenStateSender
+    positions: Iterator[tuple[int, int]]  # (epoch, index) of a drafter's q-th batch, q = 0, 1, ...
+    mine: set[int]  # the drafter ranks this target rank feeds
+    pos_of_q: list[tuple[int, int]] = field(default_factory=list)
+    ended: set[int] = field(default_factory=set)
+    tokens: int = 0
+    compute_s: float = 0.0
+    wall0: float = field(default_factory=time.perf_counter)
+
+
+def placeholders(runner: TargetRunner, R: int, S: int, device: torch.device) -> list[torch.Tensor]:
+    """Zeros of the shapes of a batch's target output (stop requests: the drafters discard the step)."""
+    width = len(runner.layer_ids) * runner.hidden_size
+    dtype = next(runner.model.parameters()).dtype
+    out = [torch.zeros(R, S, width, dtype=dtype, device=device)]
+    if runner.need_final:
+        out.append(torch.zeros(R, S, runner.hidden_size, dtype=dtype, device=device))
+    return out

@@ -98,7 +98,13 @@ def evaluate_prompts(
         raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     if max_prompt_tokens:
-        encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+        if not kept:
+            shortest = min(len(ids) for _, ids in encoded)
+            raise EvalError(f"no prompt left to evaluate: all {len(encoded)} are longer than --max-prompt-tokens "
+                            f"{max_prompt_tokens} (the shortest has {shortest:,} tokens); raise it or give "
+                            f"shorter prompts")
+        encoded = kept
     if not encoded:
         raise EvalError("no prompt left to evaluate")
     max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)

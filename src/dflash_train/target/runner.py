@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_train.target.config import TargetConfig
@@ -129,7 +130,8 @@ class TargetRunner:
             with sdpa_backend(self.sdpa):
                 self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
         except _StopForward:
-            pass
+            if isinstance(self.model, FSDPModule):  # a sharded target (target/sharded.py): the stop skipped the
+                self.model.reshard()  # root's post-forward, which would have freed its gathered weights
         missing = [i for i in self.layer_ids if i not in self._captured]
         if missing:
             raise RuntimeError(f"target forward did not reach layers {missing}")

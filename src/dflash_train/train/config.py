@@ -11,7 +11,7 @@ opened, and the resolved config is saved next to the checkpoints.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dflash_train.data.config import DataConfig
 from dflash_train.drafter.config import DrafterSpec
@@ -19,6 +19,9 @@ from dflash_train.drafter.loss import CONFIDENCE_WEIGHTINGS, LossConfig
 from dflash_train.pipeline.config import PipelineConfig
 from dflash_train.target.config import TargetConfig
 from dflash_train.train.profiling import parse_profile_steps
+
+
+DECAY_FRACTION = 0.2  # optim.decay_fraction's default: another value without schedule wsd is refused
 
 
 @dataclass
@@ -49,7 +52,7 @@ class OptimConfig:
     schedule: Literal["cosine", "wsd"] = "cosine"
     """after the warmup: cosine decay, or warmup-stable-decay (wsd: the peak lr, then a linear
     decay over the last decay_fraction of the steps)"""
-    decay_fraction: float = 0.2
+    decay_fraction: float = DECAY_FRACTION
     """wsd: the share of all steps spent decaying"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -76,9 +79,13 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
-        if self.schedule not in ("cosine", "wsd") or not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"optim.schedule must be cosine or wsd (got {self.schedule!r}) and "
-                             f"optim.decay_fraction in (0, 1] (got {self.decay_fraction})")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"optim.schedule must be cosine or wsd, got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.decay_fraction != DECAY_FRACTION and self.schedule != "wsd":  # set, and it would be ignored
+            raise ValueError(f"optim.decay_fraction ({self.decay_fraction}) applies to optim.schedule wsd; the "
+                             f"schedule is {self.schedule!r}: set optim.schedule wsd, or leave decay_fraction out")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.grad_accum < 1:
             raise ValueError("optim.warmup_steps >= 0, optim.grad_clip >= 0 and optim.grad_accum >= 1 are required")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -113,10 +120,12 @@ class RunConfig:
     the dataset differ from the checkpoint's (that position then points at other batches); else refused"""
     device: str = "auto"
     """auto (this rank's GPU, else CPU), cpu, cuda, cuda:N"""
-    drafter_dtype: Literal["float32", "bfloat16"] = "float32"
-    """master weights of the drafter; bf16 autocast on GPU either way"""
-    compile: bool = False
-    """fixed shapes (padded batches, fixed-shape anchors) + torch.compile"""
+    drafter_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """master weights of the drafter (bf16 autocast on GPU either way); auto = bfloat16 on a GPU (less
+    memory, a faster optimizer step), float32 on a CPU"""
+    compile: bool | Literal["auto"] = "auto"
+    """fixed shapes (padded batches, fixed-shape anchors) + torch.compile; auto = on on a GPU (one
+    compile of about a minute at the start), off on a CPU (there it costs minutes and every step)"""
     compile_autotune: bool = False
     """with compile: Inductor benchmarks its own kernel choices for the drafter's FlexAttention
     (forward and backward) once per shape, at the first step (2-3 minutes on an H200, where it
@@ -148,7 +157,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         parse_profile_steps(self.profile_steps)
-        if self.compile_autotune and not self.compile:
+        if self.compile_autotune and self.compile is False:
             raise ValueError("run.compile_autotune needs run.compile: true")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("run.max_steps must be >= 1")
@@ -180,6 +189,10 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
+    # what a run records in the config.yaml it saves beside its options (train/trainer.py): left out when
+    # that file is read back as --config
+    RUN_RECORD_KEYS: ClassVar[tuple[str, ...]] = ("drafter_resolved", "data_resolved")
+
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterSpec = field(default_factory=DrafterSpec)

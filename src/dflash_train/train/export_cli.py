@@ -18,13 +18,14 @@ from typing import Literal
 import torch
 from safetensors import SafetensorError
 
-from dflash_train.drafter.checkpoint import load_drafter, save_drafter
+from dflash_train.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.train.checkpoint import STATE, latest_valid_checkpoint, step_dirs, verify_checkpoint
 from dflash_train.utils.config import cli
 from dflash_train.utils.device import DTYPES
 from dflash_train.utils.errors import InputError, ModelError
 from dflash_train.utils.fs import check_output_dir
+from dflash_train.utils.signals import sigterm_interrupts
 
 JOB = "export"
 
@@ -70,7 +71,9 @@ def find_drafter_dir(path: str | Path) -> Path:
 def _load(drafter_dir: Path) -> DFlashDrafter:
     try:
         return load_drafter(drafter_dir)
-    except (OSError, ValueError, KeyError, SafetensorError, ModelError) as e:
+    except ModelError:  # its message names the folder and what is wrong
+        raise
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise InputError(f"{drafter_dir}: the drafter does not load ({type(e).__name__}: {e})") from e
 
 
@@ -88,6 +91,21 @@ def export(source: str | Path, output: str | Path, dtype: torch.dtype = torch.bf
 
 def run(cfg: ExportConfig, args: argparse.Namespace | None = None) -> int:
     drafter_dir = find_drafter_dir(cfg.source)
-    out = export_drafter(drafter_dir, cfg.output, DTYPES[cfg.dtype], overwrite=cfg.overwrite, sources=(cfg.source,))
+    with sigterm_interrupts():  # SIGTERM unwinds like Ctrl-C: the temporary folder goes, a line says why
+        out = export_drafter(drafter_dir, cfg.output, DTYPES[cfg.dtype], overwrite=cfg.overwrite,
+                             sources=(cfg.source,))
     print(f"exported {drafter_dir} -> {out} ({cfg.dtype})")
+    if same_as_final(Path(cfg.source), out):
+        print(f"{Path(cfg.source) / 'final'} holds the same drafter (a run that ends writes it there); export is "
+              f"for a chosen checkpoint, another --dtype, a run stopped before its end, and a folder apart from the "
+              f"run (that --resume never touches)")
     return 0
+
+
+def same_as_final(source: Path, out: Path) -> bool:
+    """Whether `source` is a run whose final/ holds byte for byte what export wrote to `out`."""
+    final = source / "final"
+    try:
+        return all((final / name).read_bytes() == (out / name).read_bytes() for name in (CONFIG_NAME, WEIGHTS_NAME))
+    except OSError:
+        return False

@@ -31,8 +31,10 @@ from dflash_train.data.splits import open_data
 from dflash_train.pipeline.context import (DistContext, exit_finished_rank, init_distributed,
                                            one_of_several_processes, shutdown)
 from dflash_train.pipeline.report import pipeline_report, targets_tokens_per_s
+from dflash_train.pipeline.target_group import GroupTargetWorker
 from dflash_train.pipeline.target_worker import TargetWorker
 from dflash_train.target.loading import load_target_model, open_target, tokenizer_identity
+from dflash_train.target.sharded import load_sharded_target
 from dflash_train.train import setup
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.stopping import STOP_ANNOUNCE
@@ -50,12 +52,20 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext, signals: StopSignals
     """A split layout's target rank: the same data and drafter config as the drafters, the whole target."""
     set_main_process(False)
     target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    cfg, _ = setup.resolve_fast_path(cfg, target_config, ctx.device)  # as the drafters decide it (and say it)
     drafter_config = setup.resolve_drafter_config(cfg, target_config, tokenizer)
     setup.check_target_options(cfg, target_config)
     data = open_data(cfg.data, seed=cfg.run.seed, vocab_size=drafter_config.vocab_size,
                      tokenizer_identity=tokenizer_identity(tokenizer) if tokenizer is not None else None)
     t0 = time.perf_counter()
     t = cfg.target
+    if ctx.target_group is not None:  # one shard of a target the group holds between them
+        model = load_sharded_target(t.path, dtype=resolve_dtype(t.dtype, ctx.device), device=ctx.device,
+                                    group=ctx.target_group, trust_remote_code=t.trust_remote_code,
+                                    attn_implementation=t.attn_implementation)
+        return GroupTargetWorker(ctx, setup.build_target_runner(cfg, model, drafter_config), data,
+                                 queue_depth=cfg.pipeline.queue_depth, padding=setup.compile_padding(cfg),
+                                 load_s=time.perf_counter() - t0, signals=signals)
     model = load_target_model(t.path, dtype=resolve_dtype(t.dtype, ctx.device), device=ctx.device,
                               trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation,
                               fp8=t.fp8)

@@ -29,6 +29,7 @@ from dflash_train.drafter.target_init import check_target_layers_copyable, copy_
 from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource
 from dflash_train.target.attn_impl import resolve_attn_implementation
+from dflash_train.target.config import decide_forward
 from dflash_train.target.language_model import final_logit_softcap, text_config
 from dflash_train.target.loading import (
     choose_mask_token_id,
@@ -39,6 +40,7 @@ from dflash_train.target.loading import (
 )
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
 from dflash_train.target.runner import TargetRunner
+from dflash_train.target.sharded import load_sharded_target
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
 from dflash_train.utils.config import to_dict
@@ -96,6 +98,48 @@ def check_target_options(cfg: TrainConfig, target_config) -> None:
             raise ConfigError(f"target.forward=packed: {exc}") from None
 
 
+# The settings `auto` picks (docs/training.md, "Fast by default"): the packed compiled target, the
+# compiled drafter and bf16 master weights on a GPU; the uncompiled fp32 path on a CPU, where
+# compiling costs minutes and every step (and the suite's exact comparisons are fp32's).
+FAST_PATH_FIELDS = ("target.forward", "target.compile", "run.compile", "run.drafter_dtype")
+
+
+def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> tuple[TrainConfig, str | None]:
+    """`cfg` with every `auto` of FAST_PATH_FIELDS decided for this target and device, and one line
+    saying what auto chose and why (None when nothing was auto). Explicit values are kept; one that
+    the choice makes impossible (target.compile true on a target the packed forward does not take)
+    is a ConfigError naming both."""
+    run, gpu = cfg.run, device.type == "cuda"
+    try:
+        target, packed_no = decide_forward(cfg.target, target_config, device)
+    except ValueError as exc:  # an explicit value that auto's choice makes impossible
+        raise ConfigError(str(exc)) from None
+    compile_ = run.compile if run.compile != "auto" else gpu
+    dtype = run.drafter_dtype if run.drafter_dtype != "auto" else ("bfloat16" if gpu else "float32")
+    if run.compile_autotune and not compile_:
+        raise ConfigError("run.compile_autotune needs run.compile, which auto turns off on a CPU: set run.compile "
+                          "true, or leave compile_autotune out")
+    resolved = dataclasses.replace(cfg, target=target, run=dataclasses.replace(run, compile=compile_,
+                                                                              drafter_dtype=dtype))
+    auto = [k for k in FAST_PATH_FIELDS if _value(cfg, k) == "auto"]
+    if not auto:
+        return resolved, None
+    picked = ", ".join(f"{k} {str(_value(resolved, k)).lower()}" for k in auto)
+    if not gpu:
+        why = "on a CPU the uncompiled float32 path: compiling pays only on a GPU"
+    elif packed_no is None:
+        why = f"the fast path on {device}"
+    else:
+        why = (f"on {device}; the Hugging Face target forward, since the packed one does not take this target "
+               f"({packed_no})")
+    return resolved, f"auto settings: {picked} ({why}; set any of them to choose)"
+
+
+def _value(cfg: TrainConfig, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def total_optimizer_steps(run: RunConfig, grad_accum: int, planner: BatchPlanner, num_drafters: int) -> int:
     """Optimizer steps of the run: run.max_steps, or run.epochs over each drafter's share of
     the real per-epoch batch counts (they vary slightly between epochs: packing follows the
@@ -117,12 +161,15 @@ class FrozenTarget:
     heads: FrozenHeads
     model: torch.nn.Module | None = None
     runner: TargetRunner | None = None
+    sharded: bool = False  # the model holds 1/G of each weight here (pipeline.target_group_size)
 
 
 def build_target_runner(cfg: TrainConfig, model: torch.nn.Module, drafter_config: DrafterConfig) -> TargetRunner:
-    """The runner of the `target:` section's forward (hf or packed, compiled, SDPA kernel)."""
+    """The runner of the `target:` section's forward (hf or packed, compiled, SDPA kernel; an `auto` left
+    in a config that did not pass through resolve_fast_path decided here, for this model)."""
+    target, _ = decide_forward(cfg.target, model.config, model.get_input_embeddings().weight.device)
     try:
-        return TargetRunner.from_config(model, drafter_config.target_layer_ids, cfg.target,
+        return TargetRunner.from_config(model, drafter_config.target_layer_ids, target,
                                         need_final=cfg.step.label_source != "data")
     except UnsupportedTarget as exc:
         raise ConfigError(f"target.forward=packed: {exc}") from None
@@ -131,10 +178,18 @@ def build_target_runner(cfg: TrainConfig, model: torch.nn.Module, drafter_config
 
 
 def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: torch.device, *,
-                       whole_model: bool) -> FrozenTarget:
+                       whole_model: bool, group=None) -> FrozenTarget:
+    """`group`: the target group this rank shares a sharded target with (target/sharded.py), else None."""
     t0 = time.perf_counter()
     dtype = resolve_dtype(cfg.target.dtype, device)
     t = cfg.target
+    if whole_model and group is not None:  # the drafter's step needs whole copies of the two matrices
+        model = load_sharded_target(t.path, dtype=dtype, device=device, group=group,
+                                    trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation)
+        embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
+        log.info("loaded this rank's shard of the target in %.1fs", time.perf_counter() - t0)
+        heads = FrozenHeads(embed, head, logit_softcap=final_logit_softcap(model.config))
+        return FrozenTarget(heads, model, build_target_runner(cfg, model, drafter_config), sharded=True)
     if not whole_model:
         embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
         cap = final_logit_softcap(read_target_config(t.path, trust_remote_code=t.trust_remote_code))
@@ -159,24 +214,25 @@ _DATA_POSITION_IGNORED = {"data.prefetch", "data.eval_batches"}
 def data_position_identity(cfg: TrainConfig, data) -> dict:
     """The options and dataset facts that give a data cursor its meaning, flattened: the checkpoint
     records them in its config.yaml (`data_resolved`), `--resume` compares them."""
-    flat = {f"data.{k}": v for k, v in _flatten(to_dict(cfg.data)).items() if f"data.{k}" not in _DATA_POSITION_IGNORED}
+    flat = {f"data.{k}": v for k, v in flatten(to_dict(cfg.data)).items() if f"data.{k}" not in _DATA_POSITION_IGNORED}
     flat["run.seed"] = cfg.run.seed
     flat["data_resolved.train_samples"] = int(len(data.planner.lengths))
     flat["data_resolved.train_tokens"] = int(data.planner.lengths.sum())
     return flat
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested mapping as {dotted key: leaf value}."""
     out = {}
     for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
 def data_position_changes(saved_config: dict, now: dict) -> list[str]:
     """`key: saved vs now` for every data-position fact that differs from a checkpoint's resolved config
     (facts an older checkpoint did not record are not compared)."""
-    saved = _flatten(saved_config)
+    saved = flatten(saved_config)
     out = []
     for key, value in now.items():
         before = saved.get(key, value)
@@ -209,7 +265,7 @@ def build_drafter(cfg: TrainConfig, drafter_config: DrafterConfig, heads: Frozen
         with torch.no_grad():
             head_rms = heads.lm_head_weight.float().pow(2).mean().sqrt()
             drafter.norm.weight.fill_(float(1.0 / (head_rms * drafter_config.hidden_size ** 0.5)))
-    master = torch.float32 if cfg.run.drafter_dtype == "float32" else torch.bfloat16
+    master = torch.bfloat16 if cfg.run.drafter_dtype == "bfloat16" else torch.float32
     drafter = drafter.to(device, master).train()
     if init_layers:
         init_drafter_from_target(cfg, drafter, init_layers, device, target_model=target_model)
@@ -307,7 +363,8 @@ def announce_start(cfg: TrainConfig, planner: BatchPlanner, device: torch.device
         log.warning("%s", line)
     shape = compile_padding(cfg)
     if shape is not None:
-        what = " and ".join(w for w, on in (("the drafter", cfg.run.compile), ("the target", cfg.target.compile)) if on)
+        what = " and ".join(w for w, on in (("the drafter", cfg.run.compile), ("the target", cfg.target.compile))
+                            if on is True)
         log.info("compiling ... %s for %d x %d-token batches: the first step waits for torch.compile", what, *shape)
 
 
@@ -315,7 +372,8 @@ def compile_padding(cfg: TrainConfig) -> tuple[int, int] | None:
     """The fixed [rows, row length] every batch is padded to in compiled mode (a compiled
     drafter or target), else None."""
     plan = cfg.data.plan
-    return (plan.max_rows, int(plan.row_tokens)) if cfg.run.compile or cfg.target.compile else None
+    compiled = cfg.run.compile is True or cfg.target.compile is True  # an unresolved auto: not (yet) compiled
+    return (plan.max_rows, int(plan.row_tokens)) if compiled else None
 
 
 def pad_batch(batch: PackedBatch, shape: tuple[int, int] | None) -> PackedBatch:

@@ -66,7 +66,7 @@ RESOLVED_KEY = "drafter_resolved"  # in the config.yaml a run writes, never in a
 def check_run_files(output_dir: Path) -> None:
     """Before a run writes into `output_dir`: a metrics.jsonl there must hold only metrics
     (read_records names a bad line), and a config.yaml there must be one a run wrote (it has
-    RESOLVED_KEY, which no --config file may have): a user's own config is never replaced."""
+    RESOLVED_KEY, which a config a person writes does not have): a user's own config is never replaced."""
     if (output_dir / "metrics.jsonl").is_file():
         read_records(output_dir / "metrics.jsonl")
     config = output_dir / "config.yaml"
@@ -79,6 +79,41 @@ def check_run_files(output_dir: Path) -> None:
     if not isinstance(data, dict) or RESOLVED_KEY not in data:
         raise OutputError(f"{config} is not a config a run wrote (a run writes its resolved config there, and this "
                           f"one would be replaced): choose another run.output_dir, or move the file")
+
+
+def _saved_config(checkpoint: Path) -> dict:
+    """The resolved config a checkpoint recorded ({} when it cannot be read)."""
+    try:
+        saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def keep_edited_config(output_dir: Path, checkpoint: Path, new: dict) -> tuple[Path, list[str]] | None:
+    """Before a resumed run writes its config.yaml (`new`): when the run folder's config.yaml holds values
+    the checkpoint did not record and `new` does not carry (edited by hand: a run reads its config from
+    --config and the options only), move it aside to config.yaml.edited (-2, -3, ...); returns where, and
+    the edited keys lost otherwise. None when nothing would be lost."""
+    path = output_dir / "config.yaml"
+    if not path.is_file() or not (checkpoint / "config.yaml").is_file():
+        return None
+    try:
+        ours = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError):
+        ours = None
+    flat_saved, flat_new = setup.flatten(_saved_config(checkpoint)), setup.flatten(to_dict(new))
+    flat_ours = setup.flatten(ours) if isinstance(ours, dict) else {"(not a YAML mapping)": ours}
+    edited = [k for k, v in flat_ours.items() if k not in flat_saved or flat_saved[k] != v]
+    lost = sorted(k for k in edited if k not in flat_new or flat_new[k] != flat_ours[k])
+    if not lost:
+        return None
+    kept, k = output_dir / "config.yaml.edited", 1
+    while kept.exists():
+        k += 1
+        kept = output_dir / f"config.yaml.edited-{k}"
+    path.rename(kept)
+    return kept, lost
 
 
 @dataclass
@@ -108,6 +143,7 @@ class Trainer:
 
         # ---- cheap checks first: nothing heavy is loaded until the config is known to fit
         target_config, self.tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+        self.cfg = cfg = self._resolve_fast_path(cfg, target_config, resume_from)
         self.drafter_config = setup.resolve_drafter_config(cfg, target_config, self.tokenizer)
         self._check_inputs(resume_from)
         # drafter.init_from_target: checked on every start, applied on a fresh one only (a resume's checkpoint wins)
@@ -138,10 +174,12 @@ class Trainer:
 
         # ---- heavy work
         torch.manual_seed(cfg.run.seed)
-        self.target = setup.load_frozen_target(cfg, d, self.device, whole_model=ctx.is_target)
+        self.target = setup.load_frozen_target(cfg, d, self.device, whole_model=ctx.is_target,
+                                               group=ctx.target_group)
         self.drafter = setup.build_drafter(cfg, d, self.target.heads, self.device,
                                            init_layers=self.init_layers if resume_from is None else None,
-                                           target_model=self.target.model)
+                                           # a sharded target's layers are read from its files
+                                           target_model=None if self.target.sharded else self.target.model)
         self.model = setup.wrap_drafter(self.drafter, ctx, compile=cfg.run.compile,
                                         autotune=cfg.run.compile_autotune)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -169,6 +207,12 @@ class Trainer:
                          "data_resolved": {k.split(".", 1)[1]: v for k, v in self.data_identity.items()
                                            if k.startswith("data_resolved.")}}
         if self.main:
+            edited = keep_edited_config(self.output_dir, resume_from, self.resolved) if resume_from else None
+            if edited is not None:
+                log.warning("%s/config.yaml was edited (%s) and this run does not take those values: a run reads "
+                            "its config from --config and the options, not from its folder; the edited file is "
+                            "kept as %s", self.output_dir, ", ".join(edited[1][:4]) + (" ..." if len(edited[1]) > 4
+                                                                                        else ""), edited[0].name)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False))
         self.bad_in_a_row = 0
         self.consumed = ConsumedSamples()
@@ -197,16 +241,27 @@ class Trainer:
         if cfg.eval.spec_prompts not in (None, "", "heldout"):
             load_prompts(cfg.eval.spec_prompts, cfg.eval.spec_num_prompts or None)
 
+    def _resolve_fast_path(self, cfg: TrainConfig, target_config, resume_from: Path | None) -> TrainConfig:
+        """The `auto` settings decided (setup.resolve_fast_path), said in one line; on --resume, one line
+        more for each that differs from what the checkpoint ran with (the run goes on either way)."""
+        resolved, line = setup.resolve_fast_path(cfg, target_config, self.device)
+        if line and self.main:
+            log.info("%s", line)
+        saved = _saved_config(resume_from) if resume_from is not None else {}
+        for key in setup.FAST_PATH_FIELDS:
+            section, name = key.split(".")
+            before, now = (saved.get(section) or {}).get(name), getattr(getattr(resolved, section), name)
+            if before not in (None, "auto") and before != now and self.main:
+                log.warning("--resume: %s is %s now, the checkpoint ran with %s (set --%s %s to continue as it "
+                            "ran)", key, str(now).lower(), str(before).lower(), key, str(before).lower())
+        return resolved
+
     def _check_data_position(self, resume_from: Path | None) -> None:
         """--resume continues at the checkpoint's (epoch, batch): with other data options, seed or dataset
         that position names other batches, so it is refused (or, with run.resume_with_other_data, said)."""
         if resume_from is None:
             return
-        try:
-            saved = yaml.safe_load((resume_from / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            saved = {}
-        changes = setup.data_position_changes(saved, self.data_identity)
+        changes = setup.data_position_changes(_saved_config(resume_from), self.data_identity)
         if not changes:
             return
         what = "; ".join(changes)
@@ -385,8 +440,8 @@ class Trainer:
 
     def evaluate(self, metrics: MetricsLogger | None = None) -> dict:
         """Estimate and held-out measurement of tau (main drafter with a target only)."""
-        if self.target.runner is None or not self.main:
-            return {}
+        if self.target.runner is None or self.target.sharded or not self.main:
+            return {}  # (a sharded target runs only with its whole group, as a split layout's drafters have none)
         if self.last_eval[0] != self.state.step:  # the end of a run right after an eval_every step: once
             self.last_eval = (self.state.step, self.evaluator(self.drafter, self.state.step, metrics))
         return self.last_eval[1]

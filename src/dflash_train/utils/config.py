@@ -23,6 +23,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import logging
 import math
 import textwrap
 import types
@@ -34,7 +35,9 @@ from typing import Any, TypeVar
 import yaml
 
 from dflash_train.utils.errors import ConfigError
+from dflash_train.utils.fs import not_usable
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DEST = "cfg__"
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -131,6 +134,21 @@ def _listify(value: Any) -> Any:
     return value
 
 
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The members of a union that is not just `X | None` (`bool | Literal["auto"]`), else ()."""
+    inner, _ = _strip_optional(tp)
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(inner) if a is not type(None))
+    return ()
+
+
+def _describe(tp: Any) -> str:
+    """What a member of a union takes, for an error message."""
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert `value` (from YAML or a command-line string) to type `tp`."""
     inner, optional = _strip_optional(tp)
@@ -138,6 +156,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if optional or tp is Any:
             return None
         raise ConfigError(f"{where}: a value is required (got null)")
+    members = _members(tp)
+    if members:  # `bool | Literal["auto"]`: the first member that takes the value (Literal members first)
+        for member in sorted(members, key=lambda m: typing.get_origin(m) is not typing.Literal):
+            try:
+                return _coerce(value, member, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: expected {' or '.join(_describe(m) for m in members)}, got {value!r}")
     if _is_dataclass_type(inner):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for {inner.__name__}, got {value!r}")
@@ -270,12 +296,15 @@ def _yaml_problem(exc: Exception) -> str:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
-    """YAML file (optional) + dotted overrides -> validated `cls`. Errors name the file."""
+    """YAML file (optional) + dotted overrides -> validated `cls`. Errors name the file. The top-level
+    keys a class lists in `RUN_RECORD_KEYS` (what a run records beside its options in the config it
+    saves) are left out, so that a run's saved config is a valid config file."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            hint = f" (a run's saved config is {path / 'config.yaml'})" if path.is_dir() else ""
+            raise ConfigError(not_usable("config file", path) + hint)
         try:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -285,6 +314,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded or {}
+        record = [k for k in getattr(cls, "RUN_RECORD_KEYS", ()) if k in data]
+        if record:  # a run's saved config.yaml: what the run found out is no option to set
+            for key in record:
+                data.pop(key)
+            log.info("%s: a run's saved config; its record of what the run resolved (%s) is left out", path,
+                     ", ".join(record))
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     try:
@@ -297,7 +332,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
 
 
 def _is_bool(tp: Any) -> bool:
-    return _strip_optional(tp)[0] is bool
+    """A flag: `bool`, or a union holding bool (`bool | Literal["auto"]`: `--flag`, `--no-flag`, `--flag auto`)."""
+    return _strip_optional(tp)[0] is bool or bool in _members(tp)
+
+
+def _flag_words(tp: Any) -> tuple[str, ...]:
+    """The values a flag's next word may be: true/false and the union's literal choices."""
+    words = [*_TRUE, *_FALSE]
+    for member in _members(tp):
+        if typing.get_origin(member) is typing.Literal:
+            words += [str(c).lower() for c in typing.get_args(member)]
+    return tuple(words)
 
 
 def _is_list(tp: Any) -> bool:
@@ -315,6 +360,9 @@ def _spellings(name: str) -> list[str]:
 
 def _metavar(tp: Any) -> str:
     inner = _strip_optional(tp)[0]
+    if _members(tp):  # `int | Literal["auto"]` -> {auto,INT}; `bool | Literal["auto"]` -> {auto,true,false}
+        return "{" + ",".join("true,false" if m is bool else _metavar(m).strip("{}") for m in sorted(
+            _members(tp), key=lambda m: typing.get_origin(m) is not typing.Literal)) + "}"
     if typing.get_origin(inner) is typing.Literal:
         return "{" + ",".join(map(str, typing.get_args(inner))) + "}"
     return getattr(inner, "__name__", "VALUE").upper()
@@ -347,10 +395,14 @@ def normalize_argv(argv: list[str], cls: type) -> list[str]:
     """Command-line spellings argparse cannot take as they are, rewritten as `--name=value`:
     a bare boolean flag (`--flag` -> true, `--no-flag` -> false; `--flag false` also works)
     and a negative number as a value (`--optim.lr -1e-3`)."""
-    bools, values = set(), set()
+    bools: dict[str, tuple[str, ...]] = {}
+    values = set()
     for leaf in leaf_fields(cls):
         names = _spellings(leaf.name) + list(leaf.aliases)
-        (bools if _is_bool(leaf.type) else values).update(names)
+        if _is_bool(leaf.type):
+            bools.update((n, _flag_words(leaf.type)) for n in names)
+        else:
+            values.update(names)
     out, i = [], 0
     while i < len(argv):
         token, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
@@ -358,7 +410,7 @@ def normalize_argv(argv: list[str], cls: type) -> list[str]:
             out.extend(argv[i:])
             break
         if token in bools:
-            if nxt is not None and nxt.lower() in _TRUE + _FALSE:
+            if nxt is not None and nxt.lower() in bools[token]:
                 out.append(f"{token}={nxt}")
                 i += 2
                 continue

@@ -15,6 +15,7 @@ Three promises, so that nothing is ever lost:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -37,6 +38,38 @@ MARKER = ".dflash-train"  # holds the name of the job that wrote the directory
 # so there is no moment at which a writer's directory exists without saying whose it is.
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
 _LEFTOVER = r"^\.(?P<name>{name})\.(?P<kind>tmp|old)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+?)(?:-[0-9a-f]{{8}})?$"
+
+
+# -- what a path is --------------------------------------------------------------------------------
+
+
+def missing_reason(path: str | Path, *, want: str = "file") -> str:
+    """Why `path` is not the `want` ("file" or "folder") a job was given, in a few words: not found,
+    a loop of symbolic links, a link to nothing, a folder where a file is needed (or the other way)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        if path.is_symlink():
+            return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+        if exc.errno == errno.ENOTDIR:
+            return "not found (a file stands where the path needs a folder)"
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return "not readable: permission denied"
+        return "not found"
+    if want == "file" and stat.S_ISDIR(st.st_mode):
+        return "a folder, not a file"
+    if want == "folder" and not stat.S_ISDIR(st.st_mode):
+        return "a file, not a folder"
+    return "not usable"
+
+
+def not_usable(kind: str, path: str | Path, *, want: str = "file") -> str:
+    """`KIND not found: PATH`, or `KIND PATH: why` when the path is there but not usable (missing_reason)."""
+    why = missing_reason(path, want=want)
+    return f"{kind} not found: {path}" if why == "not found" else f"{kind} {path}: {why}"
 
 
 # -- ownership ---------------------------------------------------------------------------------
@@ -295,6 +328,7 @@ def exclusive_directory(path: str | Path, *, job: str, option: str) -> Iterator[
     `option` (where to choose another directory). OutputError when it is held or cannot be made.
     """
     path = Path(path)
+    made = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         fh = open(path / LOCK, "a+")
@@ -315,4 +349,15 @@ def exclusive_directory(path: str | Path, *, job: str, option: str) -> Iterator[
         fh.flush()
         yield path
     finally:
-        fh.close()  # closing drops the lock; the file stays (removing it would race a waiting starter)
+        if made:  # a folder this run made and left empty (it failed before writing): not left behind
+            _remove_if_only_lock(path)
+        fh.close()  # closing drops the lock; the file stays otherwise (removing it would race a waiting starter)
+
+
+def _remove_if_only_lock(path: Path) -> None:
+    try:
+        if os.listdir(path) == [LOCK]:
+            (path / LOCK).unlink()
+            path.rmdir()
+    except OSError:  # another process wrote there meanwhile: the folder is not only ours
+        pass

@@ -5,17 +5,23 @@ write one). A line that is not UTF-8 or not JSON is yielded as a `DataError` nam
 file:line (and the column), not raised, so callers that skip bad rows go on with the next
 line; callers that do not skip raise it. A `.json` file is one document: if it cannot be
 decoded the error names the file (and the line/column of the JSON error).
+
+JSON may escape a lone UTF-16 surrogate (`"\ud83d"`): valid JSON, but no Unicode text, so
+every tokenizer, hash and UTF-8 writer downstream would fail on it. A row holding one is a
+`DataError` naming the field, like any other malformed row.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from dflash_train.utils.errors import DataError, InputError
 
 BOM = b"\xef\xbb\xbf"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _decode(raw: bytes, path: Path, line: int | None) -> str | DataError:
@@ -44,9 +50,43 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
             if not text.strip():
                 continue
             try:
-                yield lineno, json.loads(text)
+                obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 yield lineno, DataError(path, lineno, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            yield lineno, _surrogate_error(obj, path, lineno) if _may_hold_surrogates(text) else obj
+
+
+def _may_hold_surrogates(text: str) -> bool:
+    """A cheap test first: a lone surrogate can only come from a `\\uD800`-`\\uDFFF` escape."""
+    return _SURROGATE_ESCAPE.search(text) is not None
+
+
+def _surrogate_error(obj: Any, path: Path, line: int) -> Any:
+    """`obj`, or a DataError naming the first string in it (key or value) with a lone surrogate."""
+    found = _find_surrogate(obj, "")
+    if found is None:
+        return obj
+    where, text = found
+    at = next(i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff")
+    return DataError(path, line, where or None,
+                     f"holds a lone UTF-16 surrogate (\\u{ord(text[at]):04x} at character {at + 1}), which is "
+                     f"not Unicode text; write the character itself or its full surrogate pair")
+
+
+def _find_surrogate(obj: Any, where: str) -> tuple[str, str] | None:
+    if isinstance(obj, str):
+        return (where, obj) if any("\ud800" <= ch <= "\udfff" for ch in obj) else None
+    if isinstance(obj, list):
+        for i, value in enumerate(obj):
+            if (found := _find_surrogate(value, f"{where}[{i}]")) is not None:
+                return found
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            name = f"{where}.{key}" if where else str(key)
+            if (found := _find_surrogate(key, name) or _find_surrogate(value, name)) is not None:
+                return found
+    return None
 
 
 def load_json(path: str | Path) -> Any:
@@ -77,7 +117,8 @@ def iter_json_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else [data]
     if not isinstance(data, list):
         raise DataError(path, None, None, "a .json file must hold a list of rows")
-    yield from enumerate(data, start=1)
+    for n, row in enumerate(data, start=1):
+        yield n, _surrogate_error(row, path, n)
 
 
 def read_json_rows(path: str | Path) -> list[tuple[int, Any]]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +43,28 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM under `sigterm_interrupts`: unwinds like Ctrl-C (clean-up runs), exit status 143."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While active, SIGTERM raises `Terminated` where the job is, as Ctrl-C raises KeyboardInterrupt, so
+    a short job that writes one output (export) removes its temporary files and says why it stopped;
+    without it SIGTERM ends the process at once, silently. Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -84,6 +84,15 @@ def stdlib_directory(cfg: PromptsConfig) -> Path:
     return stdlib
 
 
+def _reads(cfg: PromptsConfig, name: str) -> str:
+    """What a source reads, for a message."""
+    if name in ("stdlib-code", "python-docs", "long-docs"):
+        return f"the standard library at {stdlib_directory(cfg)} (--stdlib)"
+    if name in ("package-code", "package-docs"):
+        return "the installed packages"
+    return "its generator"
+
+
 def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptItem]:
     """The prompts of one source, in a fixed order."""
     stdlib = stdlib_directory(cfg)
@@ -185,6 +194,9 @@ def build_sets(cfg: PromptsConfig, guard: HumanEvalGuard) -> tuple[dict[str, lis
     for name in cfg.sources:
         t0 = time.perf_counter()
         collected[name] = collect(cfg, name, reports[name])
+        if not collected[name]:  # said now: an empty source would be a training set without it, exit 0
+            raise InputError(f"--sources {name}: no prompt found in {_reads(cfg, name)}; give it something to read, "
+                             f"or leave it out of --sources")
         reports[name].candidates = len(collected[name])
         log.info("%s: %d candidate prompts (%.1f s)", name, len(collected[name]), time.perf_counter() - t0)
         found = guard.matches([p.text for p in collected[name]])

@@ -1,0 +1,220 @@
+"""The frozen target sharded over a group of ranks (`pipeline.target_group_size` G > 1).
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) on the Hugging Face model: every decoder layer
+is one FSDP unit, and so are the input embedding and an untied LM head; the root holds the
+rest (final norm, rotary buffers, a tied embedding). Each rank keeps 1/G of every parameter
+(dim-0 shards); a layer's forward all-gathers that layer's weights, runs, and frees them again
+(`reshard_after_forward`), so a rank holds its shards plus at most one whole layer at a time.
+Every rank of the group runs its own batches; only weights cross the group, never activations.
+Why FSDP2 and not tensor parallelism: it needs no per-family plan of which projection splits
+along which dimension, so the model's own forward runs unchanged for every family the
+Hugging Face path takes (dense, MoE, sliding windows, recurrent layers).
+
+Loading never holds the whole model in one place: the model is built with its parameters on
+the meta device (buffers such as RoPE tables are real: they are computed, not loaded), sharded,
+given empty local shards, and each rank reads from the safetensors files only the rows of its
+shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...)
+fill the stacked expert tensors transformers builds (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]): a rank's dim-0 shard is a range of experts, and it reads only
+those experts' tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from transformers import AutoModelForCausalLM
+
+from dflash_train.target.attn_impl import resolve_attn_implementation
+from dflash_train.target.config import TargetConfig
+from dflash_train.target.language_model import find_decoder_layers
+from dflash_train.target.loading import load_config, resolve_model_source
+from dflash_train.target.presets import is_preset
+from dflash_train.utils.errors import ConfigError, ModelError
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter created inside goes to the meta device (no memory, no init work);
+    buffers are created as usual, so computed ones (RoPE frequencies) keep their values."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def group_mesh(group, device: torch.device) -> DeviceMesh:
+    """The one-dimensional device mesh of a target group's process group."""
+    return DeviceMesh.from_group(group, device.type)
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 units: each decoder layer, the input embedding and an untied LM head, then the root."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    for layer in find_decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    # a tied embedding stays in the root (FSDP2 keeps a shared parameter in one unit): the root
+    # gathers it at the start of each forward; untied, the embedding is gathered only while it
+    # runs and the LM head (never run: the target's forward stops at the final norm) never
+    if not tied:
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True)
+        if head is not None:
+            fully_shard(head, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def checkpoint_keys(directory: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a model directory."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: f for k in fh.keys()})
+    return out
+
+
+class ShardReader:
+    """Reads row ranges of checkpoint tensors, each file opened once."""
+
+    def __init__(self, directory: Path):
+        self.where = checkpoint_keys(directory)
+        self._open: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        f = self.where[key]
+        if f not in self._open:
+            self._open[f] = self._stack.enter_context(safe_open(str(f), "pt"))
+        return self._open[f].get_slice(key)[start:stop]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def shard_rows(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The dim-0 rows [start, stop) FSDP2 gives `rank` of `size` (torch.chunk's split: equal
+    chunks of ceil(n / size) rows, the last ones shorter or empty)."""
+    chunk = math.ceil(n / size)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+def _read_shard(reader: ShardReader, name: str, rows: tuple[int, int]) -> torch.Tensor:
+    """The rows of model parameter `name`: the checkpoint tensor of that name, or for the stacked
+    experts of a per-expert MoE checkpoint, those experts' tensors stacked (gate and up
+    concatenated along the intermediate dimension, as transformers fuses them)."""
+    if name in reader.where:
+        return reader.rows(name, *rows)
+    base, _, kind = name.rpartition(".")
+    experts = range(*rows)
+    if kind == "gate_up_proj" and f"{base}.0.gate_proj.weight" in reader.where:
+        return torch.stack([torch.cat([reader.rows(f"{base}.{e}.{p}.weight", 0, None)
+                                       for p in ("gate_proj", "up_proj")]) for e in experts])
+    if kind == "down_proj" and f"{base}.0.down_proj.weight" in reader.where:
+        return torch.stack([reader.rows(f"{base}.{e}.down_proj.weight", 0, None) for e in experts])
+    raise ModelError(f"sharded target: the checkpoint has no tensor for the model's {name} (its tensors are named "
+                     f"differently from the model's): load this target whole, pipeline.target_group_size 1")
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, directory: Path, rank: int, size: int) -> None:
+    """Fill every parameter's local shard (a DTensor sharded on dim 0) from the checkpoint."""
+    reader = ShardReader(directory)
+    try:
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            rows = shard_rows(param.shape[0], rank, size)
+            if local.shape[0] != rows[1] - rows[0]:
+                raise RuntimeError(f"{name}: local shard of {tuple(local.shape)} rows, expected rows {rows}")
+            if local.shape[0] == 0:
+                continue
+            value = _read_shard(reader, name, rows)
+            if tuple(value.shape) != tuple(local.shape):
+                raise ModelError(f"sharded target: {name} is {tuple(value.shape)} in the checkpoint's rows {rows}, "
+                                 f"the model's shard is {tuple(local.shape)}")
+            local.copy_(value)
+    finally:
+        reader.close()
+
+
+def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
+    """The `target:` section for a target sharded over `group_size` ranks: the Hugging Face forward
+    (FSDP2 gathers a layer's weights when the module runs; the packed forward reads the weights
+    itself), an explicit choice it cannot honour refused in one line."""
+    option = f"pipeline.target_group_size {group_size}"
+    if t.fp8:
+        raise ConfigError(f"target.fp8 with {option}: FP8 is not applied per shard yet; use target.fp8 false, "
+                          f"or a group size of 1")
+    if is_preset(t.path):
+        raise ConfigError(f"{option} reads each shard from safetensors files and a preset target ({t.path}) has "
+                          f"none: use a model directory, or a group size of 1")
+    for name, value, wanted in (("forward", t.forward, ("auto", "hf")), ("compile", t.compile, ("auto", False)),
+                                ("document_attention", t.document_attention, ("gather",))):
+        if value not in wanted:
+            raise ConfigError(f"target.{name} {str(value).lower()} with {option}: a sharded target runs the Hugging "
+                              f"Face forward (FSDP2 gathers each layer's weights as the layer runs); leave target."
+                              f"{name} at its default")
+    return dataclasses.replace(t, forward="hf", compile=False)
+
+
+def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, group,
+                        trust_remote_code: bool = False, attn_implementation: str = "auto",
+                        attn_option: str = "target.attn_implementation") -> nn.Module:
+    """The frozen target sharded over `group` (this rank holds 1/G of each parameter), read shard by shard."""
+    source = resolve_model_source(spec)
+    if source.gguf_file or not any(source.directory.glob("*.safetensors")):
+        raise ModelError(f"sharded target {source.describe()}: each rank reads its shard from safetensors files, and "
+                         f"this target has none: save it as a Hugging Face model directory, or use "
+                         f"pipeline.target_group_size 1")
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    attn = resolve_attn_implementation(config, attn_implementation, trust_remote_code=trust_remote_code,
+                                       option=attn_option)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    buffers = {name: b.to(device) for name, b in model.named_buffers()}
+    shard_model(model, group_mesh(group, device))
+    model.to_empty(device=device)  # allocates the local shards only (and empties the buffers: put back below)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value
+    load_shards(model, source.directory, dist.get_rank(group), dist.get_world_size(group))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the parameters this rank holds, bytes of the whole model's parameters)."""
+    local = whole = 0
+    for p in model.parameters():
+        mine = p.to_local() if hasattr(p, "to_local") else p
+        local += mine.numel() * mine.element_size()
+        whole += p.numel() * p.element_size()
+    return local, whole

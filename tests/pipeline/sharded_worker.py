@@ -1,0 +1,65 @@
+"""One rank of tests/pipeline/test_sharded_target.py (run by torchrun, gloo): for each target
+directory given, the target sharded over every rank against the whole model loaded by
+transformers, on batches of documents of this rank's own lengths. Writes OUT/rank-N.json:
+each tapped layer's largest difference, the parameter bytes this rank holds before and after
+the forwards, and how many bytes of weights it read from the files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.target import sharded
+from dflash_train.target.loading import load_causal_lm
+from dflash_train.target.runner import TargetRunner
+
+
+def count_reads() -> list[int]:
+    """Bytes of checkpoint tensors this process reads through the sharded loader."""
+    seen = [0]
+    rows = sharded.ShardReader.rows
+
+    def counting(self, key, start, stop):
+        out = rows(self, key, start, stop)
+        seen[0] += out.numel() * out.element_size()
+        return out
+
+    sharded.ShardReader.rows = counting
+    return seen
+
+
+def main(out: Path, targets: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)), backend="gloo")
+    read = count_reads()
+    report = {}
+    for path in targets:
+        read[0] = 0
+        model = sharded.load_sharded_target(path, dtype=torch.float32, device=torch.device("cpu"), group=group)
+        loaded = sharded.parameter_bytes(model)
+        whole = load_causal_lm(path, dtype=torch.float32)
+        n = len(whole.model.layers)
+        ours = TargetRunner(model, list(range(n)), need_final=True)
+        ref = TargetRunner(whole, list(range(n)), need_final=True)
+        gen = torch.Generator().manual_seed(rank)
+        diffs = []
+        for i, need_final in enumerate((True, False, True)):  # the forward also stops early, on every rank alike
+            L = 9 + 3 * rank + i
+            ids = torch.randint(0, whole.config.vocab_size, (3, L), generator=gen)
+            lengths = torch.tensor([L, L - 3, 2])
+            a, fa = ours.run_documents(ids, lengths, need_final=need_final)
+            b, fb = ref.run_documents(ids, lengths, need_final=need_final)
+            diffs.append([float((x - y).abs().max()) for x, y in zip(a + [fa] * need_final, b + [fb] * need_final)])
+        report[path] = {"diffs": diffs, "bytes_loaded": loaded, "bytes_after": sharded.parameter_bytes(model),
+                        "read_bytes": read[0], "sharded": sharded.is_sharded(model)}
+    (out / f"rank-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,138 @@
+"""A target sharded over a group of ranks (pipeline.target_group_size): real gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_train.pipeline.config import PipelineConfig
+from dflash_train.target.config import TargetConfig
+from dflash_train.target.sharded import shard_rows, sharded_target_config
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.utils.errors import ConfigError
+
+from ..conftest import prepare_dataset, synthetic_conversations
+from ..families import save_family
+from .test_pipeline import (  # noqa: F401 (the fixture ends a failed test's jobs)
+    _direct, _free_port, _wait_for_checkpoint, finish, losses, no_job_outlives_its_test, run, single)
+
+WORKER = Path(__file__).with_name("sharded_worker.py")
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded-families")
+    for name in ("qwen3", "qwen3_moe"):
+        save_family(name, root / name)
+    return root
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
+    """Dense and MoE targets sharded over 2 and 4 gloo processes: every layer's output and the
+    final norm's equal transformers' whole model on each rank's own documents (forwards that stop
+    early too); each rank holds and reads 1/G of the parameter bytes, before and after forwards."""
+    targets = [str(families / "qwen3"), str(families / "qwen3_moe")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
+           str(WORKER), str(tmp_path), *targets]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for rank in range(world):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        for target in targets:
+            r = report[target]
+            assert r["sharded"]
+            assert [len(d) for d in r["diffs"]] == [5, 4, 5]  # 4 layers (+ the final norm when asked)
+            assert max(max(d) for d in r["diffs"]) <= 1e-5, (rank, target, r["diffs"])
+            local, whole = r["bytes_loaded"]
+            assert r["bytes_after"] == r["bytes_loaded"]  # every gathered weight freed again
+            assert abs(local / whole - 1 / world) < 0.01, (rank, target, local, whole)
+            assert r["read_bytes"] == local  # this rank's rows and no more
+
+
+def test_shard_rows_are_fsdp_chunks():
+    assert [shard_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [shard_rows(2, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"layout": "single", "target_group_size": 2}, "launch with torchrun"),
+    ({"layout": "split", "target_ranks": 3, "drafter_ranks": 1, "target_group_size": 2}, "multiple of"),
+    ({"layout": "split", "target_ranks": 4, "drafter_ranks": 1, "queue_depth": 2, "target_group_size": 4},
+     "queue_depth (2) x pipeline.drafter_ranks (1) must be >= pipeline.target_group_size (4)"),
+    ({"layout": "colocated", "overlap_target": True, "target_group_size": 2}, "overlap_target"),
+])
+def test_group_layouts_that_cannot_work_are_refused(fields, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        PipelineConfig(**fields)
+
+
+def test_sharded_target_options_are_refused_or_resolved():
+    assert sharded_target_config(TargetConfig(path="x"), 2).forward == "hf"
+    for t, words in ((TargetConfig(path="x", fp8=True), "target.fp8 with pipeline.target_group_size 2"),
+                     (TargetConfig(path="x", forward="packed"), "target.forward packed"),
+                     (TargetConfig(path="preset:qwen3-8b"), "preset target")):
+        with pytest.raises(ConfigError, match=words):
+            sharded_target_config(t, 2)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_targets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded-runs")
+    data = prepare_dataset(tiny_targets["qwen3"], synthetic_conversations(120, seed=1), root / "data")
+    cfg = {"target": {"path": str(tiny_targets["qwen3"])}, "data": {"path": str(data), "plan": {"token_budget": 512}},
+           "drafter": {"num_layers": 1, "block_size": 4}, "step": {"num_anchors": 16, "noise_sigma": 0.05},
+           "optim": {"lr": 0.003, "warmup_steps": 2},
+           "run": {"max_steps": 5, "log_every": 1, "save_every": 2, "progress": False, "tensorboard": False,
+                   "device": "cpu"}}
+    path = root / "base.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return root, path
+
+
+GROUP2 = ("--pipeline.target_group_size", "2")
+
+
+def test_training_with_a_sharded_target_equals_the_whole_target(setup):
+    """Colocated x2 with one target shared by both ranks trains exactly as with a copy on each;
+    split 2 + 1 with the two target ranks sharing one target (5 batches: in the last round one
+    rank has none and joins the other's forward) exactly as one process."""
+    root, cfg = setup
+    run(cfg, root / "colocated", 2)
+    run(cfg, root / "colocated-g2", 2, *GROUP2)
+    assert losses(root / "colocated-g2") == losses(root / "colocated")
+    single(cfg, root / "single")
+    split = ("--pipeline.layout", "split", "--pipeline.target_ranks", "2", "--pipeline.drafter_ranks", "1")
+    run(cfg, root / "split-g2", 3, *split, *GROUP2)
+    assert losses(root / "split-g2") == losses(root / "single")
+    stats = json.loads((root / "split-g2" / "pipeline_stats.json").read_text())
+    assert sorted(r["batches"] for r in stats["ranks"] if r["role"] == "target") == [2, 3]
+
+
+def test_a_killed_shard_rank_is_named_and_the_run_resumes(setup):
+    """Colocated x2 sharing one target, ranks started without torchrun: rank 1 SIGKILLed mid-run;
+    rank 0, blocked in the target's all-gather, names it and exits 3 well within 60 s; the run
+    then continues from its last checkpoint."""
+    root, cfg = setup
+    out = root / "killed"
+    procs = _direct(cfg, out, 2, "--pipeline.layout", "colocated", *GROUP2, "--run.max_steps", "100000",
+                    "--run.log_every", "1", "--pipeline.heartbeat_s", "0.5", "--pipeline.dead_rank_timeout_s", "4")
+    _wait_for_checkpoint(out)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    killed = time.time()
+    output = finish(procs[0], 60)
+    assert procs[0].returncode == 3, output[-3000:]
+    assert "rank 1 sent no heartbeat for 4s" in output, output[-3000:]
+    assert time.time() - killed < 60
+    step = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
+    resumed = run(cfg, out, 2, *GROUP2, "--run.max_steps", str(step + 2), "--resume")
+    assert "resumed from" in resumed and f"(step {step}," in resumed
+    assert max(losses(out)) == step + 2
