@@ -38,3 +38,19 @@ def test_grouped_offsets_sort_pairs_by_expert_and_end_each_group():
     assert experts.reshape(-1)[order].tolist() == [0, 0, 2, 2, 2, 3]
     assert order.tolist() == [1, 4, 0, 2, 5, 3]  # stable: a token's pairs keep their order
     assert ends.tolist() == [2, 2, 5, 6, 6] and ends.dtype == torch.int32  # expert 1 and 4 get no rows
+
+
+def test_the_per_expert_loop_equals_the_grouped_gemm():
+    """The fallback for PyTorch builds without a grouped GEMM on the device: the same products."""
+    from dflash_train.target.moe import grouped_mm, _NATIVE_GROUPED_MM, expert_loop_mm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(11, 8, generator=g), torch.randn(4, 8, 12, generator=g)
+    offs = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # expert 1 gets no rows
+    want = torch.cat([x[0:3] @ w[0], x[3:9] @ w[2], x[9:11] @ w[3]])
+    torch.testing.assert_close(expert_loop_mm(x, w, offs), want)
+    if _NATIVE_GROUPED_MM is not None:
+        torch.testing.assert_close(_NATIVE_GROUPED_MM(x, w, offs=offs), want)
+    odd = torch.randn(4, 8, 5, generator=g)  # rows of 20 bytes: the native kernel refuses them, the loop serves
+    torch.testing.assert_close(grouped_mm(x, odd, offs=offs), torch.cat([x[0:3] @ odd[0], x[3:9] @ odd[2],
+                                                                          x[9:11] @ odd[3]]))

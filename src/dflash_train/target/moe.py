@@ -19,7 +19,36 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
+_NATIVE_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# PyTorch's CPU grouped GEMM exists from 2.9 and wants 16-byte aligned inputs before 2.11
+_CPU_GROUPED_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+
+
+def grouped_mm(x: Tensor, w: Tensor, *, offs: Tensor) -> Tensor:
+    """x [M, in] with rows grouped by expert (group e ends at offs[e]), w [E, in, out] -> [M, out].
+    PyTorch's grouped GEMM where it has one for this device and the layout suits it; else one
+    matmul per expert (a host sync for the offsets: older CPU builds, odd widths)."""
+    # (compiled, the grouped GEMM takes bfloat16 only: Inductor has no other lowering for it)
+    native = x.is_cuda or _CPU_GROUPED_MM
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        native = False
+    if _NATIVE_GROUPED_MM is not None and native and _aligned(x) and _aligned(w):
+        return _NATIVE_GROUPED_MM(x, w, offs=offs)
+    return expert_loop_mm(x, w, offs)
+
+
+def _aligned(t: Tensor) -> bool:
+    """The grouped GEMM's layout rule: every stride but a unit one spans a multiple of 16 bytes."""
+    return all(stride == 1 or stride * t.element_size() % 16 == 0 for stride in t.stride())
+
+
+def expert_loop_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
 
 
 def experts_as_tensors(mlp: nn.Module) -> bool:
@@ -56,8 +85,8 @@ def expert_mlps(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, do
     """Sum over each token's experts of weight * down(silu(gate) * up): [N, H]."""
     k = experts.shape[1]
     order, offsets = grouped_offsets(experts, gate_up.shape[0])
-    gate, up = _GROUPED_MM(h[order // k], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [N*k, I] each
-    y = _GROUPED_MM(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*k, H], sorted by expert
+    gate, up = grouped_mm(h[order // k], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [N*k, I] each
+    y = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*k, H], sorted by expert
     return weighted_sum_by_token(y, order, weights)
 
 
@@ -82,9 +111,9 @@ def expert_mlps_gpt_oss(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Te
     k = experts.shape[1]
     order, offsets = grouped_offsets(experts, gate_up.shape[0])
     expert_of_row = experts.reshape(-1)[order]
-    gu = _GROUPED_MM(h[order // k], gate_up, offs=offsets) + gate_up_b[expert_of_row]
+    gu = grouped_mm(h[order // k], gate_up, offs=offsets) + gate_up_b[expert_of_row]
     gate, up = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
-    y = _GROUPED_MM((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, offs=offsets) + down_b[expert_of_row]
+    y = grouped_mm((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, offs=offsets) + down_b[expert_of_row]
     return weighted_sum_by_token(y, order, weights)
 
 
