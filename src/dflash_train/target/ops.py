@@ -36,6 +36,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def repeat_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
+    """k, v [..., n_kv, head_dim] -> [..., n_heads, head_dim], each kv head repeated over its group of
+    query heads as transformers' repeat_kv does (every SDPA kernel takes the call, GQA or not)."""
+    n_kv, head_dim = k.shape[-2:]
+    rep = n_heads // n_kv
+    if rep == 1:
+        return k, v
+    lead = k.shape[:-2]
+    return tuple(t[..., None, :].expand(*lead, n_kv, rep, head_dim).reshape(*lead, n_heads, head_dim) for t in (k, v))
+
+
 def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
     """Gemma 2's final logit soft-capping, cap * tanh(logits / cap), in the order of operations
     of the Hugging Face forward (so that the same dtype gives the same numbers); no cap: unchanged."""

@@ -65,7 +65,7 @@ from dflash_train.target.packed_gemma import (
     post_attention_gemma,
     pre_attention_gemma,
 )
-from dflash_train.target.ops import apply_rope, rms_norm
+from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import causal_document_block_mask
@@ -164,11 +164,7 @@ def pre_attention(
     if qn_w is not None and kn_w is not None:  # Qwen3: RMSNorm over head_dim before RoPE
         q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rep = n_heads // n_kv
-    if rep > 1:  # as transformers' repeat_kv: every SDPA kernel takes the call, GQA or not
-        k = k[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-        v = v[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-    return q, k, v
+    return (q, *repeat_kv(k, v, n_heads))
 
 
 def post_attention(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_train.target.ops import apply_rope
+from dflash_train.target.ops import apply_rope, repeat_kv
 
 
 def gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -44,11 +44,7 @@ def pre_attention_gemma(
     if qn_w is not None and kn_w is not None:  # Gemma 3
         q, k = gemma_rms_norm(q, qn_w, eps), gemma_rms_norm(k, kn_w, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rep = n_heads // n_kv
-    if rep > 1:
-        k = k[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-        v = v[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-    return q, k, v
+    return (q, *repeat_kv(k, v, n_heads))
 
 
 def post_attention_gemma(

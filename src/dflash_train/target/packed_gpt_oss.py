@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.target.moe import moe_mlp_gpt_oss
-from dflash_train.target.ops import apply_rope, rms_norm
+from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
 
 
 def pre_attention_gpt_oss(
@@ -35,11 +35,7 @@ def pre_attention_gpt_oss(
     k = F.linear(h, k_w, k_b).view(R, S, n_kv, head_dim)
     v = F.linear(h, v_w, v_b).view(R, S, n_kv, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rep = n_heads // n_kv
-    if rep > 1:
-        k = k[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-        v = v[:, :, :, None].expand(R, S, n_kv, rep, head_dim).reshape(R, S, n_heads, head_dim)
-    return q, k, v
+    return (q, *repeat_kv(k, v, n_heads))
 
 
 def sink_attention_scale(lse: Tensor, sinks: Tensor) -> Tensor:
