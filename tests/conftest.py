@@ -12,7 +12,7 @@ import pytest
 
 def pytest_runtest_logreport(report):
     """DFLASH_TEST_LOG=FILE: each test's time and outcome appended the moment it ends, with the
-    traceback of a failure, so a suite cut off by a time limit (a lent GPU machine's call) still
+    traceback of a failure, so a suite cut off by a time limit (a CI job's timeout) still
     says where its time went and why a test failed."""
     path = os.environ.get("DFLASH_TEST_LOG")
     if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist the controller logs them all

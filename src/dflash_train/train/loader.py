@@ -3,7 +3,7 @@
 The thread only reads Arrow shards and builds CPU tensors (`prepare`d, e.g. padded to the
 compiled shape, then pinned on GPU runs, so that their copies to the GPU never make the host
 wait): no compiled code and no CUDA kernels run on it, which is what made multi-threaded
-compiled pipelines fail in the seed notes. Errors on the thread are re-raised in the
+compiled pipelines fail. Errors on the thread are re-raised in the
 consumer, never swallowed, and the thread stops when the consumer closes the loader.
 """
 
