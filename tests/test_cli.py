@@ -13,7 +13,8 @@ import yaml
 
 import dflash_train.cli as cli_mod
 from dflash_train.cli import JOBS, main
-from dflash_train.utils.config import cli, leaf_fields, load_config, normalize_argv
+from dflash_train.utils.config import cli, leaf_fields, load_config
+from dflash_train.utils.config_cli import normalize_argv
 from dflash_train.utils.errors import ConfigError, DataError
 
 

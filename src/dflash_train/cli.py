@@ -20,7 +20,8 @@ import os
 import sys
 
 from dflash_train import __version__
-from dflash_train.utils.config import add_config_arguments, config_from_args, dump_yaml, leaf_fields, normalize_argv
+from dflash_train.utils.config import dump_yaml, leaf_fields
+from dflash_train.utils.config_cli import add_config_arguments, config_from_args, normalize_argv
 from dflash_train.utils.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, DFlashError, storage_error
 from dflash_train.utils.log import setup_logging
 from dflash_train.utils.signals import Terminated

@@ -196,7 +196,7 @@ def test_cli_reports_an_unreachable_server_in_one_line(tmp_path, capsys):
 
 def test_generate_over_http_end_to_end(server, tmp_path):
     from dflash_train.generate.config import GenerateConfig
-    from dflash_train.generate.tasks import run_generate
+    from dflash_train.generate.job import run_generate
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "response": "old"}) + "\n" for i in range(5)))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from dflash_train.generate.config import GenerateConfig
-from dflash_train.generate.tasks import run_generate
+from dflash_train.generate.job import run_generate
 
 QUESTIONS = ["Name three fruits.", "What is gravity?", "How do I sort a list?", "Write a poem about the sea.",
              "What is the capital of France?", "Explain the wind."]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dflash_train.generate.sizing as sizing
-import dflash_train.generate.tasks as tasks
+import dflash_train.generate.job as job
 from dflash_train.cli import main
 from dflash_train.generate.sizing import KvShape, auto_slots, cache_positions, kv_shape, too_big
 
@@ -78,7 +78,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_the_model_loads_and_leaves_no
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(tasks, "load_causal_lm", refuse)
+    monkeypatch.setattr(job, "load_causal_lm", refuse)
     monkeypatch.setattr(sizing, "host_available_bytes", lambda: 8 * 10**9)
     out = tmp_path / "gen.jsonl"
     assert main(_generate(model_dir, prompts, out, "--batch-size", "1000000000")) == 2
@@ -90,13 +90,13 @@ def test_a_batch_that_cannot_fit_is_refused_before_the_model_loads_and_leaves_no
 
 def test_auto_says_what_it_took_and_the_engine_runs_that_many_slots(model_dir, prompts, tmp_path, monkeypatch, capsys):
     shape_seen = {}
-    real_auto = tasks.auto_slots
+    real_auto = job.auto_slots
 
     def small_host(shape, device, free):
         shape_seen["bytes"] = shape.bytes_per_slot
         return real_auto(shape, device, free)
 
-    monkeypatch.setattr(tasks, "auto_slots", small_host)
+    monkeypatch.setattr(job, "auto_slots", small_host)
     # what three slots of this tiny model need, as the host's available memory: half of it holds one
     per_slot = kv_shape(json.loads((model_dir / "config.json").read_text(), object_hook=lambda d: SimpleNamespace(**d)),
                         cache_positions(64, 4, "dense"), torch.float32).bytes_per_slot

@@ -11,7 +11,8 @@ import pytest
 from dflash_train.data.sources import parse_row
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Completion, Request
-from dflash_train.generate.tasks import conversation_id, engine_summary, normalize_prompt, run_generate
+from dflash_train.generate.job import engine_summary, run_generate
+from dflash_train.generate.tasks import conversation_id, normalize_prompt
 from dflash_train.target.chat_template import user_header
 from dflash_train.utils.config import ConfigError, from_dict
 
@@ -295,7 +296,7 @@ def test_a_stop_signal_finishes_the_conversation_started_and_a_rerun_does_the_re
 def test_without_a_progress_bar_progress_is_logged(tmp_path, tokenizer, caplog):
     prompts = _multi_turn_prompts(tmp_path)
     cfg = GenerateConfig(output=str(tmp_path / "out.jsonl"), prompts=[prompts], progress=False, log_every_seconds=1e-9)
-    with caplog.at_level(logging.INFO, logger="dflash_train.generate.tasks"):
+    with caplog.at_level(logging.INFO, logger="dflash_train.generate.job"):
         run_generate(cfg, engine=FakeEngine(), tokenizer=tokenizer)
     lines = [r.getMessage() for r in caplog.records if "conversations written" in r.getMessage()]
     assert [line.split(",")[0] for line in lines] == [f"generate: {n} of 6 conversations written" for n in range(1, 7)]

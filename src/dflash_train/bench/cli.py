@@ -40,8 +40,10 @@ import torch
 from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisation, step_flops
 from dflash_train.pipeline.context import exit_finished_rank, one_of_several_processes
 from dflash_train.pipeline.report import targets_tokens_per_s
+from dflash_train.target.presets import preset_config
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
+from dflash_train.train.setup import resolve_fast_path
 from dflash_train.utils.config import from_dict, load_config, to_dict
 from dflash_train.utils.device import resolve_device
 from dflash_train.utils.errors import ConfigError, TrainingError
@@ -75,16 +77,18 @@ class BenchConfig:
     """sliding window of the drafter layers (0 = full attention)"""
     labels: Literal["data", "target"] = "target"
     """label source"""
-    compile: bool = False
-    """fixed shapes + torch.compile (compiled mode)"""
-    drafter_dtype: Literal["float32", "bfloat16"] = "float32"
-    """drafter master weights"""
+    compile: bool | Literal["auto"] = "auto"
+    """fixed shapes + torch.compile of the drafter step (auto: on a GPU, as `train` decides it)"""
+    drafter_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """drafter master weights (auto: bfloat16 on a GPU, float32 on a CPU)"""
     fp8_target: bool = False
     """float8 decoder matmuls in the target"""
-    target_forward: Literal["hf", "packed"] = "hf"
-    """target.forward: the Hugging Face forward or our packed layer loop"""
-    target_compile: bool = False
-    """target.compile: torch.compile the packed target forward (fixed shape)"""
+    target_forward: Literal["auto", "hf", "packed"] = "auto"
+    """target.forward: the Hugging Face forward or our packed layer loop (auto: packed on a GPU where it
+    takes the target)"""
+    target_compile: bool | Literal["auto"] = "auto"
+    """target.compile: torch.compile the packed target forward (fixed shape; auto: with the packed
+    forward on a GPU)"""
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math", "best"] = "auto"
     """target.sdpa_backend; best = the fastest of the sdpa rows measured before in a lever table"""
     overlap: bool = False
@@ -127,21 +131,26 @@ class BenchConfig:
 
 
 # The levers of the target forward (docs/performance.md, "The target forward"): name -> (what, BenchConfig fields).
-# Each is measured alone against `baseline`, then together.
+# Each is measured alone against `baseline`, then together. Every row names its target forward: the
+# defaults (auto) would otherwise give the baseline the fast path.
+HF = {"target_forward": "hf", "target_compile": False}
 LEVERS: dict[str, tuple[str, dict]] = {
-    "baseline": ("Hugging Face forward, PyTorch's SDPA choice", {}),
-    "hf-flash": ("Hugging Face forward, SDPA forced to flash", {"sdpa_backend": "flash"}),
-    "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {"sdpa_backend": "cudnn"}),
-    "packed": ("packed forward, eager, PyTorch's SDPA choice", {"target_forward": "packed"}),
-    "packed-flash": ("packed forward, eager, SDPA forced to flash", {"target_forward": "packed", "sdpa_backend": "flash"}),
-    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN", {"target_forward": "packed", "sdpa_backend": "cudnn"}),
+    "baseline": ("Hugging Face forward, PyTorch's SDPA choice", HF),
+    "hf-flash": ("Hugging Face forward, SDPA forced to flash", {**HF, "sdpa_backend": "flash"}),
+    "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {**HF, "sdpa_backend": "cudnn"}),
+    "packed": ("packed forward, eager, PyTorch's SDPA choice", {"target_forward": "packed", "target_compile": False}),
+    "packed-flash": ("packed forward, eager, SDPA forced to flash",
+                     {"target_forward": "packed", "target_compile": False, "sdpa_backend": "flash"}),
+    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN",
+                     {"target_forward": "packed", "target_compile": False, "sdpa_backend": "cudnn"}),
     "packed-compiled": ("packed forward, compiled, one fixed shape",
                         {"target_forward": "packed", "target_compile": True}),
-    "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {"fp8_target": True}),
+    "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {**HF, "fp8_target": True}),
     "fp8-compiled": ("packed compiled + FP8 (quantisation fused)",
                      {"target_forward": "packed", "target_compile": True, "fp8_target": True}),
-    "overlap": ("baseline + next batch's target forward on a second stream", {"overlap": True}),
-    "data-labels": ("baseline with data labels: the target stops after its last tapped layer", {"labels": "data"}),
+    "overlap": ("baseline + next batch's target forward on a second stream", {**HF, "overlap": True}),
+    "data-labels": ("baseline with data labels: the target stops after its last tapped layer",
+                    {**HF, "labels": "data"}),
     "all-bf16": ("packed compiled + the fastest SDPA kernel of the packed rows + overlap",
                  {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best", "overlap": True}),
     "all-fp8": ("all-bf16 + FP8", {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best",
@@ -193,11 +202,21 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
     return load_config(TrainConfig, None, overrides)
 
 
+def decide_auto_settings(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """`cfg` with its `auto` settings decided as `train` decides them for this preset on this device
+    (train/setup.py resolve_fast_path), so that the result names what ran; the choice in one line."""
+    cfg, line = resolve_fast_path(cfg, preset_config(cfg.target.path), device)
+    if line:
+        log.info("%s", line)
+    return cfg
+
+
 def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | None:
     """One setting: train on synthetic batches, return the result (None on a non-reporting rank)."""
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:  # the run's metrics, read here
         out_dir = Path(tmp)
-        cfg = build_config(args, out_dir)
+        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))  # this rank's GPU
+        cfg = decide_auto_settings(build_config(args, out_dir), device)
         summary = run_rank(cfg, resume=False)
         if summary is None:  # not the main drafter: it reports
             return None
@@ -217,7 +236,6 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
     steps = args.measure
     split = {k[5:-2]: sum(r.get(k, 0.0) for r in measured) / steps * 1000
              for k in measured[0] if k.startswith("time_") and k.endswith("_s")}
-    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))  # this rank's GPU
     flops = step_flops(cfg, args.preset)
     world = (cfg.pipeline.target_ranks + cfg.pipeline.drafter_ranks) if args.layout == "split" else \
         max(1, int(os.environ.get("WORLD_SIZE", 1)))
@@ -234,10 +252,10 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         peaks = {k: v for k, v in peaks.items() if k == "bf16" or args.fp8_target}
     return {
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
-        "compile": args.compile, "labels": args.labels, "fp8_target": args.fp8_target,
+        "compile": cfg.run.compile, "labels": args.labels, "fp8_target": args.fp8_target,
         "target_forward": cfg.target.forward, "target_compile": cfg.target.compile,
         "sdpa_backend": cfg.target.sdpa_backend, "overlap": cfg.pipeline.overlap_target,
-        "drafter_dtype": args.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
+        "drafter_dtype": cfg.run.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
         "overrides": list(args.set), "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
         "step_ms": seconds / steps * 1000, "time_split_ms_per_step": split,
@@ -301,9 +319,10 @@ def _free_device_memory() -> float | None:
     return None
 
 
-def lever_row(name: str, r: dict, settings: dict) -> dict:
+def lever_row(name: str, r: dict) -> dict:
+    """One measured row of a lever table; its settings as they ran (auto values decided)."""
     split = r["time_split_ms_per_step"]
-    return {"name": name, "what": LEVERS[name][0], "settings": settings, "tokens_per_s": r["tokens_per_s"],
+    return {"name": name, "what": LEVERS[name][0], "settings": {k: r[k] for k in LEVER_FIELDS}, "tokens_per_s": r["tokens_per_s"],
             "step_ms": r["step_ms"], "target_ms": split.get("target", 0.0), "target_wait_ms": split.get("target_wait", 0.0),
             "drafter_ms": sum(split.get(k, 0.0) for k in ("forward", "backward", "optimizer")),
             "peak_mem_gib": r["peak_mem_gib"], "mfu": r["mfu"], "loss_last": r["loss_last"]}
@@ -331,7 +350,7 @@ def run_levers(args: BenchConfig) -> int:
         t0 = time.perf_counter()
         try:
             r = measure(variant, peaks)
-            row = lever_row(name, r, settings) if r is not None else None
+            row = lever_row(name, r) if r is not None else None
         except Exception as exc:  # one lever that cannot run (a kernel this GPU lacks) is a row, not the end
             log.exception("lever %s failed", name)
             row = {"name": name, "what": LEVERS[name][0], "settings": settings, "error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -108,6 +108,18 @@ class PackedBatch:
             raise ValueError("document_ids out of range of sample_ids")
 
 
+def _check_placement(docs: Sequence[Document], rows: Sequence[Sequence[int]]) -> list[int]:
+    """Every document placed exactly once, its ids and loss mask of one length: the lengths."""
+    placed = [i for row in rows for i in row]
+    if sorted(placed) != list(range(len(docs))):
+        raise ValueError("rows must place every document exactly once")
+    lengths = [len(doc[1]) for doc in docs]
+    bad = next((i for i, doc in enumerate(docs) if len(doc[2]) != lengths[i]), None)
+    if bad is not None:
+        raise ValueError(f"document {docs[bad][0]}: input_ids and loss_mask lengths differ")
+    return lengths
+
+
 def pack_documents(
     docs: Sequence[Document],
     rows: Sequence[Sequence[int]] | None = None,
@@ -131,13 +143,7 @@ def pack_documents(
     """
     if rows is None:
         rows = [[i] for i in range(len(docs))]
-    placed = [i for row in rows for i in row]
-    if sorted(placed) != list(range(len(docs))):
-        raise ValueError("rows must place every document exactly once")
-    lengths = [len(docs[i][1]) for i in range(len(docs))]
-    if any(len(docs[i][2]) != lengths[i] for i in range(len(docs))):
-        bad = next(i for i in range(len(docs)) if len(docs[i][2]) != lengths[i])
-        raise ValueError(f"document {docs[bad][0]}: input_ids and loss_mask lengths differ")
+    lengths = _check_placement(docs, rows)
     row_lens = [sum(lengths[i] for i in row) for row in rows]
     s = max(row_lens, default=0) if row_length is None else row_length
     r = len(rows) if num_rows is None else num_rows
@@ -148,7 +154,7 @@ def pack_documents(
     position_ids = np.zeros((r, s), dtype=np.int64)
     document_ids = np.full((r, s), -1, dtype=np.int64)
     loss_mask = np.zeros((r, s), dtype=bool)
-    sample_ids = np.empty(len(placed), dtype=np.int64)
+    sample_ids = np.empty(len(lengths), dtype=np.int64)
     d = 0
     for ri, row in enumerate(rows):
         col = 0

@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from dflash_train import __version__
 from dflash_train.data.render import ChatRenderer
+from dflash_train.data.shards import ShardWriter
 from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.target.loading import load_tokenizer, tokenizer_identity
 from dflash_train.utils.config import cli
@@ -56,7 +56,6 @@ from dflash_train.utils.signals import StopSignals
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 JOB = "prepare"  # named in the marker file of the directories it writes
-BATCH_ROWS = 1024  # rows per Arrow record batch: small enough to buffer, large enough to be cheap
 CHUNK_ROWS = 64  # rows per task sent to a worker process
 MAX_LISTED_BAD_ROWS = 1000  # bad rows listed in the manifest itself; bad_rows.jsonl has them all
 
@@ -222,69 +221,6 @@ def _result(future: Future, stop: StopSignals) -> list[list[Result]]:
             continue
 
 
-# -- writing -----------------------------------------------------------------------------------
-
-
-class _ShardWriter:
-    def __init__(self, directory: Path, shard_size: int):
-        self.pa = pa
-        self.schema = pa.schema(
-            [
-                ("input_ids", pa.list_(pa.int32())),
-                ("loss_mask", pa.list_(pa.uint8())),
-                ("length", pa.int32()),
-                ("source", pa.string()),
-            ]
-        )
-        self.directory, self.shard_size = directory, shard_size
-        self.shards: list[dict[str, Any]] = []
-        self._writer = None
-        self._rows_in_shard = 0
-        self._buf: list[tuple[np.ndarray, np.ndarray, str]] = []
-
-    def add(self, ids: np.ndarray, mask: np.ndarray, source: str) -> None:
-        self._buf.append((ids, mask, source))
-        if len(self._buf) == BATCH_ROWS or self._rows_in_shard + len(self._buf) == self.shard_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._buf:
-            return
-        pa = self.pa
-        if self._writer is None:
-            name = f"shard-{len(self.shards):05d}.arrow"
-            self._writer = pa.ipc.new_file(str(self.directory / name), self.schema)
-            self.shards.append({"file": name, "rows": 0, "tokens": 0})
-        lengths = np.fromiter((len(b[0]) for b in self._buf), dtype=np.int32, count=len(self._buf))
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        batch = pa.record_batch(
-            [
-                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([b[0] for b in self._buf]))),
-                pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([b[1] for b in self._buf]))),
-                pa.array(lengths),
-                pa.array([b[2] for b in self._buf], pa.string()),
-            ],
-            schema=self.schema,
-        )
-        self._writer.write_batch(batch)
-        self.shards[-1]["rows"] += len(self._buf)
-        self.shards[-1]["tokens"] += int(lengths.sum())
-        self._rows_in_shard += len(self._buf)
-        self._buf = []
-        if self._rows_in_shard >= self.shard_size:
-            self._close_shard()
-
-    def _close_shard(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._writer, self._rows_in_shard = None, 0
-
-    def close(self) -> list[dict[str, Any]]:
-        self._flush()
-        self._close_shard()
-        return self.shards
-
-
 def _count_rows(paths: list[Path]) -> int | None:
     """Cheap row count for the progress bar (JSONL newlines, Parquet metadata); None if unknown."""
     total = 0
@@ -373,15 +309,42 @@ def prepare(cfg: PrepareConfig, tokenizer: Any = None) -> dict[str, Any]:
     return manifest
 
 
+@dataclass
+class _Tally:
+    """What the encoded rows came to: counts, the kept rows' lengths and loss tokens, and the rows the
+    chat template rejected (skip mode; otherwise the first one is raised)."""
+    skip_bad: bool
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ["rows_read", "rows_kept", "truncated", "dropped_too_long", "dropped_no_loss", "split_rows"], 0))
+    lengths: array = field(default_factory=lambda: array("i"))
+    loss_tokens: int = 0
+    render_bad: list[DataError] = field(default_factory=list)
+
+    def add(self, res: tuple, writer: ShardWriter) -> None:
+        kind = res[0]
+        if kind == "ok":
+            _, ids, mask, source, truncated = res
+            writer.add(ids, mask, source)
+            self.lengths.append(len(ids))
+            self.loss_tokens += int(mask.sum())
+            self.counts["rows_kept"] += 1
+            self.counts["truncated"] += int(truncated)
+        elif kind == "too_long":
+            self.counts["dropped_too_long"] += 1
+        elif kind == "no_loss":
+            self.counts["dropped_no_loss"] += 1
+        elif not self.skip_bad:
+            raise res[1]
+        else:
+            self.render_bad.append(res[1])
+
+
 def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Path) -> dict[str, Any]:
     workers = cfg.workers or default_workers()
-    parse_bad: list[DataError] = []  # rows that fail to parse land here (skip mode) ...
-    render_bad: list[DataError] = []  # ... and rows the chat template rejects here
+    parse_bad: list[DataError] = []  # rows that fail to parse land here (skip mode)
     records = iter_records(files, skip_bad=cfg.skip_bad_rows, bad=parse_bad)
-    writer = _ShardWriter(out, cfg.shard_size)
-    counts = dict.fromkeys(["rows_read", "rows_kept", "truncated", "dropped_too_long", "dropped_no_loss",
-                            "split_rows"], 0)
-    lengths, loss_tokens = array("i"), 0
+    writer = ShardWriter(out, cfg.shard_size)
+    tally = _Tally(cfg.skip_bad_rows)
     started = time.time()
     total = _count_rows(files) if cfg.progress else None
     bar = tqdm(total=total, unit="rows", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True,
@@ -391,38 +354,31 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
     with closing(encoded):  # a bad row raised here stops the workers now, not when the generator is collected
         for results in encoded:
             for res in (r for row_results in results for r in row_results):
-                kind = res[0]
-                if kind == "ok":
-                    _, ids, mask, source, truncated = res
-                    writer.add(ids, mask, source)
-                    lengths.append(len(ids))
-                    loss_tokens += int(mask.sum())
-                    counts["rows_kept"] += 1
-                    counts["truncated"] += int(truncated)
-                elif kind == "too_long":
-                    counts["dropped_too_long"] += 1
-                elif kind == "no_loss":
-                    counts["dropped_no_loss"] += 1
-                elif not cfg.skip_bad_rows:
-                    raise res[1]
-                else:
-                    render_bad.append(res[1])
-            counts["rows_read"] += len(results)
-            counts["split_rows"] += sum(len(r) for r in results if len(r) > 1)
+                tally.add(res, writer)
+            tally.counts["rows_read"] += len(results)
+            tally.counts["split_rows"] += sum(len(r) for r in results if len(r) > 1)
             bar.update(len(results) + len(parse_bad) - seen_parse_bad)
             seen_parse_bad = len(parse_bad)
-    counts["rows_read"] += len(parse_bad)
+    tally.counts["rows_read"] += len(parse_bad)
     bar.close()
     shards = writer.close()
-    elapsed = time.time() - started
+    bad_list = _write_bad_rows(out, files, parse_bad + tally.render_bad)
+    return _manifest(cfg, files, tally, bad_list, shards, time.time() - started)
 
+
+def _write_bad_rows(out: Path, files: list[Path], bad: list[DataError]) -> list[dict]:
+    """The skipped rows in file and line order, written to bad_rows.jsonl when there are any."""
     order = {str(f): i for i, f in enumerate(files)}
-    bad = sorted(parse_bad + render_bad, key=lambda e: (order.get(e.file, len(order)), e.line or 0))
-    bad_list = [e.to_dict() for e in bad]
+    bad_list = [e.to_dict() for e in sorted(bad, key=lambda e: (order.get(e.file, len(order)), e.line or 0))]
     if bad_list:
         with (out / "bad_rows.jsonl").open("w") as fh:
             fh.writelines(json.dumps(b, ensure_ascii=False) + "\n" for b in bad_list)
-    lens = np.frombuffer(lengths, dtype=np.int32) if len(lengths) else np.zeros(0, np.int32)
+    return bad_list
+
+
+def _manifest(cfg: PrepareConfig, files: list[Path], tally: _Tally, bad_list: list[dict], shards: list,
+              seconds: float) -> dict[str, Any]:
+    lens = np.frombuffer(tally.lengths, dtype=np.int32) if len(tally.lengths) else np.zeros(0, np.int32)
     return {
         "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -430,11 +386,11 @@ def _run(cfg: PrepareConfig, files: list[Path], renderer: ChatRenderer, out: Pat
         "inputs": [str(p.resolve()) for p in files],
         "options": {"max_length": cfg.max_length, "overflow": cfg.overflow, "skip_bad_rows": cfg.skip_bad_rows,
                     "text_eos": cfg.text_eos, "shard_size": cfg.shard_size},
-        "counts": {**counts, "bad_rows": len(bad_list)},
+        "counts": {**tally.counts, "bad_rows": len(bad_list)},
         "bad_rows": bad_list[:MAX_LISTED_BAD_ROWS],
         "bad_rows_file": "bad_rows.jsonl" if bad_list else None,
-        "tokens": {"total": int(lens.sum()), "loss": loss_tokens, "length": _length_stats(lens)},
+        "tokens": {"total": int(lens.sum()), "loss": tally.loss_tokens, "length": _length_stats(lens)},
         "shards": shards,
         "schema": {"input_ids": "list<int32>", "loss_mask": "list<uint8>", "length": "int32", "source": "string"},
-        "seconds": round(elapsed, 2),
+        "seconds": round(seconds, 2),
     }

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prompts import CHAT_ASSET, asset_path, load_prompts
 from dflash_train.drafter.checkpoint import load_drafter
@@ -119,19 +121,30 @@ def check_assets() -> tuple[Path, int, int]:
     return train_path, len(train), len(held)
 
 
+@dataclass
+class _EvalPlan:
+    config_name: str  # the shipped training config
+    prompts: int
+    new_tokens: int
+    timing_repeats: int
+
+
+def _plan(args: DemoConfig, device: torch.device) -> _EvalPlan:
+    """The device's profile (a short run on a CPU), --quick's, then the options given."""
+    config_name, n_prompts, new_tokens, repeats = PROFILES["gpu" if device.type == "cuda" else "cpu"]
+    if args.quick:
+        n_prompts, new_tokens, repeats = QUICK_EVAL
+    return _EvalPlan(config_name, n_prompts if args.eval_prompts is None else args.eval_prompts,
+                     new_tokens if args.max_new_tokens is None else args.max_new_tokens, repeats)
+
+
 def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
     start = time.perf_counter()
     device = resolve_device(args.device)
     if device.type == "cpu":
         threads, why = choose_cpu_threads(args.threads)
         log.info("CPU threads: %d (%s)", threads, why)
-    config_name, n_prompts, new_tokens, repeats = PROFILES["gpu" if device.type == "cuda" else "cpu"]
-    if args.quick:
-        n_prompts, new_tokens, repeats = QUICK_EVAL
-    n_prompts = n_prompts if args.eval_prompts is None else args.eval_prompts
-    new_tokens = new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    progress = args.progress
-    out = Path(args.output)
+    plan, out = _plan(args, device), Path(args.output)
     _prepare_output(out)
 
     def stage(i: int, text: str) -> None:
@@ -144,19 +157,13 @@ def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
 
     stage(2, f"prepare -> {out / 'data'}")
     manifest = prepare(PrepareConfig(target="builtin", inputs=[str(train_path)], output=str(out / "data"),
-                                     max_length=1024, workers=1, overwrite=True, progress=progress))
+                                     max_length=1024, workers=1, overwrite=True, progress=args.progress))
     log.info("  %d rows, %s tokens (%s assistant tokens to learn)", manifest["counts"]["rows_kept"],
              f"{manifest['tokens']['total']:,}", f"{manifest['tokens']['loss']:,}")
 
-    overrides = {"data.path": str(out / "data"), "run.output_dir": str(out / "train"), "run.device": str(device),
-                 "run.progress": str(progress).lower()}
-    if args.quick:
-        overrides.update(QUICK_OVERRIDES)
-    if args.train_minutes is not None:
-        overrides["run.max_minutes"] = str(args.train_minutes)
-    cfg = load_config(TrainConfig, asset_path(config_name), overrides)
+    cfg = _train_config(args, plan, out, device)
     budget = f"{cfg.run.max_minutes:g} min time box" if cfg.run.max_minutes else f"{cfg.run.max_steps} steps"
-    stage(3, f"train ({config_name}, {budget}) -> {out / 'train'}")
+    stage(3, f"train ({plan.config_name}, {budget}) -> {out / 'train'}")
     trainer = Trainer(cfg)
     summary = trainer.fit()
     print_summary(summary)
@@ -168,33 +175,46 @@ def run(args: DemoConfig, cli_args: argparse.Namespace | None = None) -> int:
     drafter_dir = export(out / "train", out / "drafter")
     log.info("  %s: config.json + model.safetensors (bf16)", drafter_dir)
 
-    stage(5, f"eval: speculative vs plain greedy decoding, {n_prompts} held-out prompts x {new_tokens} new tokens")
+    stage(5, f"eval: speculative vs plain greedy decoding, {plan.prompts} held-out prompts x {plan.new_tokens} "
+             f"new tokens")
+    lines = _evaluate(trainer, summary, drafter_dir, plan, out, device, args.progress)
+    print("\n".join([*lines, f"total time {time.perf_counter() - start:.0f}s", *next_lines(drafter_dir)]), flush=True)
+    return 0
+
+
+def _train_config(args: DemoConfig, plan: _EvalPlan, out: Path, device: torch.device) -> TrainConfig:
+    overrides = {"data.path": str(out / "data"), "run.output_dir": str(out / "train"), "run.device": str(device),
+                 "run.progress": str(args.progress).lower()}
+    if args.quick:
+        overrides.update(QUICK_OVERRIDES)
+    if args.train_minutes is not None:
+        overrides["run.max_minutes"] = str(args.train_minutes)
+    return load_config(TrainConfig, asset_path(plan.config_name), overrides)
+
+
+def _evaluate(trainer: Trainer, summary: dict, drafter_dir: Path, plan: _EvalPlan, out: Path,
+              device: torch.device, progress: bool) -> list[str]:
+    """Speculative against plain greedy decoding on the held-out prompts: the report written, its lines."""
     trainer.target.runner.close()  # its hooks end target forwards early; the generic decoding path needs plain ones
     target = trainer.target.model
     drafter = load_drafter(drafter_dir)
-    prompts = load_prompts("chat", n_prompts)
-    results = evaluate_prompts(target, trainer.tokenizer, drafter, prompts, max_new_tokens=new_tokens,
-                               progress=progress, compile=device.type == "cuda", timing_repeats=repeats)
+    results = evaluate_prompts(target, trainer.tokenizer, drafter, load_prompts("chat", plan.prompts),
+                               max_new_tokens=plan.new_tokens, progress=progress, compile=device.type == "cuda",
+                               timing_repeats=plan.timing_repeats)
+    estimate = summary.get("eval", {}).get("tau")
     report = build_report(results, drafter.config.block_size, target="builtin", drafter=str(drafter_dir), prompts="chat",
-                          max_new_tokens=new_tokens, device=str(device),
-                          dtype=str(target.dtype).removeprefix("torch."),
-                          training_estimate=summary.get("eval", {}).get("tau"))
+                          max_new_tokens=plan.new_tokens, device=str(device),
+                          dtype=str(target.dtype).removeprefix("torch."), training_estimate=estimate)
     json_path = write_json(report, out / "eval" / "report.json")
     png_path = plot_report(report, out / "eval" / "report.png", title="dflash-train demo: SmolLM2-135M-Instruct")
-
     o = report["overall"]
     lines = ["", "demo result", "-----------", *summary_lines(report)]
-    estimate = summary.get("eval", {}).get("tau")
     if estimate is not None:
         lines.append(f"tau estimated during training (eval split, target labels): {estimate:.3f}; "
                      f"measured by speculative decoding: {o['tau']:.3f}; relative gap "
                      f"{(estimate - o['tau']) / o['tau']:+.1%}")
-    lines += [*(cpu_lines(report, summary["steps"], drafter.config.num_hidden_layers) if device.type == "cpu" else []),
-              *gpu_reference_lines(REGISTRY),
-              f"report: {json_path}", f"figure: {png_path}", f"total time {time.perf_counter() - start:.0f}s",
-              *next_lines(out / "drafter")]
-    print("\n".join(lines), flush=True)
-    return 0
+    return [*lines, *(cpu_lines(report, summary["steps"], drafter.config.num_hidden_layers) if device.type == "cpu" else []),
+            *gpu_reference_lines(REGISTRY), f"report: {json_path}", f"figure: {png_path}"]
 
 
 def next_lines(drafter_dir: Path) -> list[str]:

@@ -12,7 +12,7 @@ from dflash_train.generate.decoder import UnsupportedModelError
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.http_engine import HttpEngine, HttpEngineError
 from dflash_train.generate.sampling import Sampling
-from dflash_train.generate.tasks import run_generate
+from dflash_train.generate.job import run_generate
 
 __all__ = [
     "BuiltinEngine",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.http_engine import HttpEngineError
-from dflash_train.generate.tasks import run_generate
+from dflash_train.generate.job import run_generate
 from dflash_train.utils.command import program
 
 log = logging.getLogger(__name__)

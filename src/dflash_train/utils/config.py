@@ -7,10 +7,7 @@ command-line options into such an object:
 
     cfg = load_config(TrainConfig, "run.yaml", overrides={"optim.lr": "3e-4"})
 
-and builds the command line of a job from its config class (`add_config_arguments`):
-`--section.field VALUE` for every leaf field (`--field-name` also accepted for `field_name`),
-`--flag` / `--no-flag` for booleans, positional arguments and short aliases where a field's
-metadata asks for them (`cli(positional=True)`, `cli(aliases=("-o",))`).
+and reads the fields (`leaf_fields`) from which utils/config_cli.py builds a job's command line.
 
 Unknown keys are errors that name the key and the file (a typo must never be silently
 ignored); values are coerced to the declared types, so `--optim.lr 3e-4` works like
@@ -19,7 +16,6 @@ ignored); values are coerced to the declared types, so `--optim.lr 3e-4` works l
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -39,8 +35,7 @@ from dflash_train.utils.fs import not_usable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_DEST = "cfg__"
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def cli(*, positional: bool = False, aliases: tuple[str, ...] = (), help: str | None = None) -> dict:
@@ -58,12 +53,18 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _is_option(f: dataclasses.Field) -> bool:
+    """A field a config file or the command line sets; `metadata={"option": False}` marks one the
+    program sets itself (from other options), never read from or written to a config."""
+    return f.init and f.metadata.get("option", True)
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if _is_option(f)}
 
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
+def strip_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -104,10 +105,10 @@ def leaf_fields(cls: type, prefix: str = "") -> list[Leaf]:
     out: list[Leaf] = []
     docs, types_ = field_docs(cls), _field_types(cls)
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not _is_option(f):
             continue
         tp = types_[f.name]
-        inner, _ = _strip_optional(tp)
+        inner, _ = strip_optional(tp)
         name = f"{prefix}{f.name}"
         if _is_dataclass_type(inner):
             out.extend(leaf_fields(inner, prefix=f"{name}."))
@@ -134,9 +135,9 @@ def _listify(value: Any) -> Any:
     return value
 
 
-def _members(tp: Any) -> tuple[Any, ...]:
+def union_members(tp: Any) -> tuple[Any, ...]:
     """The members of a union that is not just `X | None` (`bool | Literal["auto"]`), else ()."""
-    inner, _ = _strip_optional(tp)
+    inner, _ = strip_optional(tp)
     if typing.get_origin(inner) in (typing.Union, types.UnionType):
         return tuple(a for a in typing.get_args(inner) if a is not type(None))
     return ()
@@ -151,12 +152,12 @@ def _describe(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert `value` (from YAML or a command-line string) to type `tp`."""
-    inner, optional = _strip_optional(tp)
+    inner, optional = strip_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional or tp is Any:
             return None
         raise ConfigError(f"{where}: a value is required (got null)")
-    members = _members(tp)
+    members = union_members(tp)
     if members:  # `bool | Literal["auto"]`: the first member that takes the value (Literal members first)
         for member in sorted(members, key=lambda m: typing.get_origin(m) is not typing.Literal):
             try:
@@ -169,56 +170,77 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping for {inner.__name__}, got {value!r}")
         return from_dict(inner, value, where=where)
     origin = typing.get_origin(inner)
-    if inner is Any:
-        return value
     if origin is typing.Literal:
         choices = typing.get_args(inner)
         if value not in choices:
             raise ConfigError(f"{where}: {value!r} is not one of {list(choices)}")
         return value
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if inner is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        try:
-            number = float(value) if isinstance(value, str) else value
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-        if not isinstance(number, (int, float)) or not math.isfinite(number) or number != int(number):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(value) if isinstance(value, str) and value.lstrip("+-").isdigit() else int(number)
-    if inner is float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-        if not math.isfinite(number) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
-        return number
-    if inner is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
+    if inner in _SCALARS:
+        return _SCALARS[inner](value, where)
     if origin in (list, tuple):
-        value = _listify(value)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        args = typing.get_args(inner)
-        elem = args[0] if args else Any
-        out = [_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
+        return _coerce_sequence(value, inner, where)
     if origin is dict or inner is dict:
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
+        return _coerce_mapping(value, where)
     return value
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.lower() in TRUE_WORDS
+    raise ConfigError(f"{where}: expected true/false, got {value!r}")
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if not isinstance(number, (int, float)) or not math.isfinite(number) or number != int(number):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    # digits stay exact past float's 53 bits
+    return int(value) if isinstance(value, str) and value.lstrip("+-").isdigit() else int(number)
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if not math.isfinite(number) or isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    return number
+
+
+def _coerce_str(value: Any, where: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return str(value)
+
+
+_SCALARS = {Any: lambda value, where: value, bool: _coerce_bool, int: _coerce_int, float: _coerce_float,
+            str: _coerce_str}
+
+
+def _coerce_sequence(value: Any, tp: Any, where: str) -> list | tuple:
+    value = _listify(value)
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    args = typing.get_args(tp)
+    elem = args[0] if args else Any
+    out = [_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(out) if typing.get_origin(tp) is tuple else out
+
+
+def _coerce_mapping(value: Any, where: str) -> dict:
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return dict(value)
 
 
 def from_dict(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
@@ -243,7 +265,8 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
 def to_dict(obj: Any) -> Any:
     """Plain (YAML/JSON-ready) form of a dataclass config."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.metadata.get("option", True)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -326,121 +349,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
         return from_dict(cls, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
-
-
-# -- the command line ------------------------------------------------------------------------------
-
-
-def _is_bool(tp: Any) -> bool:
-    """A flag: `bool`, or a union holding bool (`bool | Literal["auto"]`: `--flag`, `--no-flag`, `--flag auto`)."""
-    return _strip_optional(tp)[0] is bool or bool in _members(tp)
-
-
-def _flag_words(tp: Any) -> tuple[str, ...]:
-    """The values a flag's next word may be: true/false and the union's literal choices."""
-    words = [*_TRUE, *_FALSE]
-    for member in _members(tp):
-        if typing.get_origin(member) is typing.Literal:
-            words += [str(c).lower() for c in typing.get_args(member)]
-    return tuple(words)
-
-
-def _is_list(tp: Any) -> bool:
-    return typing.get_origin(_strip_optional(tp)[0]) in (list, tuple)
-
-
-def _spellings(name: str) -> list[str]:
-    """`--field-name` first for top-level fields (the documented style), `--section.field_name`
-    first for nested ones; the other spelling is accepted too."""
-    dashed = f"--{name.replace('_', '-')}"
-    if "_" not in name:
-        return [dashed]
-    return [f"--{name}", dashed] if "." in name else [dashed, f"--{name}"]
-
-
-def _metavar(tp: Any) -> str:
-    inner = _strip_optional(tp)[0]
-    if _members(tp):  # `int | Literal["auto"]` -> {auto,INT}; `bool | Literal["auto"]` -> {auto,true,false}
-        return "{" + ",".join("true,false" if m is bool else _metavar(m).strip("{}") for m in sorted(
-            _members(tp), key=lambda m: typing.get_origin(m) is not typing.Literal)) + "}"
-    if typing.get_origin(inner) is typing.Literal:
-        return "{" + ",".join(map(str, typing.get_args(inner))) + "}"
-    return getattr(inner, "__name__", "VALUE").upper()
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """`--config FILE` plus one option (or positional argument) per leaf field of `cls`."""
-    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
-                        help="YAML file with any of the fields below (options override it)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    group = parser.add_argument_group("config (every field can also be set in the --config file)")
-    for leaf in leaf_fields(cls):
-        shown = to_dict(leaf.default) if leaf.default is not dataclasses.MISSING else None
-        default = f" (default: {shown})" if shown not in (None, "", []) else ""
-        help_text = (leaf.help + default).strip().replace("%", "%%") or None
-        if leaf.positional:
-            nargs = "+" if _is_list(leaf.type) else ("?" if leaf.default is not dataclasses.MISSING else None)
-            parser.add_argument(f"{_DEST}{leaf.name}", metavar=leaf.name.upper(), nargs=nargs, help=help_text,
-                                default=argparse.SUPPRESS)
-            continue
-        if _is_bool(leaf.type):
-            help_text = (help_text or "") + " (--no-" + leaf.name.replace("_", "-") + " to turn off)"
-        listed = _is_list(leaf.type)  # a list option given twice keeps both (`--set A=1 --set B=2`)
-        group.add_argument(*leaf.aliases, *_spellings(leaf.name), dest=f"{_DEST}{leaf.name}",
-                           default=argparse.SUPPRESS, nargs="+" if listed else None,
-                           action="extend" if listed else "store", metavar=_metavar(leaf.type), help=help_text)
-
-
-def normalize_argv(argv: list[str], cls: type) -> list[str]:
-    """Command-line spellings argparse cannot take as they are, rewritten as `--name=value`:
-    a bare boolean flag (`--flag` -> true, `--no-flag` -> false; `--flag false` also works)
-    and a negative number as a value (`--optim.lr -1e-3`)."""
-    bools: dict[str, tuple[str, ...]] = {}
-    values = set()
-    for leaf in leaf_fields(cls):
-        names = _spellings(leaf.name) + list(leaf.aliases)
-        if _is_bool(leaf.type):
-            bools.update((n, _flag_words(leaf.type)) for n in names)
-        else:
-            values.update(names)
-    out, i = [], 0
-    while i < len(argv):
-        token, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
-        if token == "--":
-            out.extend(argv[i:])
-            break
-        if token in bools:
-            if nxt is not None and nxt.lower() in bools[token]:
-                out.append(f"{token}={nxt}")
-                i += 2
-                continue
-            out.append(f"{token}=true")
-        elif token.startswith("--no-") and f"--{token[5:]}" in bools:
-            out.append(f"--{token[5:]}=false")
-        elif token in values and nxt is not None and nxt.startswith("-") and _is_number(nxt):
-            out.append(f"{token}={nxt}")
-            i += 2
-            continue
-        else:
-            out.append(token)
-        i += 1
-    return out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
-
-
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    return load_config(cls, args.config, overrides_from_args(args))
 
 
 def dump_yaml(cfg: Any) -> str:

@@ -1,0 +1,40 @@
+"""`dflash-train bench` defaults to the settings `train` picks (auto), and its lever table pins every row's
+target forward, so that the baseline stays the Hugging Face forward whatever the defaults are."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_train.bench.cli import LEVERS, BenchConfig, build_config, decide_auto_settings
+
+
+def _decided(tmp_path, device: str, **fields):
+    cfg = decide_auto_settings(build_config(BenchConfig(**fields), tmp_path), torch.device(device))
+    return cfg.target.forward, cfg.target.compile, cfg.run.compile, cfg.run.drafter_dtype
+
+
+def test_the_defaults_are_auto_and_decide_the_fast_path_on_a_gpu(tmp_path):
+    args = BenchConfig()
+    assert (args.target_forward, args.target_compile, args.compile, args.drafter_dtype) == ("auto",) * 4
+    # deciding reads the device's type only: no GPU is touched
+    assert _decided(tmp_path, "cuda", preset="qwen3-8b") == ("packed", True, True, "bfloat16")
+    assert _decided(tmp_path, "cpu", preset="qwen3-8b") == ("hf", False, False, "float32")
+
+
+def test_a_target_the_packed_forward_does_not_take_gets_the_hugging_face_forward(tmp_path):
+    pytest.importorskip("transformers.models.qwen3_5")
+    assert _decided(tmp_path, "cuda", preset="qwen3.5-27b") == ("hf", False, True, "bfloat16")
+
+
+def test_explicit_settings_are_kept(tmp_path):
+    assert _decided(tmp_path, "cuda", preset="qwen3-8b", target_forward="hf", target_compile=False, compile=False,
+                    drafter_dtype="float32") == ("hf", False, False, "float32")
+
+
+@pytest.mark.parametrize("name", list(LEVERS))
+def test_every_lever_names_its_target_forward(name):
+    variant = dataclasses.replace(BenchConfig(levers=name), **LEVERS[name][1])
+    assert variant.target_forward in ("hf", "packed") and isinstance(variant.target_compile, bool)
+    if name == "baseline" or name.startswith("hf-") or name in ("overlap", "data-labels", "fp8-unfused"):
+        assert (variant.target_forward, variant.target_compile) == ("hf", False)
