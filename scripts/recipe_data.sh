@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Target-written conversations kept in the repository's history, outside the working tree.
 #
-# Generating conversations takes GPU time, and a GPU machine may not outlive the run (a lent
-# machine, a preemptible node). Each generation run's new rows are kept as one "data commit":
+# Generating conversations takes GPU time, and a GPU machine may not outlive the run (a rented
+# or preemptible node). Each generation run's new rows are kept as one "data commit":
 # a commit of its own (no parent) holding recipe-data/<NAME>/conversations.jsonl.xz and
 # manifest.json, joined to the current branch by a merge that keeps the branch's files (`git merge
 # -s ours`). The working tree stays small, a clone carries every export, and the exports of many
-# runs concatenate into one training set (docs/recipe-smollm2.md, "Data that outlives a machine").
+# runs concatenate into one training set (docs/recipe-smollm2.md, "Kept data and drafters").
 #
 #   bash scripts/recipe_data.sh store NAME FILE.jsonl [NOTE]   keep FILE's rows (a run's new rows)
 #   bash scripts/recipe_data.sh list                          the kept exports, oldest first
@@ -19,8 +19,9 @@
 #                                                             (a new folder, or one an earlier restore made)
 #
 # Drafters are kept the same way (recipe-drafter/<NAME>/: its files and a manifest with their
-# sha256), so a drafter trained on a lent machine outlives it and starts the next stage of a long
-# run (`--drafter.init_from DIR`); ~39 MB each for SmolLM2's, so keep the stages worth resuming.
+# sha256), so a drafter trained on a short-lived machine outlives it and starts the next stage of
+# a long run (`--drafter.init_from DIR`); ~39 MB each for SmolLM2's, so keep the stages worth
+# resuming.
 #
 # Restore writes DIR/<k>-<NAME>.jsonl.xz (k = 001, 002, ... in the order kept), so
 # `xz -dc DIR/*.jsonl.xz > gen-0.jsonl` rebuilds the whole set in order; `generate` then resumes

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The peer's whole chain on one GPU before a real run (~2 min): a random target of SmolLM2-135M's
 # shape (30 layers, hidden 576, vocabulary 49,152; the tests' ChatML tokenizer) and 400 synthetic
-# conversations of 300-1,400 tokens, as long as the recipe's longest rows: the wheels install,
+# conversations of 300-1,400 tokens, as long as the recipe's longest rows: the peer installs
+# (requirements.txt, from the package index or from WHEELS=DIR as in run_gpu.sh),
 # train_peer.py trains for SMOKE_MINUTES (0.5) with TRAIN_ARGS, its export is converted, and
 # `dflash-train eval` decodes 8 prompts with it. Prints the peer's tokens/s and the GPU's peak
 # memory, so a real run's settings (rows, anchors) are known to fit.
@@ -10,8 +11,9 @@
 set -u
 OUT=${OUT:-/tmp/out}; W=/tmp/peer-smoke; LOG=$OUT/peer_smoke.log; mkdir -p "$OUT"; rm -rf "$W"; mkdir -p "$W"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >> "$LOG" 2>&1 || { echo "wheels did not install: $LOG"; exit 1; }
+from=(-r bench/peer_modelopt/requirements.txt); [ -n "${WHEELS:-}" ] && from=(--no-index "$WHEELS"/*.whl)
+python3 -m pip install -q --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${from[@]}" \
+  >> "$LOG" 2>&1 || { echo "the peer did not install: $LOG"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD/src
 stamp() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
 

@@ -6,8 +6,8 @@
 Each key maps to {"value", "device", "date", "command"}; the date is today's. Only numbers
 that were measured go in. COMMAND is what a user runs from the repository root to measure the
 number again; notes and the raw result's path follow as a shell comment (`cmd  # ...; raw:
-bench/results/<folder>/<file>`). Every repository path a command names (bench/, scripts/,
-configs/, src/, docs/, tests/, .ci/; `*` globs) must exist: a command naming a missing script or
+bench/results/<folder>/<file>`). Every repository path a command names (bench/, dev/, tools/,
+scripts/, configs/, src/, docs/, tests/, .ci/; `*` globs) must exist: a command naming a missing script or
 result is refused with exit status 2, and `--check` checks the whole registry.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 PATH = Path(__file__).with_name("summary.json")
 ROOT = PATH.parents[2]
 # a repository path: a known top folder, then path characters; trailing punctuation is prose
-_PATH = re.compile(r"(?<![\w/.-])((?:bench|scripts|configs|src|docs|tests|\.ci)/[\w./*-]*[\w/*])")
+_PATH = re.compile(r"(?<![\w/.-])((?:bench|dev|tools|scripts|configs|src|docs|tests|\.ci)/[\w./*-]*[\w/*])")
 
 
 def named_paths(command: str) -> list[str]:

@@ -1,8 +1,8 @@
-"""bench/host_bookkeeping.py: the per-slot and the array bookkeeping finish every row alike."""
+"""dev/experiments/host_bookkeeping.py: the per-slot and the array bookkeeping finish every row alike."""
 
 from .scripts import load_script
 
-host_bookkeeping = load_script("bench/host_bookkeeping.py")
+host_bookkeeping = load_script("dev/experiments/host_bookkeeping.py")
 
 
 def test_both_bookkeepings_write_the_same_rows(tmp_path):

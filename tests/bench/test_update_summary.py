@@ -17,11 +17,11 @@ def test_every_registry_command_names_existing_paths():
 
 
 def test_named_paths_reads_paths_out_of_prose():
-    cmd = ("ROWS=autotune bash bench/device/drafter_step.sh  # raw: bench/results/x/ (a.json), "
-           "configs/a.yaml, then bash .ci/run; not drafter/row_stats.py nor /tmp/bench/out.json nor mybench/x "
-           "nor my.ci/run")
-    assert update_summary.named_paths(cmd) == ["bench/device/drafter_step.sh", "bench/results/x/", "configs/a.yaml",
-                                               ".ci/run"]
+    cmd = ("ROWS=autotune bash dev/device/drafter_step.sh 2>/dev/null  # raw: bench/results/x/ (a.json), "
+           "configs/a.yaml, python tools/probe.py, then bash .ci/run; not drafter/row_stats.py nor "
+           "/tmp/bench/out.json nor mybench/x nor my.ci/run nor /dev/shm/x")
+    assert update_summary.named_paths(cmd) == ["dev/device/drafter_step.sh", "bench/results/x/", "configs/a.yaml",
+                                               "tools/probe.py", ".ci/run"]
 
 
 def test_missing_paths_and_globs(tmp_path):
@@ -34,11 +34,11 @@ def test_missing_paths_and_globs(tmp_path):
 
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
-    (tmp_path / "bench" / "device").mkdir(parents=True)
-    (tmp_path / "bench" / "device" / "a.sh").write_text("")
+    (tmp_path / "dev" / "device").mkdir(parents=True)
+    (tmp_path / "dev" / "device" / "a.sh").write_text("")
     path = tmp_path / "summary.json"
     path.write_text(json.dumps({"k.old": {"value": 1.0, "device": "d", "date": "2026-01-01",
-                                          "command": "bash bench/device/a.sh"}}))
+                                          "command": "bash dev/device/a.sh"}}))
     monkeypatch.setattr(update_summary, "PATH", path)
     monkeypatch.setattr(update_summary, "ROOT", tmp_path)
     return path
@@ -46,16 +46,16 @@ def registry(tmp_path, monkeypatch):
 
 def test_a_command_naming_a_missing_script_is_refused_and_nothing_written(registry, capsys):
     before = registry.read_text()
-    rc = update_summary.main(["k.new", "2.5", "H200", "bash bench/device/gone.sh"])
+    rc = update_summary.main(["k.new", "2.5", "H200", "bash dev/device/gone.sh"])
     assert rc == 2 and registry.read_text() == before
-    assert "key k.new: command names bench/device/gone.sh, which does not exist" in capsys.readouterr().err
+    assert "key k.new: command names dev/device/gone.sh, which does not exist" in capsys.readouterr().err
 
 
 def test_a_good_command_is_written_beside_the_old_keys(registry):
-    assert update_summary.main(["k.new", "2.5", "H200", "bash bench/device/a.sh  # raw: bench/device/a.sh"]) == 0
+    assert update_summary.main(["k.new", "2.5", "H200", "bash dev/device/a.sh  # raw: dev/device/a.sh"]) == 0
     data = json.loads(registry.read_text())
     assert list(data) == ["k.new", "k.old"] and data["k.new"]["value"] == 2.5
-    assert data["k.new"]["command"].startswith("bash bench/device/a.sh")
+    assert data["k.new"]["command"].startswith("bash dev/device/a.sh")
 
 
 def test_check_names_each_bad_key(registry, capsys):
@@ -65,3 +65,12 @@ def test_check_names_each_bad_key(registry, capsys):
     registry.write_text(json.dumps(data))
     assert update_summary.main(["--check"]) == 2
     assert "key k.bad: command names scripts/none.sh" in capsys.readouterr().err
+
+
+def test_every_result_folder_is_named_by_a_registry_command():
+    # bench/results holds the registry's raw results only; other runs' folders live in dev/results
+    data = json.loads(update_summary.PATH.read_text())
+    named = {p.split("/")[2] for e in data.values() for p in update_summary.named_paths(e["command"])
+             if p.startswith("bench/results/") and p.count("/") >= 2}
+    folders = {d.name for d in update_summary.PATH.parent.iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert folders and sorted(folders - named) == []

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe, step 4 (optional): resume recipe_train.sh's run for TRAIN_MINUTES more
 # (default 8). On the same machine after recipe_train.sh; ~9 min:
-#     TRAIN_MINUTES=8 bash bench/device/recipe_resume.sh     # results in $OUT: recipe_resume.log, metrics.jsonl
+#     TRAIN_MINUTES=8 bash dev/device/recipe_resume.sh     # results in $OUT: recipe_resume.log, metrics.jsonl
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_resume.log; W=/tmp/recipe; mkdir -p $OUT
-source bench/device/lib.sh
+source dev/device/lib.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if [ ! -d $W/train/checkpoints ]; then echo "FRESH MACHINE: no checkpoints in $W/train" | tee -a $LOG; exit 3; fi
 TARGET=${TARGET:-/tmp/smol/hf} WORK=$W NGPU=$NGPU STEPS=train TRAIN_MINUTES=${TRAIN_MINUTES:-8} \

@@ -3,18 +3,18 @@
 # previous one, on one machine: runs new, old, new (~15 min cold on one H200: each row compiles and
 # autotunes ~2 min; ROW_LIMIT 270 s a row). The previous tree is carried as an untracked copy:
 #     mkdir ab_base && git archive <previous commit> src | tar -x -C ab_base
-#     bash bench/device/step_ab.sh        # results in $OUT: new_autotune.json, old_autotune.json,
+#     bash dev/device/step_ab.sh        # results in $OUT: new_autotune.json, old_autotune.json,
 #                                         # new2_autotune.json, drafter_step.log, kernels.tgz
 # PRESET=dense-27b for the other shape. DRY=1: the plumbing on CPU.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/step_ab.log; mkdir -p $OUT
-source bench/device/lib.sh
+source dev/device/lib.sh
 if [ ! -d ab_base/src ]; then
   echo "no ab_base/src: the A/B needs the previous tree (see the header)" | tee -a $LOG; exit 2
 fi
 for tag in new_ old_ new2_; do
   src=$PWD/src; [ $tag = old_ ] && src=$PWD/ab_base/src
-  SRC=$src ROWS=autotune TAG=$tag ROW_LIMIT=${ROW_LIMIT:-270} bash bench/device/drafter_step.sh > /dev/null
+  SRC=$src ROWS=autotune TAG=$tag ROW_LIMIT=${ROW_LIMIT:-270} bash dev/device/drafter_step.sh > /dev/null
   grep -E "^=== $tag" $OUT/drafter_step.log | tail -1
 done
 grep -E "^=== |tokens/s|time/step|rror" $OUT/drafter_step.log | cut -c1-200

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Levers side by side on one GPU: several training arms run at once, each pinned to its own
 # share of the CPU cores, for the same wall-clock minutes, then every arm's drafter is measured by
-# speculative decoding (docs/recipe-smollm2.md, "Levers side by side"). The GPU time-slices
+# speculative decoding (dev/README.md, "The recipe's results: the commands"). The GPU time-slices
 # between the arms, so each gets about the same GPU-minutes, and a control arm (the base recipe)
 # runs under the very conditions the levers do: a cleaner A/B than a lever against a run of an
 # earlier machine, for 1/N of the GPU each (a small model's step leaves the GPU partly idle, so N
@@ -24,13 +24,13 @@
 #               $OUT/arms-results.tar.xz and each arm's summary printed
 #
 #   STEP=start ARMS=$'base\nwsd --optim.schedule wsd' COMMON="--drafter.init_from ..." \
-#     TRAIN_MINUTES=12 bash bench/device/lever_arms.sh
+#     TRAIN_MINUTES=12 bash dev/device/lever_arms.sh
 set -u
 STEP=${STEP:?STEP=start|wait|eval}
 OUT=${OUT:-/tmp/out}; W=/tmp/recipe; mkdir -p "$OUT"
 LOG=$OUT/arms_$STEP.log
-QSS=bench/device/quality_side_by_side.sh
-source bench/device/lib.sh
+QSS=dev/device/quality_side_by_side.sh
+source dev/device/lib.sh
 
 arm_names() { cut -d' ' -f1 $W/arms; }  # the arms STEP=start started on this machine
 if [ "$STEP" != start ]; then

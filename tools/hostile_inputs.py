@@ -1,6 +1,6 @@
 """Hostile inputs across every job: what a user, a full disk or a killed process gives the tool.
 
-    python bench/hostile_inputs.py --out /tmp/hostile [--jobs 3] [--only train]
+    python tools/hostile_inputs.py --out /tmp/hostile [--jobs 3] [--only train]
 
 Builds a tiny random target (tests/conftest.py), a dataset, a short run and its drafter, then
 runs each case as its own `dflash-train` process and classifies what happened:

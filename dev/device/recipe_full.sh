@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe's full-length run on one or two H200s, on conversations generated earlier
 # (carried back in xz parts: restore.sh), in three runs of <= 10 min each, back to back on one machine:
-#   1  RESTORE=1 bash bench/device/restore.sh; ENGINE=0 bash bench/device/recipe_prompts.sh;
-#      ROWS_ORDER="compiled recipe" bash bench/device/recipe_speed.sh   (the train-speed rows)
-#   2  PART=1 bash bench/device/recipe_full.sh   (~9.5 min) restore, prepare, train TRAIN_MINUTES
+#   1  RESTORE=1 bash dev/device/restore.sh; ENGINE=0 bash dev/device/recipe_prompts.sh;
+#      ROWS_ORDER="compiled recipe" bash dev/device/recipe_speed.sh   (the train-speed rows)
+#   2  PART=1 bash dev/device/recipe_full.sh   (~9.5 min) restore, prepare, train TRAIN_MINUTES
 #      (7.5); the drafter mode (MODE=auto|recipe|compiled) and run.max_steps are chosen here from
 #      the speed rows: compiled when it trains >= 15% faster, the schedule sized to TOTAL_MINUTES of
 #      training (12) at the measured rate (x 0.85 for evals, saves, compiles)
-#   3  PART=2 bash bench/device/recipe_full.sh   (~10 min) resume for the rest (TRAIN_MINUTES 4.5),
+#   3  PART=2 bash dev/device/recipe_full.sh   (~10 min) resume for the rest (TRAIN_MINUTES 4.5),
 #      then the measured eval (recipe_eval.sh; EVAL=0 leaves it to PART=3, the eval alone)
-#     MODE=recipe TOTAL_MINUTES=17.86 TRAIN_MINUTES=8.3 PART=1 bash bench/device/recipe_full.sh   # one run of 2,199 steps
+#     MODE=recipe TOTAL_MINUTES=17.86 TRAIN_MINUTES=8.3 PART=1 bash dev/device/recipe_full.sh   # one run of 2,199 steps
 # The chosen arguments live in /tmp/recipe/train_args.txt so the resume uses the same ones. It
 # counts the GPUs: on two, the recipe trains colocated (torchrun), each replica at the row's rate.
 # Results in $OUT: recipe_full.log, metrics_part<PART>.jsonl, and recipe_eval.sh's.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_full.log; W=/tmp/recipe; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-source bench/device/lib.sh
+source dev/device/lib.sh
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
 if [ "${PART:-1}" = 3 ]; then
-  EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-16} bash bench/device/recipe_eval.sh; exit
+  EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-16} bash dev/device/recipe_eval.sh; exit
 fi
 if [ "${PART:-1}" = 1 ]; then
-  bash bench/device/restore.sh || exit 3
+  bash dev/device/restore.sh || exit 3
   python3 - /tmp/recipe_speed "${TOTAL_MINUTES:-12}" "${MODE:-auto}" > $W/train_args.txt <<'PY'
 import json, os, sys
 rows_dir, total_min, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
@@ -53,5 +53,5 @@ stage train $(python3 -c "print(int($TRAIN_MINUTES * 60 + 150))") env TARGET=${T
 cp $W/train/metrics.jsonl $OUT/metrics_part${PART:-1}.jsonl 2>/dev/null
 grep -E "^==|^wrote|eval split|held-out @|eval @|stopped at|tok/s over|rc=|rror|Traceback" $LOG | grep -v "it/s\]" | tail -25
 if [ "${PART:-1}" = 2 ] && [ "${EVAL:-1}" = 1 ]; then
-  EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-16} bash bench/device/recipe_eval.sh
+  EVAL_SOURCE_PROMPTS=${EVAL_SOURCE_PROMPTS:-16} bash dev/device/recipe_eval.sh
 fi

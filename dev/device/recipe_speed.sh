@@ -10,13 +10,13 @@
 #   compiled       + run.compile (fixed shapes, compiled drafter)
 #   compiled-bf16  + run.drafter_dtype bfloat16
 # One H200, ~5 min (each compiled row compiles ~1 min):
-#     bash bench/device/recipe_speed.sh        # results in $OUT: train_speed.json (one object per row), train_speed.log
+#     bash dev/device/recipe_speed.sh        # results in $OUT: train_speed.json (one object per row), train_speed.log
 # ROWS_ORDER="compiled recipe" picks rows (recipe_full.sh reads them from /tmp/recipe_speed). DRY=1: the plumbing on CPU.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/train_speed.log; W=/tmp/recipe_speed; mkdir -p $OUT $W
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-source bench/device/lib.sh
+source dev/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
   export OMP_NUM_THREADS=1

@@ -1,6 +1,6 @@
 """Stops and deaths of a multi-process run, timed from outside (used by layouts.sh and scaling.sh).
 
-    [NPROC=8 SPLIT="5 3" KILL_RANK=5] python3 bench/device/faults.py WORKDIR OUT -m dflash_train train ARGS...
+    [NPROC=8 SPLIT="5 3" KILL_RANK=5] python3 dev/device/faults.py WORKDIR OUT -m dflash_train train ARGS...
 
 For colocated on NPROC ranks (default 2) and split T+D (SPLIT, default "1 1"): SIGTERM to
 torchrun once 5 steps are logged (time to exit, exit code, checkpoints written, then

@@ -4,8 +4,8 @@
 # 420), SLOTS (default 768) sequences per GPU, GEN_ATTENTION (auto|dense|flex); the new tokens/s per
 # GPU from each run's summary (registry generate.smollm2.*). After recipe_prompts.sh on the same
 # machine; one or two H200s, ~8.5 min:
-#     bash bench/device/recipe_generate.sh
-#     PROBES="dense:256 flex:256 flex:768" PROBE_SECONDS=110 GEN_LIMIT=100 bash bench/device/recipe_generate.sh
+#     bash dev/device/recipe_generate.sh
+#     PROBES="dense:256 flex:256 flex:768" PROBE_SECONDS=110 GEN_LIMIT=100 bash dev/device/recipe_generate.sh
 # PROBES: each ATTENTION:SLOTS a PROBE_SECONDS generation into the same files (the data is kept),
 # then the main run (GEN_LIMIT s; 0 = probes only) with the fastest. Resumable: a second run adds
 # more (finished rows are skipped). The conversations come back as xz parts under $OUT/recipe/
@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_generate.log; W=/tmp/recipe; mkdir -p $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 TARGET=${TARGET:-/tmp/smol/hf}  # a Hugging Face folder; default: the built-in SmolLM2 converted by lib.sh smol_hf
 if [ ! -f $W/prompts/manifest.json ]; then echo "FRESH MACHINE: run recipe_prompts.sh first" | tee -a $LOG; exit 3; fi
-source bench/device/lib.sh
+source dev/device/lib.sh
 [ "$TARGET" = /tmp/smol/hf ] && smol_hf
 gen() {  # SECONDS ATTENTION SLOTS: generation (resumes the same files), then its summary's rates
   echo "=== generate ${1}s, $2 attention, $3 slots $(date +%T)" | tee -a $LOG

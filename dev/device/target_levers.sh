@@ -5,7 +5,7 @@
 # eager target rows, then the compiled-target rows); then DENSE_PRESET (default dense-27b) with the
 # settings of the table's fastest bf16 row (`--like`). One H200, ~8 min (compiles ~1 min per shape;
 # stage limits add up to 580 s).
-#     bash bench/device/target_levers.sh      # results in $OUT: levers_qwen3_8b.json, dense_27b.json,
+#     bash dev/device/target_levers.sh      # results in $OUT: levers_qwen3_8b.json, dense_27b.json,
 #                                             # target_levers.log
 # PART=levers or PART=dense runs one half (PART=dense on a warm machine reads the table the first
 # left in /tmp/target_levers, or the file LIKE names). PART=profile: the target forward alone
@@ -22,7 +22,7 @@ if [ "${DRY:-0}" = 1 ]; then
 else
   BIG=${PRESET:-qwen3-8b}; HUGE=${DENSE_PRESET:-dense-27b}; SHAPE="--warmup 5 --measure 10"  # bench defaults: 8192 tokens, 512 anchors, block 16, window 2048, target labels
 fi
-source bench/device/lib.sh
+source dev/device/lib.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >> $LOG 2>&1
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> $LOG 2>&1
 B=($PY -m dflash_train bench --compile --drafter-dtype bfloat16 $SHAPE)

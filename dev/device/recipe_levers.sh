@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The SmolLM2 recipe's levers (docs/recipe-smollm2.md, "Levers"): each lever a short training from
-# configs/smollm2-135m-diverse.yaml with one change, on the same prepared data (/tmp/recipe/data and
+# The SmolLM2 recipe's levers (docs/recipe-smollm2.md, "Results by date"): each lever a short
+# training from configs/smollm2-135m-diverse.yaml with one change, on the same prepared data (/tmp/recipe/data and
 # data-heldout, from recipe_train.sh's prepare or PREPARE=1 here), then the fast eval (HumanEval
 # 48 x 128 and the held-out chat set 48 x 128, `dflash-train eval --no-greedy`). LEVER_STEPS (default
 # 400) fixes the optimizer steps, so levers that share a GPU (PER_GPU at once, default 2; SmolLM2's
 # training leaves most of an H200 idle) compare on equal terms; LEVER_STEPS=0 trains LEVER_SECONDS
 # (100) instead. One or two H200s, ~10 min for 8 levers at PER_GPU=4:
-#     PREPARE=1 PER_GPU=4 LEVERS="base anchors1024 layers8 block8" bash bench/device/recipe_levers.sh
+#     PREPARE=1 PER_GPU=4 LEVERS="base anchors1024 layers8 block8" bash dev/device/recipe_levers.sh
 # Results in $OUT: levers.jsonl (one JSON line per lever as it ends), recipe_levers.log.
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1

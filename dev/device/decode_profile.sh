@@ -14,10 +14,10 @@
 #   draft      bench/draft_context_cost.py: the batch-1 draft step's ms per round at contexts of
 #              256, 1K, 4K and 16K tokens, SmolLM2's 5-layer full-attention drafter as it is and
 #              decoded with a 2,048-token window (--draft-window): eval.draft_ms_per_round_by_context; ~3 min
-#     bash bench/device/decode_profile.sh            # all four; results in $OUT: gen_smollm2_<slots>[_sampled].json,
+#     bash dev/device/decode_profile.sh            # all four; results in $OUT: gen_smollm2_<slots>[_sampled].json,
 #                                                    # prefill_smollm2_135m_{graphs,eager}.json, gen_qwen3_8b_256.json,
 #                                                    # draft_context_cost.json, decode_profile.log
-#     PART=draft bash bench/device/decode_profile.sh # one part
+#     PART=draft bash dev/device/decode_profile.sh # one part
 # DRY=1: the plumbing on CPU with the tiny preset (~1 min; PY=.venv/bin/python in a checkout).
 # A failed stage makes the exit status 1, after the summary.
 set -u
@@ -33,7 +33,7 @@ else
   SMOL=smollm2-135m; QWEN=qwen3-8b; SLOTS=${SLOTS:-1536}; CPU=""; GEN="--prompt-len ${PROMPT_LEN:-256} --warmup 8 --steps 20"
   DRAFT="--draft-windows 0 2048 --contexts 256 1024 4096 16384 --iters 50"
 fi
-source bench/device/lib.sh
+source dev/device/lib.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >> $LOG 2>&1
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> $LOG 2>&1
 

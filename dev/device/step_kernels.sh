@@ -12,13 +12,13 @@
 #                   the partial tiles' element-wise rule `ranges` (the code's), `rule` (the spec's
 #                   make_mask_mod) and `noop` (no masking: the bound), at 128- and 64-token tiles (~4 min)
 #   PART=all        the three (default)
-#     bash bench/device/step_kernels.sh            # results in $OUT: ce_chunk_kernels.json,
+#     bash dev/device/step_kernels.sh            # results in $OUT: ce_chunk_kernels.json,
 #                                                  # optimizer_kernels.json, flex_mask.json, step_kernels.log
 # DRY=1: the plumbing on CPU (tiny shapes).
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/step_kernels.log; mkdir -p $OUT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-source bench/device/lib.sh
+source dev/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then T=(--tiny --device cpu --iters 2); export OMP_NUM_THREADS=1; else T=(); fi
 PART=${PART:-all}
 read -ra IND <<< "${INDUCTOR:-}"; [ ${#IND[@]} = 0 ] && IND=("")  # "" = Inductor's default options

@@ -8,13 +8,13 @@
 #   PART=faults     SIGTERM to torchrun (colocated and split), resume, and a SIGKILL of the last
 #                   rank of colocated, on all GPUs (faults.py). ~4 min
 #   PART=summary    the JSON of the parts run on this machine -> $OUT/scaling.json, RESULT lines
-#     PART=colocated bash bench/device/scaling.sh     # results in $OUT: scaling.json, scaling.log
+#     PART=colocated bash dev/device/scaling.sh     # results in $OUT: scaling.json, scaling.log
 # Every PART ends with the summary. DRY=1: the plumbing on CPU (gloo, tiny preset, 2 ranks).
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/scaling.log; W=/tmp/scaling; mkdir -p $OUT $W
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
-source bench/device/lib.sh
+source dev/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then
   NGPU=2; BIG=tiny; HUGE=tiny; DEV=cpu; COMPILE=""; export OMP_NUM_THREADS=1
   SHAPE=(--device cpu --tokens 512 --doc-len 40-120 --anchors 16 --block 4 --layers 1 --warmup 1 --measure 2)
@@ -45,7 +45,7 @@ faults)
     --run.max_steps 100000 --run.log_every 1 --run.save_every 100000 --run.device $DEV --run.progress false
     --run.tensorboard false --eval.spec_prompts null)
   rm -rf $W/faults; mkdir -p $W/faults
-  stage faults 420 env NPROC=$NGPU SPLIT="$SPLIT" KILL_RANK=$((NGPU - 1)) $PY bench/device/faults.py \
+  stage faults 420 env NPROC=$NGPU SPLIT="$SPLIT" KILL_RANK=$((NGPU - 1)) $PY dev/device/faults.py \
     $W/faults $W "${FAULT[@]}" ;;
 summary) ;;
 *) echo "unknown PART=${PART}" | tee -a $LOG; exit 2 ;;

@@ -1,7 +1,7 @@
 """The host's bookkeeping per decode step of `generate`, alone: per-slot Python against arrays.
 
-    python bench/host_bookkeeping.py                      # 1,536 slots, 400 steps
-    python bench/host_bookkeeping.py --slots 256 --steps 200 --out /tmp/hb.json
+    python dev/experiments/host_bookkeeping.py                      # 1,536 slots, 400 steps
+    python dev/experiments/host_bookkeeping.py --slots 256 --steps 200 --out /tmp/hb.json
 
 Between two decode steps the built-in engine (generate/builtin.py) advances every row's
 position, hands every slot its token, finds the rows that stop and refills their slots.

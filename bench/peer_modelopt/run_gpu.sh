@@ -3,17 +3,17 @@
 # training conversations, its drafter converted to our format and measured by `dflash-train eval`.
 #
 #   TARGET_HF=/tmp/smol/hf TRAIN_JSONL=/tmp/recipe/gen/train.jsonl OUT=/tmp/out \
-#     MODE=time MINUTES=15 bash bench/peer_modelopt/run_h200.sh
-#   ... MODE=tokens TOKENS=60000000 bash bench/peer_modelopt/run_h200.sh
+#     MODE=time MINUTES=15 bash bench/peer_modelopt/run_gpu.sh
+#   ... MODE=tokens TOKENS=60000000 bash bench/peer_modelopt/run_gpu.sh
 #
-# Run from the repository root with .whl/ filled by bench/peer_modelopt/fetch_wheels.sh.
-# STAGES picks the stages (default: all, in this order):
-#   install  wheels from .whl/ into $SITE, /tmp/site by default (no index, no dependencies)
+# Run from the repository root. STAGES picks the stages (default: all, in this order):
+#   install  requirements.txt into $SITE, /tmp/site by default, without dependencies (the machine's
+#            torch stays); from the package index, or from WHEELS=DIR, a folder of those wheels
 #   train    bench/peer_modelopt/train_peer.py -> $WORK/run (export in $WORK/run/export)
 #   convert  bench/peer_modelopt/convert.py -> $WORK/drafter (our checkpoint)
 #   humaneval, chat   dflash-train eval of $WORK/drafter (greedy, 256 new tokens)
-# Stages after `train` can run in a later call on the same machine (the work folder is kept in
-# $WORK, /tmp/peer by default). Every stage runs under `timeout`; results and logs go to $OUT:
+# Stages after `train` can run later on the same machine (the work folder is kept in $WORK,
+# /tmp/peer by default). Every stage runs under `timeout`; results and logs go to $OUT:
 # peer_summary.json, peer_run.json, peer_export_config.json, peer_drafter_config.json,
 # report_peer_humaneval.json, report_peer_chat.json, peer.log (everything the stages printed).
 set -u
@@ -46,8 +46,9 @@ stage() {
 }
 
 if has install; then
-  stage install 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl || exit 1
+  from=(-r bench/peer_modelopt/requirements.txt); [ -n "${WHEELS:-}" ] && from=(--no-index "$WHEELS"/*.whl)
+  stage install 300 "$PY" -m pip install -q --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "${from[@]}" || exit 1
 fi
 export PYTHONPATH=$SITE:$PWD/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 

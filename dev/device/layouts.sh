@@ -4,7 +4,7 @@
 # against one process on the same batches (the real SmolLM2 target when /tmp/smol/hf exists, else
 # its shape); SIGTERM to torchrun (colocated and split: time to exit, checkpoint, resume) and a
 # SIGKILL of one rank (faults.py). Two H200s (nvidia-h200-x2), ~6-8 min:
-#     bash bench/device/layouts.sh             # results in $OUT: split_<preset>.json,
+#     bash dev/device/layouts.sh             # results in $OUT: split_<preset>.json,
 #                                              # colocated_<preset>.json, faults.json, layouts.json, layouts.log
 # SKIP_BENCH=1 / SKIP_LOSSES=1 / SKIP_FAULTS=1 leave parts out; LAYOUTS="split" (default "split
 # colocated") picks the throughput rows. DRY=1: the plumbing on CPU (gloo, tiny preset), a few minutes.
@@ -19,7 +19,7 @@ if [ "${DRY:-0}" = 1 ]; then
 else
   BIG=${PRESET:-qwen3-8b}; SMALL=smollm2-135m; DEV=cuda; COMPILE="--compile"; BENCH_DEV=""
 fi
-source bench/device/lib.sh
+source dev/device/lib.sh
 TRUN=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
 $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" >> $LOG 2>&1
 
@@ -47,7 +47,7 @@ fi
 FAULT=(-m dflash_train train --target.path preset:$SMALL --data.path synthetic:4096:512 --data.plan.token_budget 2048
   --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 100000 --run.log_every 1 --run.save_every 100000
   --run.device $DEV --run.progress false --run.tensorboard false --eval.spec_prompts null)
-[ "${SKIP_FAULTS:-0}" = 1 ] || stage faults 200 $PY bench/device/faults.py $W $OUT "${FAULT[@]}"
+[ "${SKIP_FAULTS:-0}" = 1 ] || stage faults 200 $PY dev/device/faults.py $W $OUT "${FAULT[@]}"
 
 $PY - "$OUT" "$W" <<'PY' >> $LOG 2>&1
 import glob, json, os, sys

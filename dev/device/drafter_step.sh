@@ -12,15 +12,15 @@
 #   autotune    + run.compile_autotune (the recommended configuration; registry throughput.qwen3_8b.*)
 #   autotune_fusedopt  autotune with torch's fused AdamW instead of the compiled step
 # A row named twice (ROWS="autotune autotune autotune") runs twice: <row>, <row>_2, ...
-#     ROWS=autotune bash bench/device/drafter_step.sh                 # default ROWS="fused unfused"
-#     PRESET=dense-27b ROWS=overlap bash bench/device/drafter_step.sh  # registry throughput.dense_27b.tok_per_s
+#     ROWS=autotune bash dev/device/drafter_step.sh                 # default ROWS="fused unfused"
+#     PRESET=dense-27b ROWS=overlap bash dev/device/drafter_step.sh  # registry throughput.dense_27b.tok_per_s
 # Results in $OUT: <TAG><row>.json, <TAG><row>.kernels.txt, drafter_step.log. SRC=another/src runs
 # another tree of the package (an A/B on one machine: step_ab.sh). DRY=1: the tiny preset on CPU.
 set -u
 TAG=${TAG:-}  # prefix of the result files (two presets or trees in one run)
 OUT=${OUT:-/tmp/out}; LOG=$OUT/drafter_step.log; mkdir -p $OUT
 export PYTHONPATH=${SRC:-$PWD/src} PYTHONUNBUFFERED=1  # SRC=: another tree of the package
-source bench/device/lib.sh
+source dev/device/lib.sh
 if [ "${DRY:-0}" = 1 ]; then
   SHAPE=(--preset tiny --tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu)
   export OMP_NUM_THREADS=1
