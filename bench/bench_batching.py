@@ -46,7 +46,7 @@ def main() -> int:
     planner = BatchPlanner(lengths, cfg)
     init_s = time.perf_counter() - t
     t = time.perf_counter()
-    plan0 = planner.plan(0)
+    planner.plan(0)
     plan0_s = time.perf_counter() - t
     t = time.perf_counter()
     plan1 = planner.plan(1)

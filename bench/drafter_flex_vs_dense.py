@@ -184,7 +184,7 @@ def main() -> None:
             if backend == "flex":
                 bm = masks[0]
                 timing["flex_block_sparsity"] = float(bm.sparsity()) / 100 if hasattr(bm, "sparsity") else None
-            del model, masks
+            model = masks = None  # freed before the next backend (a del would hide them from step())
         except torch.OutOfMemoryError as exc:  # the dense path may not fit at depth
             timing[f"{backend}_error"] = f"out of memory: {str(exc)[:200]}"
         if device.type == "cuda":

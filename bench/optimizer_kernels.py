@@ -78,7 +78,7 @@ def main() -> None:
     log("compiling the grad norm")
     log(f"grad norm (compiled) rel err {float((sq_sum(grads) - norm()).abs() / norm()):.1e}")
     row("grad norm (compiled)", lambda: sq_sum(grads), grad_bytes)
-    del fused
+    fused = None  # its state freed before the next optimizer (a del would hide it from fused_step)
     cuda = device.type == "cuda"  # a tensor lr (no recompile per lr) needs capturable, which needs a GPU
     foreach = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device) if cuda else 1e-4, weight_decay=0.01,
                                 foreach=True, capturable=cuda)

@@ -693,7 +693,7 @@ def _edited_drafter(fx: dict, w: Path) -> Path:
 def input_cases(fx: dict) -> list[Case]:
     """Inputs a newcomer hands over: text that is no Unicode, sizes past any machine, settings that would be
     ignored, files edited by hand, paths that lead nowhere."""
-    target, tiny = str(fx["target"]), ["--target", str(fx["target"])]
+    tiny = ["--target", str(fx["target"])]
     gen = ["generate", *tiny, "--device", "cpu", "--max-new-tokens", "4", "--no-progress"]
     ev = ["eval", *tiny, "--device", "cpu", "--no-progress", "--max-new-tokens", "4", "--prompts", str(fx["prompts"])]
 

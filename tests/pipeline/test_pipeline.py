@@ -180,7 +180,7 @@ def _rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> int
                 stat = Path(f"/proc/{pid}/stat").read_text().split()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in env and f"TORCHELASTIC_RUN_ID".encode() in b" ".join(env) \
+            if f"RANK={rank}".encode() in env and "TORCHELASTIC_RUN_ID".encode() in b" ".join(env) \
                     and int(stat[3]) == launcher.pid:
                 return int(pid)
         time.sleep(0.2)
