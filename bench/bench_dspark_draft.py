@@ -1,4 +1,4 @@
-"""Drafting cost of one speculative round: a dspark drafter (drafter/markov.py) against the DFlash
+"""Drafting cost of one speculative round: a dspark drafter (drafter/dspark.py) against the DFlash
 drafter with the same backbone, on the static engine's drafter (speculative/static_drafter.py).
 
     # on a GPU, a target directory or a preset of real shapes (random weights):
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.drafter.config import drafter_config_from_target
-from dflash_train.drafter.markov import markov_drafts
+from dflash_train.drafter.dspark import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.speculative.static_drafter import StaticDrafter, _draft_head, _norm
 from dflash_train.target.loading import load_target_model

@@ -1,6 +1,6 @@
 """The LM head's per-chunk cross-entropy math alone (docs/performance.md, "The drafter step").
 
-`drafter/loss.py` runs, between the head's two matmuls, one function per [chunk_rows, vocab]
+`drafter/head_kernel.py` runs, between the head's two matmuls, one function per [chunk_rows, vocab]
 chunk of logits: the statistics (log-sum-exp, the label's logit, the argmax) and the gradient
 softmax - onehot written in the head's dtype. It must read the chunk twice and write the
 gradient once. This times (CUDA events, median of `--iters`) and checks against the eager
@@ -34,7 +34,7 @@ import json
 import torch
 
 from dflash_train.drafter import row_stats as row_stats_module
-from dflash_train.drafter.loss import _hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager
+from dflash_train.drafter.head_kernel import _hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager
 from drafter_flex_vs_dense import log, rel_err, timed  # the sibling bench's helpers (bench/ is on sys.path)
 
 INDUCTOR_OPTIONS: dict[str, dict] = {

@@ -7,18 +7,20 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from dflash_train.drafter import head_kernel
 from dflash_train.drafter import loss as loss_module
 from dflash_train.drafter.checkpoint import load_drafter, save_drafter
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.labels import build_block_labels
 from dflash_train.drafter.loss import LossConfig, head_cross_entropy, weighted_head_cross_entropy
-from dflash_train.drafter.markov import markov_drafts, previous_tokens
+from dflash_train.drafter.dspark import markov_drafts, previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step, head_operands
+from dflash_train.target.runner import TargetOutput
 from dflash_train.utils.errors import ModelError
 
-from .test_model import TAPS, H, V, _batch, tiny_config
+from .test_model import TAPS, H, V, _batch, packed, tiny_config
 
 R, S, B = 2, 18, 4
 
@@ -98,8 +100,8 @@ def test_weighted_head_trains_a_tail_without_recomputing_logits(chunk, soft, als
     backward pass computes no logits when the loss reads the weighted sum alone; when the per-row
     CEs feed the loss too, their part of the tail's gradient is added (chunks computed again)."""
     calls = []
-    head_logits = loss_module._head_logits
-    monkeypatch.setattr(loss_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
+    head_logits = head_kernel._head_logits
+    monkeypatch.setattr(head_kernel, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
     g = torch.Generator().manual_seed(chunk + 10 * soft)
     hidden, w, tail, labels, target = _head_case(g, soft)
     M = hidden.shape[0]
@@ -133,8 +135,8 @@ def test_confidence_weighted_loss_trains_a_tail_in_one_pass(weighting, chunk, mo
     split a block would weigh its slots from a part of the block: chunk_rows is rounded down to
     whole blocks (1 -> 3, 7 -> 6 rows here)."""
     calls = []
-    head_logits = loss_module._head_logits
-    monkeypatch.setattr(loss_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
+    head_logits = head_kernel._head_logits
+    monkeypatch.setattr(head_kernel, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
     g = torch.Generator().manual_seed(chunk)
     Rb, N, Bb, Hh, r, Vv = 2, 5, 4, 6, 3, 13
     w = torch.randn(Vv, Hh, generator=g, dtype=torch.float64)
@@ -216,7 +218,7 @@ def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_sou
     """fixed_shape: compiled mode's step (fixed-shape anchors, padding blocks, the head's chunk
     math through `compiled_once`, here the identity: compiling on a CPU costs tens of seconds)."""
     wrapped = []
-    monkeypatch.setattr(loss_module, "compiled_once", lambda fn: wrapped.append(fn.__name__) or fn)
+    monkeypatch.setattr(head_kernel, "compiled_once", lambda fn: wrapped.append(fn.__name__) or fn)
     model = _dspark_model(seed, head)
     ids, pos, doc, loss, _, _ = _batch(seed + 10)
     g = torch.Generator().manual_seed(seed)
@@ -228,8 +230,8 @@ def test_dspark_step_loss_and_gradients_match_per_slot_reference(seed, label_sou
     # fixed shape: more anchors than a row has candidates, so some blocks are padding
     step_cfg = StepConfig(num_anchors=16 if fixed_shape else 5, label_source=label_source, fixed_shape=fixed_shape)
     loss_cfg = LossConfig(gamma=3.0)
-    stats = drafter_step(model, heads, step_cfg=step_cfg, loss_cfg=loss_cfg,
-                         generator=torch.Generator().manual_seed(7), **batch)
+    stats = drafter_step(model, heads, packed(ids, pos, doc, loss), TargetOutput(batch["taps"], batch["final_hidden"]),
+                         step_cfg=step_cfg, loss_cfg=loss_cfg, generator=torch.Generator().manual_seed(7))
     assert bool(wrapped) == fixed_shape
     stats.loss_sum.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -7,7 +7,7 @@ import torch
 
 from dflash_train.drafter.checkpoint import growth, load_drafter_as, save_drafter
 from dflash_train.drafter.labels import build_block_labels
-from dflash_train.drafter.markov import previous_tokens
+from dflash_train.drafter.dspark import previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
 from dflash_train.utils.errors import ModelError

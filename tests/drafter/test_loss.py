@@ -8,17 +8,8 @@ import torch.nn.functional as F
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.labels import IGNORE, build_block_labels
-from dflash_train.drafter.loss import (
-    LossConfig,
-    _hard_label_chunk,
-    _softmax_minus_onehot,
-    _softmax_minus_onehot_eager,
-    default_gamma,
-    drafter_loss,
-    head_cross_entropy,
-    slot_weights,
-    summarize,
-)
+from dflash_train.drafter.head_kernel import _hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager
+from dflash_train.drafter.loss import LossConfig, default_gamma, drafter_loss, head_cross_entropy, slot_weights, summarize
 from dflash_train.drafter.row_stats import row_stats
 
 from .reference import cap_ref, decay_ref, dpace_ref, random_packed_layout, tau_ref

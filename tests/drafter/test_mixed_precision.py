@@ -12,9 +12,10 @@ import dflash_train.drafter.masks as masks
 from dflash_train.drafter.loss import LossConfig, summarize
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
+from dflash_train.target.runner import TargetOutput
 
 from .reference import random_packed_layout
-from .test_model import tiny_config
+from .test_model import packed, tiny_config
 
 
 @pytest.mark.parametrize("backend", ["dense", "flex"])
@@ -32,8 +33,7 @@ def test_step_under_bf16_autocast(backend, labels, monkeypatch):
     final = torch.randn(2, 40, 16, generator=g).bfloat16()
     grad = torch.enable_grad() if backend == "dense" else torch.no_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16), grad:
-        stats = drafter_step(model, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss,
-                             taps=taps, final_hidden=final,
+        stats = drafter_step(model, heads, packed(ids, pos, doc, loss), TargetOutput(taps, final),
                              step_cfg=StepConfig(num_anchors=6, attention=backend, label_source=labels, noise_sigma=0.1),
                              loss_cfg=LossConfig(), generator=torch.Generator().manual_seed(1))
     m = summarize(stats)

@@ -6,12 +6,14 @@ import torch
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.drafter import loss as loss_module
+from dflash_train.drafter import head_kernel
 from dflash_train.drafter.labels import target_block_labels
 from dflash_train.drafter.loss import LossConfig
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions, rope_inverse_frequencies
+from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step
+from dflash_train.target.runner import TargetOutput
 
 from .reference import mask_ref, random_packed_layout
 
@@ -96,6 +98,11 @@ def _batch(seed, R=2, S=18, N=4):
     ids = ids % (V - 1)
     anchors, valid = select_anchors(loss, doc, N, 4, generator=torch.Generator().manual_seed(seed))
     return ids, pos, doc, loss, anchors, valid
+
+
+def packed(input_ids, position_ids, document_ids, loss_mask) -> PackedBatch:
+    """Rows as a step takes them (the step reads no sample ids)."""
+    return PackedBatch(input_ids, position_ids, document_ids, loss_mask, sample_ids=torch.zeros(0, dtype=torch.long))
 
 
 @pytest.mark.parametrize("mask_slots", [False, True])
@@ -204,8 +211,8 @@ def test_step_backward_reaches_drafter_parameters_only():
     heads = FrozenHeads(torch.randn(V, H), torch.randn(V, H))
     taps = torch.randn(2, 18, TAPS * H, requires_grad=False)
     stats = drafter_step(
-        model, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss, taps=taps,
-        final_hidden=None, step_cfg=StepConfig(num_anchors=4, noise_sigma=0.1), loss_cfg=LossConfig(),
+        model, heads, packed(ids, pos, doc, loss), TargetOutput(taps, None),
+        step_cfg=StepConfig(num_anchors=4, noise_sigma=0.1), loss_cfg=LossConfig(),
         generator=torch.Generator().manual_seed(0),
     )
     (stats.loss_sum / stats.weight_sum).backward()
@@ -224,7 +231,7 @@ def test_compiled_mode_compiles_the_tested_head_chunk_math(monkeypatch, fixed_sh
     `compiled_once`, on exactly the function the loss tests check, and to the same numbers
     (here the wrapper is the identity: compiling on a CPU costs tens of seconds)."""
     seen = []
-    monkeypatch.setattr(loss_module, "compiled_once", lambda fn: seen.append(fn.__name__) or fn)
+    monkeypatch.setattr(head_kernel, "compiled_once", lambda fn: seen.append(fn.__name__) or fn)
     torch.manual_seed(0)
     model = DFlashDrafter(tiny_config())
     ids, pos, doc, loss, _, _ = _batch(3)
@@ -232,8 +239,8 @@ def test_compiled_mode_compiles_the_tested_head_chunk_math(monkeypatch, fixed_sh
     taps = torch.randn(2, 18, TAPS * H)
 
     def step(fixed, fused):
-        return drafter_step(model, heads, input_ids=ids, position_ids=pos, document_ids=doc, loss_mask=loss, taps=taps,
-                            final_hidden=None, step_cfg=StepConfig(num_anchors=4, fixed_shape=fixed),
+        return drafter_step(model, heads, packed(ids, pos, doc, loss), TargetOutput(taps, None),
+                            step_cfg=StepConfig(num_anchors=4, fixed_shape=fixed),
                             loss_cfg=LossConfig(fused_head=fused), generator=torch.Generator().manual_seed(0))
 
     got = step(fixed_shape, fused_head)

@@ -16,6 +16,8 @@ from dflash_train.target.language_model import final_logit_softcap
 from dflash_train.target.runner import TargetRunner
 from tests.families import build_model
 
+from .test_model import packed
+
 VOCAB, S, B = 300, 40, 4
 
 
@@ -92,8 +94,8 @@ def test_distill_loss_equals_the_brute_force_of_the_models_own_logits(cap):
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-4, atol=1e-6)
 
     # the whole step (FrozenHeads -> the loss) carries the cap: the same sum from the same anchors
-    step = drafter_step(drafter, heads, step_cfg=step_cfg, loss_cfg=loss_cfg, taps=out.taps,
-                        final_hidden=out.final_hidden, generator=torch.Generator().manual_seed(1), **batch)
+    step = drafter_step(drafter, heads, packed(**batch), out, step_cfg=step_cfg, loss_cfg=loss_cfg,
+                        generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(step.loss_sum.detach(), ref.detach(), rtol=0, atol=1e-4)
 
     # and the reference can tell: without the cap the sum is off by far more than the tolerance

@@ -10,7 +10,9 @@ import torch
 
 from dflash_train.generate import builtin
 from dflash_train.generate.builtin import BuiltinEngine, decode_rows
-from dflash_train.generate.decoder import UnsupportedModelError, _pre_attention, _q_writing_kv, check_supported
+from dflash_train.generate.decoder import UnsupportedModelError, check_supported
+from dflash_train.generate.layers import pre_attention as _pre_attention
+from dflash_train.generate.layers import q_writing_kv as _q_writing_kv
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.speculative.evaluate import HeldOutProbe
 from dflash_train.target.fp8 import convert_decoder_linears
@@ -294,7 +296,7 @@ def test_a_failing_compiler_with_flex_falls_back_to_dense_attention():
 @pytest.mark.parametrize("slots", [1, 3])
 def test_first_token_stops_limits_and_slots_refilled_under_a_step_in_flight(slots):
     """Rows that stop on their very first token, rows whose limit is 1, 2, ... and rows that
-    run on, with every freed slot refilled at once (refill_min 1): the step launched before a
+    run on, with every freed slot refilled at once (refill.min_free 1): the step launched before a
     row was seen to stop still carries a token for its slot, which must not reach the new row
     in that slot. Every row equals Hugging Face greedy up to its stop token or limit."""
     model = make_model("llama", vocab=256, seed=1)
@@ -313,7 +315,7 @@ def test_first_token_stops_limits_and_slots_refilled_under_a_step_in_flight(slot
     assert any(e[1] == "length" and len(e[0]) == 1 for e in expected)
 
     engine = BuiltinEngine(model, None, slots=slots, max_prompt_tokens=32, max_new_tokens=NEW, stop_ids=stops)
-    assert engine.refill_min == 1
+    assert engine.refill.min_free == 1
     stale, collect = [], engine._collect
 
     def spy(launched, on_complete):  # slots whose row changed since the step was launched

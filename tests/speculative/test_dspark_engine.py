@@ -15,7 +15,7 @@ from dflash_train.speculative.loop import SpeculativeDecoder
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 
 from ..eval.conftest import plain_greedy
-from .test_engine import random_prompts, targets  # noqa: F401 - fixture
+from .test_engine import random_prompts
 
 NEW = 32
 
@@ -84,7 +84,7 @@ def test_compiled_dspark_head_traces_once_and_matches(targets):  # noqa: F811
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from dflash_train.speculative.static_drafter import _dspark_head
+    from dflash_train.drafter.dspark import draft_head
 
     model, tok = targets["llama"]
     prompts = random_prompts(model.config.vocab_size, (9, 30), seed=5)
@@ -95,7 +95,7 @@ def test_compiled_dspark_head_traces_once_and_matches(targets):  # noqa: F811
     counters.clear()
     engine = SpecEngine(model, drafter, set(), slots=2, max_len=128)
     engine._compile_layer_functions(backend="aot_eager")
-    assert engine.drafter.dspark_head is not _dspark_head
+    assert engine.drafter.dspark_head is not draft_head
     got = engine.generate_batch(prompts, NEW)
     assert [(r.tokens, r.rounds) for r in got] == [(r.tokens, r.rounds) for r in expected]
     assert [r.tokens for r in got] == references

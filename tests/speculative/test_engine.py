@@ -5,36 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from dflash_train.generate import graphs
-from dflash_train.generate.decoder import StaticDecoder, _q_writing_kv
+from dflash_train.generate.decoder import StaticDecoder
+from dflash_train.generate.layers import q_writing_kv as _q_writing_kv
 from dflash_train.speculative.decoders import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.evaluate import make_proposer
 from dflash_train.speculative.loop import DecodeResult, Round, SpeculativeDecoder
 from dflash_train.speculative.static_drafter import StaticDrafter, _block_q
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens
-from dflash_train.target.loading import load_causal_lm, load_tokenizer
 
 from ..eval.conftest import ScriptedProposer, plain_greedy, random_drafter
 
 NEW = 40
-
-
-@pytest.fixture(scope="module")
-def targets(tiny_targets):
-    """{"llama": (model, tokenizer), "qwen3": ..., "qwen3_moe": ...}: 6-layer random fp32 targets (the
-    mixture: 8 experts, 2 a token, one dense layer), with the suite's tokenizer."""
-    out = {k: (load_causal_lm(d, dtype=torch.float32), load_tokenizer(d)) for k, d in tiny_targets.items()}
-    tok = out["qwen3"][1]
-    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, vocab_size=len(tok), max_position_embeddings=512,
-                         tie_word_embeddings=True, initializer_range=0.3, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=16, mlp_only_layers=[3])
-    torch.manual_seed(1)  # a seed whose greedy outputs do not fall into a short loop
-    out["qwen3_moe"] = (AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), tok)
-    return out
 
 
 def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
@@ -369,9 +353,9 @@ def test_prefill_is_a_captured_step_per_padded_chunk_shape(targets, monkeypatch)
     monkeypatch.setattr(graphs.GraphedStep, "_capture", emulated_capture)
     eager = SpecEngine(model, drafter, set(), slots=2, max_len=256)
     one = SpecEngine(model, drafter, set(), slots=1, max_len=256)
-    assert (one.prefill_shapes.widths, one.prefill_shapes.rows) == ([32, 64, 128, 256], [1])
+    assert (one.prefill.shapes.widths, one.prefill.shapes.rows) == ([32, 64, 128, 256], [1])
     many = SpecEngine(model, drafter, set(), slots=3, max_len=256, refill_fraction=0.5)
-    assert many.prefill_shapes.rows == [1, 2, 3]
+    assert many.prefill.shapes.rows == [1, 2, 3]
     for step in [*one._prefill_steps.values(), *many._prefill_steps.values()]:
         step.use_graphs = True
     for speculative in (True, False):

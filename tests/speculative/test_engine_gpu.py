@@ -15,7 +15,7 @@ from dflash_train.speculative.engine import SpecEngine
 
 from ..eval.conftest import plain_greedy, random_drafter
 from ..generate.tiny import make_model
-from .test_engine import random_prompts, targets  # noqa: F401 - fixture
+from .test_engine import random_prompts
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 B, NEW = 4, 24

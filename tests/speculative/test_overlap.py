@@ -14,7 +14,7 @@ from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.loop import Round
 
 from ..eval.conftest import plain_greedy, random_drafter
-from .test_engine import OracleDrafts, random_prompts, targets  # noqa: F401 - fixture
+from .test_engine import OracleDrafts, random_prompts
 
 B = 4
 
@@ -156,7 +156,7 @@ def test_one_host_read_per_round_and_none_per_prompt(targets, monkeypatch):
         engine = SpecEngine(model, random_drafter(model, tok, B, sliding=3), set(), slots=2, max_len=128)
         reads["n"] = 0
         engine.generate_batch(prompts, 16, speculative=speculative)
-        assert reads["n"] == per_round * engine._launches
+        assert reads["n"] == per_round * engine.rounds_launched
 
 
 def test_round_r_is_read_after_round_r_plus_1_is_launched(targets, monkeypatch):
@@ -172,7 +172,7 @@ def test_round_r_is_read_after_round_r_plus_1_is_launched(targets, monkeypatch):
     original = SpecEngine._collect
 
     def collect(self, launched, finish):
-        lags.append(self._launches - launched.index - 1)  # rounds launched since this one
+        lags.append(self.rounds_launched - launched.index - 1)  # rounds launched since this one
         return original(self, launched, finish)
 
     original_launch = SpecEngine._launch
@@ -180,7 +180,7 @@ def test_round_r_is_read_after_round_r_plus_1_is_launched(targets, monkeypatch):
     def launch(self, width, speculative):
         launched = original_launch(self, width, speculative)
         if launched is not None:
-            launched.index = self._launches - 1
+            launched.index = self.rounds_launched - 1
         return launched
 
     monkeypatch.setattr(SpecEngine, "_collect", collect)
@@ -190,10 +190,10 @@ def test_round_r_is_read_after_round_r_plus_1_is_launched(targets, monkeypatch):
         lags.clear()
         res = engine.generate(prompt, 20, speculative=False)
         assert res.tokens == ref and len(res.rounds) == 19
-        assert engine._launches == 19  # no round wasted at the limit
+        assert engine.rounds_launched == 19  # no round wasted at the limit
         assert lags == ([1] * 18 + [0] if overlap else [0] * 19)
     stop_at = min(first_occurrences(ref, 20), key=lambda i: abs(i - 10))  # well before the limit
     engine = SpecEngine(model, None, {ref[stop_at]}, overlap_rounds=True)
     res = engine.generate(prompt, 20, speculative=False)
     assert res.tokens == ref[:stop_at + 1] and len(res.rounds) == stop_at
-    assert engine._launches == stop_at + 1  # the round launched behind the stop, discarded
+    assert engine.rounds_launched == stop_at + 1  # the round launched behind the stop, discarded

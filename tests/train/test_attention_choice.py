@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
-from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
 from dflash_train.train.setup import resolve_attention
 from dflash_train.utils.errors import TrainingError
+from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
 

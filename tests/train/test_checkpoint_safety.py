@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.train.export_cli import ExportConfig, export
-from dflash_train.train.trainer import Trainer
 from dflash_train.utils.errors import InputError, OutputError, TrainingError
 from dflash_train.utils.fs import MARKER, made_by, writer_tag
 
@@ -213,14 +211,12 @@ def test_trainer_saves_again_over_a_checkpoint_of_this_step_that_does_not_verify
     truncate(bad / "optimizer.pt")
     m, opt, sch = parts()
     lines = []
-    trainer = SimpleNamespace(ckpt_dir=tmp_path, main=True, cfg=SimpleNamespace(run=SimpleNamespace(
-        checkpoint=True, keep_last=3)), state=ck.TrainState(step=2), drafter=m, optimizer=opt, scheduler=sch,
-        resolved={})
-    control = SimpleNamespace(saved=lambda: None)
-    metrics = SimpleNamespace(line=lines.append)
-    assert Trainer.save(trainer, control, metrics) == bad and lines == [f"saved {bad}"]
+    checkpointer = ck.Checkpointer(tmp_path, drafter=m, optimizer=opt, scheduler=sch, config={}, every=500,
+                                   keep_last=3)
+    state = ck.TrainState(step=2)
+    assert checkpointer.save(state, lines.append) == bad and lines == [f"saved {bad}"]
     assert ck.verify_checkpoint(bad) == []
-    assert Trainer.save(trainer, control, metrics) == bad and len(lines) == 1  # verified: not written twice
+    assert checkpointer.save(state, lines.append) == bad and len(lines) == 1  # verified: not written twice
 
 
 # -- export --------------------------------------------------------------------------------------

@@ -131,9 +131,7 @@ def test_estimate_equals_measurement_on_the_targets_own_greedy_text(kind, loaded
     for i in range(30):
         for batch in splits.planner.iter_batches(data, epochs=1):
             out = runner.run_batch(batch, torch.device("cpu"))
-            stats = drafter_step(drafter, heads, input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 document_ids=batch.document_ids, loss_mask=batch.loss_mask, taps=out.taps,
-                                 final_hidden=out.final_hidden, step_cfg=step_cfg, loss_cfg=LossConfig(),
+            stats = drafter_step(drafter, heads, batch, out, step_cfg=step_cfg, loss_cfg=LossConfig(),
                                  generator=torch.Generator().manual_seed(batch_seed(0, i, batch.index)))
             optim.zero_grad()
             (stats.loss_sum / stats.weight_sum).backward()

@@ -1,4 +1,4 @@
-"""The learning-rate schedule against run.max_minutes (train/stopping.py): the advice when they do not
+"""The learning-rate schedule against run.max_minutes (train/schedule.py): the advice when they do not
 fit each other, and run.fit_schedule, which fits one to the other once; exact values, real CPU runs."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import shutil
 import pytest
 import torch
 
-import dflash_train.train.trainer as trainer_mod
+import dflash_train.train.schedule as schedule_mod
 from dflash_train.train.checkpoint import latest_checkpoint, step_dir_name
 from dflash_train.train.metrics_log import first_step_line
 import dflash_train.train.stopping as stopping_mod
-from dflash_train.train.stopping import RecentRate, fitted_total, refit_due, schedule_fit
+from dflash_train.train.schedule import RecentRate, fitted_total, refit_due, schedule_fit
 from dflash_train.train.trainer import Trainer
 
 from .test_trainer import make_config, read_metrics
@@ -78,7 +78,7 @@ def test_a_fitted_schedule_is_the_run_that_had_that_many_steps_from_the_start(
     """The fit happens at step 2, still in the warm-up, so the fitted run must equal, step for step,
     a run configured with the fitted length (the reference); the checkpoint keeps the length."""
     calls = []
-    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: calls.append(box) or 7)
+    monkeypatch.setattr(schedule_mod, "fitted_total", lambda **box: calls.append(box) or 7)
     with caplog.at_level(logging.INFO):
         summary = Trainer(fit_config(tiny_targets, tiny_datasets, tmp_path / "fit")).fit()
     # fitted at step 2, then offered again at every log window: the same length is no refit
@@ -101,14 +101,14 @@ def test_a_fitted_schedule_is_the_run_that_had_that_many_steps_from_the_start(
 
 def test_a_resumed_run_keeps_its_fitted_schedule(tiny_targets, tiny_datasets, tmp_path, monkeypatch) -> None:
     out = tmp_path / "fit"
-    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: 7)
+    monkeypatch.setattr(schedule_mod, "fitted_total", lambda **box: 7)
     Trainer(fit_config(tiny_targets, tiny_datasets, out)).fit()
     before = read_metrics(out)
     for step_dir in (out / "checkpoints").iterdir():  # back to the step-4 checkpoint, as if stopped there
         if step_dir.name != step_dir_name(4):
             shutil.rmtree(step_dir)
     shutil.rmtree(out / "final")
-    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: pytest.fail("the schedule was fitted again"))
+    monkeypatch.setattr(schedule_mod, "fitted_total", lambda **box: pytest.fail("the schedule was fitted again"))
     summary = Trainer(fit_config(tiny_targets, tiny_datasets, out), resume=True).fit()
     after = read_metrics(out)
     assert summary["steps"] == 7 and sorted(after) == list(range(1, 8))
@@ -116,7 +116,7 @@ def test_a_resumed_run_keeps_its_fitted_schedule(tiny_targets, tiny_datasets, tm
 
 
 def test_fit_schedule_without_a_time_box_keeps_max_steps(tiny_targets, tiny_datasets, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(trainer_mod, "fitted_total", lambda **box: pytest.fail("fitted without a time box"))
+    monkeypatch.setattr(schedule_mod, "fitted_total", lambda **box: pytest.fail("fitted without a time box"))
     cfg = fit_config(tiny_targets, tiny_datasets, tmp_path / "x", **{"run.max_minutes": 0, "run.max_steps": 3})
     assert Trainer(cfg).fit()["steps"] == 3
 

@@ -6,11 +6,7 @@ A directory with `config.json` (Qwen3 fields + `block_size`, `num_target_layers`
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`,
 `fc.weight`, `hidden_norm.weight`, `norm.weight`. This is what public DFlash inference
 code and serving engines load. Writes are atomic: a temporary directory renamed in place.
-
-The dspark variant adds `markov_head.markov_w{1,2}.weight` ([V, r] each) and the fields of
-`_add_dspark_fields` (architecture `DSparkDraftModel`): vLLM's Qwen3 DSpark drafter's layout.
-Its gated head adds `markov_head.gate_proj.{weight,bias}` ([r, H + r], [r]) under
-`markov_head_type: "gated"`, the names of DeepSeek's DeepSpec trainer (vLLM loads the vanilla head).
+The dspark variant's own fields and tensors are drafter/dspark.py's (its "checkpoint" part).
 """
 
 from __future__ import annotations
@@ -24,20 +20,21 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from dflash_train.drafter.config import MARKOV_HEADS, DrafterConfig
+from dflash_train.drafter import dspark
+from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import atomic_directory_write
 
 CONFIG_NAME = "config.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-DSPARK_ARCHITECTURE = "DSparkDraftModel"
+ARCHITECTURES = (DFLASH_ARCHITECTURE, dspark.ARCHITECTURE)  # what load_drafter reads
 WEIGHTS_NAME = "model.safetensors"
 
 
 def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     out = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [DFLASH_ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -70,21 +67,8 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     }
     if cfg.extra:
         out["dflash_config"]["extra"] = cfg.extra
-    if cfg.variant == "dspark":
-        _add_dspark_fields(out, cfg)
+    dspark.add_checkpoint_fields(out, cfg)
     return out
-
-
-def _add_dspark_fields(out: dict, cfg: DrafterConfig) -> None:
-    """The dspark variant in the layout vLLM's Qwen3 DSpark drafter reads: its architecture, the
-    bigram head's rank and kind, and `sample_from_anchor: false` (slot 0 is the anchor and slots
-    1..B-1 are drafted, DFlash's block; vLLM's own default drafts from the anchor slot)."""
-    out["architectures"] = [DSPARK_ARCHITECTURE]
-    fields = {"projector_type": "dspark", "markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
-              "sample_from_anchor": False}
-    # dspark_bonus_anchor: the same block layout under the name other vLLM builds read
-    out.update(fields, draft_vocab_size=cfg.vocab_size, dspark_bonus_anchor=True)
-    out["dflash_config"].update(fields)
 
 
 def from_hf_config(data: dict) -> DrafterConfig:
@@ -111,9 +95,7 @@ def from_hf_config(data: dict) -> DrafterConfig:
         sliding_window=data.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None,
         causal_in_block_full=causal.get("full_attention", False),
         causal_in_block_sliding=causal.get("sliding_attention", True),
-        variant="dspark" if dflash.get("projector_type", data.get("projector_type")) == "dspark" else "dflash",
-        markov_rank=int(dflash.get("markov_rank", data.get("markov_rank", 256))),
-        markov_head_type=dflash.get("markov_head_type", data.get("markov_head_type", "vanilla")),
+        **dspark.fields_from_checkpoint(data),
         extra=dflash.get("extra", {}),
     )
 
@@ -142,15 +124,10 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path}: not valid JSON ({exc})") from None
-    if not {DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE} & set(data.get("architectures") or []):
+    if not set(ARCHITECTURES) & set(data.get("architectures") or []):
         raise ModelError(f"{path}: architectures is {data.get('architectures')}, expected "
-                         f"{DFLASH_ARCHITECTURE} or {DSPARK_ARCHITECTURE}")
-    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("markov_head_type", "vanilla") not in MARKOV_HEADS:
-        raise ModelError(f"{path}: markov_head_type {data['markov_head_type']!r} is not supported "
-                         f"(one of {list(MARKOV_HEADS)})")
-    if DSPARK_ARCHITECTURE in data["architectures"] and data.get("sample_from_anchor", True):
-        raise ModelError(f"{path}: a DSpark drafter that drafts from the anchor slot (sample_from_anchor) "
-                         "is not this project's block layout (sample_from_anchor: false)")
+                         f"{' or '.join(ARCHITECTURES)}")
+    dspark.check_checkpoint(data, path)
     try:
         return from_hf_config(data)
     except (KeyError, TypeError, ValueError) as exc:
@@ -160,14 +137,10 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
 def growth(saved: DrafterConfig, config: DrafterConfig) -> list[str] | None:
     """What `config` adds to the drafter `saved` (drafter.init_from), each part starting so that
     the grown drafter drafts exactly as `saved` until trained: the dspark bigram head on a DFlash
-    drafter (markov_w2 zero), and layers after its last one whose layer types extend its own
+    drafter (`dspark.grow`), and layers after its last one whose layer types extend its own
     (o_proj and down_proj zero: each new layer adds exact zeros to the residual stream).
     [] when the configs are equal, None when `config` is not `saved` grown."""
-    added, grown = [], saved
-    if saved.variant == "dflash" and config.variant == "dspark":
-        grown = dataclasses.replace(grown, variant="dspark", markov_rank=config.markov_rank,
-                                    markov_head_type=config.markov_head_type)
-        added.append(f"the dspark bigram head ({config.markov_head_type}, rank {config.markov_rank}, markov_w2 zero)")
+    grown, added = dspark.grow(saved, config)
     n = saved.num_hidden_layers
     if config.num_hidden_layers > n and config.layer_types[:n] == saved.layer_types:
         grown = dataclasses.replace(grown, num_hidden_layers=config.num_hidden_layers,
@@ -190,12 +163,11 @@ def load_drafter_as(directory: str | Path, config: DrafterConfig) -> DFlashDraft
     model = DFlashDrafter(config)
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     n = saved.config.num_hidden_layers
-    new = ("markov_head.", *(f"layers.{i}." for i in range(n, config.num_hidden_layers)))
+    new = (dspark.PARAMETER_PREFIX, *(f"layers.{i}." for i in range(n, config.num_hidden_layers)))
     if unexpected or any(not k.startswith(new) for k in missing):  # the model's layout changed
         raise ModelError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
+    dspark.silence_new_head(model, saved)
     with torch.no_grad():
-        if model.markov_head is not None and saved.markov_head is None:
-            model.markov_head.markov_w2.weight.zero_()
         for layer in model.layers[n:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()

@@ -10,17 +10,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dflash_train.drafter import dspark
 from dflash_train.target.language_model import text_config
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-# "dflash": every block slot is drafted independently (the spec). "dspark": DFlash plus a
-# low-rank bigram head that conditions each slot on the token before it (docs/dflash-spec.md,
-# "Variant: dspark").
-VARIANTS = ("dflash", "dspark")
-MARKOV_HEADS = ("vanilla", "gated")  # dspark's head: the bigram bias alone, or gated by the slot's hidden state
-MARKOV_RANK = 256  # drafter.markov_rank's default: another value without variant dspark is refused
+# "dflash": every block slot is drafted independently (the spec). "dspark": DFlash plus a bigram
+# head over the block; drafter/dspark.py holds all it adds.
+VARIANTS = ("dflash", dspark.VARIANT)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -67,10 +65,9 @@ class DrafterConfig:
     causal_in_block_full: bool = False
     causal_in_block_sliding: bool = True
     variant: str = "dflash"
-    # dspark only: width r of the bigram head (markov_w1 [V, r], markov_w2 [V, r]).
-    markov_rank: int = 256
-    # dspark only: "vanilla" (the bias reads the previous token alone) or "gated" (its code gated
-    # by the slot's hidden state: gate_proj [r, H + r] and bias [r]).
+    # The dspark variant's bigram head (drafter/dspark.py): rank r (markov_w1, markov_w2 [V, r]) and
+    # type (dspark.HEAD_TYPES: gated adds gate_proj [r, H + r] and bias [r]). dflash has no such head.
+    markov_rank: int = dspark.DEFAULT_RANK
     markov_head_type: str = "vanilla"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -118,11 +115,9 @@ class DrafterConfig:
                 raise ValueError("sliding_attention layers need sliding_window >= 1")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
-        _check_variant(self.variant, self.markov_rank, self.markov_head_type)
-        if self.variant == "dspark" and self.markov_rank > self.vocab_size:
-            raise ValueError(f"markov_rank (drafter.markov_rank) {self.markov_rank:,} is above the vocabulary size "
-                             f"{self.vocab_size:,}: the bigram head's tables are [vocab, rank], and a rank above the "
-                             f"vocabulary adds nothing")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"drafter variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        dspark.check_config(self)
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -143,15 +138,6 @@ class DrafterConfig:
             if key not in seen:
                 seen.append(key)
         return seen
-
-
-def _check_variant(variant: str, markov_rank: int, markov_head_type: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"drafter variant must be one of {list(VARIANTS)}, got {variant!r}")
-    if markov_head_type not in MARKOV_HEADS:
-        raise ValueError(f"drafter markov_head_type must be one of {list(MARKOV_HEADS)}, got {markov_head_type!r}")
-    if not isinstance(markov_rank, int) or isinstance(markov_rank, bool) or markov_rank < 1:
-        raise ValueError(f"drafter markov_rank must be an integer >= 1, got {markov_rank!r}")
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -268,7 +254,7 @@ class DrafterSpec:
     variant: Literal["dflash", "dspark"] = "dflash"
     """dflash = slots drafted independently; dspark = plus a low-rank bigram head that conditions each
     slot on the token before it (docs/dflash-spec.md, "Variant: dspark")"""
-    markov_rank: int = MARKOV_RANK
+    markov_rank: int = dspark.DEFAULT_RANK
     """dspark only: rank r of the bigram head (two [vocab, r] tables; at most the vocabulary's size)"""
     markov_head: Literal["vanilla", "gated"] = "vanilla"
     """dspark only: vanilla = the bias reads the previous token alone; gated = its code is gated by
@@ -298,16 +284,7 @@ class DrafterSpec:
             raise ValueError("drafter.sliding_window must be >= 1")
         if self.variant not in VARIANTS:
             raise ValueError(f"drafter.variant must be one of {list(VARIANTS)}, got {self.variant!r}")
-        if self.markov_rank < 1:
-            raise ValueError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
-        if self.markov_head not in MARKOV_HEADS:
-            raise ValueError(f"drafter.markov_head must be one of {list(MARKOV_HEADS)}, got {self.markov_head!r}")
-        ignored = [f"drafter.{name} ({getattr(self, name)!r})" for name, default in
-                   (("markov_rank", MARKOV_RANK), ("markov_head", "vanilla")) if getattr(self, name) != default]
-        if ignored and self.variant != "dspark":  # set, and they would be ignored
-            raise ValueError(f"{' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} the dspark "
-                             f"bigram head; drafter.variant is "
-                             f"{self.variant!r}, which has none: set drafter.variant dspark, or leave them out")
+        dspark.check_spec(self)
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:

@@ -9,7 +9,7 @@ Label sources:
 * `data`:   the dataset token at a_j + k                      (`build_block_labels`)
 * `target`: argmax of the target logits at a_j + k - 1        (`target_block_labels`)
 * `distill`: the target distribution at a_j + k - 1: its final hidden states there
-            (`gather_target_states`), turned into logits chunk by chunk in drafter/loss.py
+            (`gather_target_states`), turned into logits chunk by chunk in drafter/head_kernel.py
 Target logits are computed only at the distinct positions a_j .. a_j + B - 2 of valid
 labels, never for the whole sequence and vocabulary.
 """

@@ -23,18 +23,10 @@ from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import TILE, document_starts, range_tiles, tiles_block_mask
-
-try:  # FlexAttention exists on every torch this project supports; keep CPU import cheap
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # pragma: no cover
-    BlockMask = None  # type: ignore[assignment,misc]
-
-# FlexAttention's GPU kernels need heads at least this wide (narrower ones fail in Inductor's
-# lowering: "NYI: embedding dimension of the query, key, and value must be at least 16").
-FLEX_MIN_HEAD_DIM = 16
+from dflash_train.utils.flex_masks import TILE, BlockMask, document_starts, range_tiles, tiles_block_mask
 
 # A dense bool tensor [R, Q, S+Q] (True = may attend) or a FlexAttention BlockMask.
 AttentionMask = Union[torch.Tensor, "BlockMask"]

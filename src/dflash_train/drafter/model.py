@@ -8,7 +8,7 @@ H hidden, n taps, h heads, g kv heads, d head_dim):
     per layer:  q  = q_norm(q_proj(norm(block)))               [R, h, Q, d]
                 k  = k_norm(k_proj([ctx ; norm(block)]))       [R, g, S+Q, d]   (RoPE on both)
                 v  = v_proj([ctx ; norm(block)])               [R, g, S+Q, d]
-    output: norm(block) [R, Q, H]; logits come from the frozen target lm_head (drafter/loss.py).
+    output: norm(block) [R, Q, H]; logits come from the frozen target lm_head (drafter/head_kernel.py).
 
 In training blocks ([anchor token, MASK, ..., MASK]) the first layer's mask rows are one
 row: its q/k/v are projected for the N anchors and that row only (`project_blocks`).
@@ -27,8 +27,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from dflash_train.drafter import dspark
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.drafter.markov import MarkovHead
 from dflash_train.drafter.masks import AttentionMask, attend
 from dflash_train.target.ops import apply_rope, rms_norm
 
@@ -187,9 +187,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
-        # dspark: the bigram head over the block (drafter/markov.py); applied on the logits, after forward()
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, cfg.markov_head_type) \
-            if cfg.variant == "dspark" else None
+        # the dspark variant's bigram head (None otherwise), applied on the logits after forward()
+        self.markov_head = dspark.build_head(cfg)
         self.reset_parameters()
 
     @torch.no_grad()

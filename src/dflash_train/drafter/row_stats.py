@@ -1,5 +1,5 @@
 """Per-row statistics of a [rows, vocab] block of logits in one read: the log-sum-exp, the
-label's logit and the argmax. The LM head's cross-entropy (drafter/loss.py) needs all three
+label's logit and the argmax. The LM head's cross-entropy (drafter/head_kernel.py) needs all three
 for every chunk of logits it makes.
 
 Each row is read in blocks of `BLOCK` columns, keeping three running numbers per row: the max

@@ -7,17 +7,21 @@ caller does backward and normalisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.anchors import select_anchors, trim_anchor_columns
+from dflash_train.drafter.dspark import previous_tokens
 from dflash_train.drafter.labels import PendingTargetLabels, build_block_labels, gather_target_states
 from dflash_train.drafter.loss import LossConfig, StepStats, drafter_loss
-from dflash_train.drafter.markov import previous_tokens
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
+from dflash_train.target.runner import TargetOutput
+from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM
 
 LABEL_SOURCES = ("data", "target", "distill")
 
@@ -40,23 +44,36 @@ class FrozenHeads:
 
 @dataclass
 class StepConfig:
+    """How a step draws and labels its blocks: the `step` section of a training config."""
+
     num_anchors: int = 512
-    label_source: str = "data"
+    """blocks (anchor positions) drawn per packed row and step"""
+    label_source: Literal["data", "target", "distill"] = "data"
+    """labels: the data's own tokens, the target's greedy tokens, or its distribution"""
     noise_sigma: float = 0.0
-    # "flex" (GPU: FlexAttention BlockMask) or "dense" (CPU: boolean mask + SDPA)
-    attention: str = "dense"
-    # compiled mode: fixed-shape anchors (topk), no trimming, shapes fixed by padding
-    fixed_shape: bool = False
+    """uniform noise U(-s, s) added to the tapped hidden states during training"""
+    attention: Literal["auto", "flex", "dense"] = "auto"
+    """auto = FlexAttention on GPU, a dense mask on CPU (FlexAttention has no CPU backward) and for
+    drafter heads under 16 dims (FlexAttention's GPU kernels need 16)"""
+    # compiled mode: fixed-shape anchors (topk), no trimming, shapes fixed by padding. The run sets it
+    # from run.compile: no option of its own (utils/config.py leaves `option: False` fields out)
+    fixed_shape: bool = field(default=False, metadata={"option": False})
 
     def __post_init__(self) -> None:
         if self.label_source not in LABEL_SOURCES:
-            raise ValueError(f"label_source must be one of {list(LABEL_SOURCES)}, got {self.label_source!r}")
-        if self.num_anchors < 1:
-            raise ValueError("num_anchors must be >= 1")
-        if self.noise_sigma < 0:
-            raise ValueError("noise_sigma must be >= 0")
-        if self.attention not in ("flex", "dense"):
-            raise ValueError(f"attention must be 'flex' or 'dense', got {self.attention!r}")
+            raise ValueError(f"step.label_source must be one of {list(LABEL_SOURCES)}, got {self.label_source!r}")
+        if self.num_anchors < 1 or self.noise_sigma < 0:
+            raise ValueError("step.num_anchors must be >= 1 and step.noise_sigma >= 0")
+        if self.attention not in ("auto", "flex", "dense"):
+            raise ValueError(f"step.attention must be auto, flex or dense, got {self.attention!r}")
+
+
+def mask_backend(attention: str, device: torch.device, head_dim: int) -> str:
+    """The mask kind `attention` names on `device`: auto is FlexAttention's block-sparse kernel on a GPU
+    for heads of >= FLEX_MIN_HEAD_DIM dims, else the dense mask of the same rule."""
+    if attention != "auto":
+        return attention
+    return "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "dense"
 
 
 @dataclass
@@ -103,7 +120,8 @@ def drafter_forward(
         if step_cfg.label_source == "distill":
             target_states = gather_target_states(final_hidden, anchors, B)
 
-    masks = build_layer_masks(cfg, document_ids, position_ids, anchors, valid, backend=step_cfg.attention)
+    backend = mask_backend(step_cfg.attention, taps.device, cfg.head_dim)
+    masks = build_layer_masks(cfg, document_ids, position_ids, anchors, valid, backend=backend)
     block_ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
     hidden = drafter(
         taps,
@@ -129,7 +147,7 @@ def head_operands(drafter: DFlashDrafter, out: BlockForward,
                   input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the LM-head loss reads: (hidden [R, N*B, H], None) for dflash; for dspark the hidden
     states widened by each slot's bigram code, [R, N*B, H + r], and markov_w2 [V, r] as the head's
-    trainable tail (drafter/markov.py), with teacher-forced previous tokens."""
+    trainable tail (drafter/dspark.py), with teacher-forced previous tokens."""
     markov = _module(drafter).markov_head
     if markov is None:
         return out.hidden, None
@@ -137,12 +155,14 @@ def head_operands(drafter: DFlashDrafter, out: BlockForward,
     return markov.widen(out.hidden, prev.view(prev.shape[0], -1)), markov.markov_w2.weight
 
 
-def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, *, step_cfg: StepConfig, loss_cfg: LossConfig,
-                 generator: torch.Generator | None = None, **batch: torch.Tensor | None) -> StepStats:
-    """`drafter_forward` on the batch (input_ids, position_ids, document_ids, loss_mask, taps,
-    final_hidden), then the loss sums and metrics."""
-    out = drafter_forward(drafter, heads, step_cfg=step_cfg, generator=generator, **batch)
-    hidden, tail = head_operands(drafter, out, batch["input_ids"])
+def drafter_step(drafter: DFlashDrafter, heads: FrozenHeads, batch: PackedBatch, target: TargetOutput, *,
+                 step_cfg: StepConfig, loss_cfg: LossConfig, generator: torch.Generator | None = None) -> StepStats:
+    """`drafter_forward` on a batch (on the drafter's device) and the target's output on it, then the
+    loss sums and metrics."""
+    out = drafter_forward(drafter, heads, input_ids=batch.input_ids, position_ids=batch.position_ids,
+                          document_ids=batch.document_ids, loss_mask=batch.loss_mask, taps=target.taps,
+                          final_hidden=target.final_hidden, step_cfg=step_cfg, generator=generator)
+    hidden, tail = head_operands(drafter, out, batch.input_ids)
     return drafter_loss(hidden, heads.lm_head_weight, out.labels, out.label_valid, loss_cfg,
                         target_states=out.target_states, compiled=step_cfg.fixed_shape, tail=tail,
                         target_softcap=heads.logit_softcap)

@@ -44,14 +44,15 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
+from dflash_train.target.packed_gemma import soft_capped
 from dflash_train.utils.compile import compiled_once
+from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM, TILE, BlockMask
 
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
 AttentionKind = Literal["dense", "flex"]
-FLEX_BLOCK = 128  # keys per FlexAttention block; `max_len` must be a multiple of it
+FLEX_BLOCK = TILE  # keys per FlexAttention block; `max_len` must be a multiple of it
 
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
@@ -72,6 +73,40 @@ def folds_gqa(kind: AttentionKind, slots: int, n_kv: int, device: torch.device) 
 def causal_rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
     """The target's: a query at position p + q sees every key at or before it."""
     return key <= p + q
+
+
+def windowed_rule(window: int) -> Rule:
+    """A sliding-window layer's: a query at position p + q sees the `window` keys ending at it
+    (transformers' sliding-window mask: q - window < key <= q)."""
+
+    def rule(p: Tensor, q: Tensor, key: Tensor) -> Tensor:
+        return (key <= p + q) & (key > p + q - window)
+
+    return rule
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float | None,
+                     score_cap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """softmax(q k^T * scale + mask) v over the last two axes; q [..., Tq, D], k/v [..., Tk, D];
+    `mask` boolean (True: visible) or additive, broadcasting to [..., Tq, Tk], None for causal
+    over Tq = Tk. Gemma 2's `score_cap` caps the scaled scores (cap * tanh(s / cap)) before the
+    mask; gpt-oss's `sinks` (broadcasting to [..., Tq, 1]) are one more logit per head that takes
+    probability and adds no value. Without either it is SDPA; with them an explicit softmax in
+    float32, as transformers' eager attention for those models."""
+    if score_cap is None and sinks is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    if score_cap is not None:
+        scores = torch.tanh(scores / score_cap) * score_cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs[..., :k.shape[-2]].to(v.dtype), v)
 
 
 def blocks_needed(last_position: Tensor, max_len: int) -> Tensor:
@@ -128,10 +163,14 @@ class CacheAttention:
     """`rule`-masked attention of `q_len` queries per slot over `slots` static cache rows.
 
     Per step: `prepare(positions, kv_len)` once (positions [S]: each slot's block start), then
-    `attend(q, k_cache, v_cache)` per layer: q [S, T, heads, D] -> [S, T, heads * D]."""
+    `attend(q, k_cache, v_cache)` per layer: q [S, T, heads, D] -> [S, T, heads * D]. `score_cap`
+    (Gemma 2) caps the scaled scores; `attend`'s `sinks` (gpt-oss) add one logit per head
+    (masked_attention says how). A `window` (the rule's sliding window, in keys) lets flex skip the
+    blocks that lie wholly before it."""
 
     def __init__(self, rule: Rule, kind: AttentionKind, *, slots: int, q_len: int, max_len: int, n_heads: int,
-                 n_kv: int, head_dim: int, scale: float | None, dtype: torch.dtype, device: torch.device) -> None:
+                 n_kv: int, head_dim: int, scale: float | None, dtype: torch.dtype, device: torch.device,
+                 score_cap: float | None = None, window: int | None = None) -> None:
         if kind not in ("dense", "flex"):
             raise ValueError(f"attention kind must be 'dense' or 'flex', not {kind!r}")
         if kind == "flex" and max_len % FLEX_BLOCK:
@@ -139,6 +178,8 @@ class CacheAttention:
         self.rule, self.kind = rule, kind
         self.slots, self.q_len, self.max_len = slots, q_len, max_len
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
+        self.score_cap, self.window = score_cap, window
+        self.score_mod = soft_capped(score_cap) if score_cap else None  # flex's form of the cap
         self.rep = n_heads // n_kv  # query heads per kv head
         self.folded = folds_gqa(kind, slots, n_kv, torch.device(device))  # q as [S, kv, rep*T, D]
         self.dtype, self.device = dtype, device
@@ -151,7 +192,8 @@ class CacheAttention:
             self.start = torch.zeros(slots, dtype=torch.long, device=device)
             self.num_blocks = torch.ones(slots, 1, 1, dtype=torch.int32, device=device)
             n = max_len // FLEX_BLOCK
-            indices = torch.arange(n, dtype=torch.int32, device=device).expand(slots, 1, 1, n).contiguous()
+            self.block_ids = torch.arange(n, dtype=torch.int32, device=device)
+            self.indices = indices = self.block_ids.expand(slots, 1, 1, n).contiguous()  # per slot: from its first block
             start = self.start
 
             def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -174,27 +216,52 @@ class CacheAttention:
         self.kv_len = kv_len
         if self.kind == "flex":
             self.start.copy_(positions)
-            self.num_blocks[:, 0, 0] = blocks_needed(positions + self.q_len - 1, self.max_len)
+            last = blocks_needed(positions + self.q_len - 1, self.max_len)
+            if self.window is None:
+                self.num_blocks[:, 0, 0] = last
+                return
+            # the first block holding a key some query of the block sees: the first query's window start
+            first = ((positions - self.window + 1).clamp(min=0) // FLEX_BLOCK).to(torch.int32)
+            self.num_blocks[:, 0, 0] = last - first
+            self.indices[:, 0, 0] = (first[:, None] + self.block_ids).clamp(max=self.max_len // FLEX_BLOCK - 1)
             return
         s, t, rep = positions.shape[0], self.q_len, self.rep
         hidden = ~self.visible(positions, kv_len)
         bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
         self.bias = bias[:, None].expand(s, rep, t, kv_len).reshape(s, 1, rep * t, kv_len)  # folded rows
 
-    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """q [S, T, heads, D] over k/v_cache [S, kv_heads, max_len, D] -> [S, T, heads * D]."""
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Tensor | None = None) -> Tensor:
+        """q [S, T, heads, D] over k/v_cache [S, kv_heads, max_len, D] -> [S, T, heads * D];
+        `sinks` [heads]: the layer's sink logits."""
         s, t, h, d = q.shape
         if not self.folded:  # flex, native GQA: the output comes back laid out as q, no copies
-            o = self._kernel(q.transpose(1, 2), k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
-                             enable_gqa=True)  # [S, h, T, D], laid out as q: [S, T, h, D] in memory
-            return o.transpose(1, 2).reshape(s, t, h * d)
+            o = self._flex(q.transpose(1, 2), k_cache, v_cache, sinks, enable_gqa=True)
+            return o.transpose(1, 2).reshape(s, t, h * d)  # o [S, h, T, D], laid out as q: [S, T, h, D] in memory
         q = q.permute(0, 2, 1, 3).reshape(s, self.n_kv, self.rep * t, d)  # [S, kv, rep*T, D]
         if self.kind == "flex":
-            o = self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale)
+            o = self._flex(q, k_cache, v_cache, sinks)
         else:
             n = self.kv_len
-            o = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=self.bias,
-                                               scale=self.scale)
+            o = masked_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], self.bias, scale=self.scale,
+                                 score_cap=self.score_cap, sinks=None if sinks is None else self._sink_rows(sinks, t))
         # [S, kv, rep*T, D] -> [S, T, heads * D]; reshape, not view: CUDA's SDPA kernels may
         # return o with strides that do not merge
         return o.reshape(s, h, t, d).transpose(1, 2).reshape(s, t, h * d)
+
+    def _flex(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Tensor | None, enable_gqa: bool = False):
+        """The flex kernel on q's layout; with sinks, each row's output times its share of a softmax
+        that also holds the sink: sigmoid(lse - sink) (lse: the log-sum-exp of the row's real scores)."""
+        out = self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale, score_mod=self.score_mod,
+                           enable_gqa=enable_gqa, return_lse=sinks is not None)
+        if sinks is None:
+            return out
+        o, lse = out
+        share = torch.sigmoid(lse[..., None] - self._sink_rows(sinks, q.shape[2] // (1 if enable_gqa else self.rep)))
+        return o * share.to(o.dtype)
+
+    def _sink_rows(self, sinks: Tensor, t: int) -> Tensor:
+        """sinks [heads] as the kernel's query rows: [1, kv, rep*T, 1] folded (row r*T + t is head
+        j*rep + r), else [1, heads, 1, 1]."""
+        if not self.folded:
+            return sinks.float().view(1, self.n_heads, 1, 1)
+        return sinks.float().view(self.n_kv, self.rep, 1).expand(self.n_kv, self.rep, t).reshape(1, self.n_kv, -1, 1)

@@ -24,13 +24,25 @@ import torch
 from torch import Tensor
 
 from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
+from dflash_train.generate.continuous_batching import (
+    DeviceMarks,
+    PrefillStage,
+    Readback,
+    RefillRule,
+    pull,
+    run_one_step_ahead,
+    step_buckets,
+    sync,
+    wait_for,
+)
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
-from dflash_train.generate.graphs import GraphedStep, PrefillShapes, kv_buckets
+from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of
 from dflash_train.generate.sampling import select_tokens
 from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
-from dflash_train.utils.device import copy_values_async, to_device_async
+from dflash_train.utils.compile import compile_in_place
+from dflash_train.utils.device import to_device_async
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +100,7 @@ class _Launched:
     # inputs [slots]) and those rows as `owners`; None when there were none.
     first: np.ndarray | None
     first_owners: np.ndarray | None
-    prefills: list[tuple[Any, Any]]  # CUDA timing events around those prefills
+    prefills: list[DeviceMarks]  # the device time of those prefills (CUDA)
     event: Any  # CUDA event after the copies into the host buffer; None on CPU
 
 
@@ -122,9 +134,7 @@ class BuiltinEngine:
         if not self.stop_ids and not ignore_eos:
             log.warning("no end-of-sequence token known: every row will run to max_new_tokens")
         self.ignore_eos = ignore_eos
-        # Refill once this many slots are free: one prefill per handful of finished rows
-        # instead of one per row (each prefill is a full forward of the target).
-        self.refill_min = max(1, int(slots * refill_fraction))
+        self.refill = RefillRule.of(slots, refill_fraction)
         self.model_name = model_name or getattr(getattr(model, "config", None), "name_or_path", "") or ""
         self.stats = EngineStats()
 
@@ -135,52 +145,42 @@ class BuiltinEngine:
         max_len = -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
         self.attention = attention
         self.decoder = StaticDecoder(model, slots, max_len, attention=attention)
-        dev = self.decoder.device
-        self.device = dev
-        # Per-slot state the decode step and token selection read, all static device buffers.
-        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
-        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.steps = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.device = dev = self.decoder.device
+        self._allocate_slot_state(slots, dev)
         if compile and dev.type == "cuda":
             self._compile_layer_functions()
-        # Dense attention reads cache positions [0, bucket) of every slot, the bucket set by the
-        # longest row; flex reads each slot's own blocks whatever the bucket: one step for all.
-        self.buckets = kv_buckets(max_len) if self.attention == "dense" else [max_len]
+        graphs = cuda_graphs and dev.type == "cuda"
+        self.buckets = step_buckets(self.attention, max_len)
         self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
-                                use_graphs=cuda_graphs and dev.type == "cuda", name="decode")
-        # Prefill: a chunk [rows, width] padded to bucket sizes (rows copies of its first row, so
-        # the cache writes of a padding row are its first row's, byte for byte; width right
-        # padding, which causal attention never lets a prompt see), and each shape a captured
-        # step on CUDA: eager, a forward is ~60 small ops a layer launched from the host thread
-        # (~25 ms for SmolLM2, whatever the chunk's size); a replay is one launch. Its inputs
-        # arrive in `_prefill_stage` by one copy: [slots, lengths, ids, the chunk's sampling fields].
-        self.prefill_shapes = PrefillShapes(slots, max_prompt_tokens, prefill_tokens, PREFILL_MIN_WIDTH)
-        self._prefill_stage = torch.zeros(5 * self.prefill_shapes.rows[-1] + self.prefill_shapes.budget,
-                                          dtype=torch.long, device=dev)
-        self.prefill_step = GraphedStep(self._prefill_forward, use_graphs=cuda_graphs and dev.type == "cuda",
-                                        name="prefill", shared_pool=True, describe=lambda key: "%d x %d tokens" % key)
+                                use_graphs=graphs, name="decode")
+        # a chunk's inputs: [slots, lengths, ids], its rows' top-k and keys, the rows that sample
+        self.prefill = PrefillStage(PrefillShapes(slots, max_prompt_tokens, prefill_tokens, PREFILL_MIN_WIDTH),
+                                    dev, values_per_row=3)
+        self.prefill_shapes, self._prefill_stage = self.prefill.shapes, self.prefill.buffer  # a profiler stages by hand
+        self.prefill_step = self.prefill.step(self._prefill_forward, use_graphs=graphs, name="prefill")
+        log.info("built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s", slots, max_len,
+                 self.decoder.kv_bytes() / 2**30, self.attention, "CUDA graphs" if self.step.use_graphs else "eager")
+
+    def _allocate_slot_state(self, slots: int, dev: torch.device) -> None:
+        """Per-slot state the decode step and token selection read, all static device buffers,
+        and the host's: its rows, their tokens (SlotTable), the slots that sample (greedy rows
+        skip the sampling work)."""
         self._rows: list[_Row | None] = [None] * slots
-        self.table = SlotTable(slots, max_new_tokens, () if ignore_eos else self.stop_ids)
-        # two pinned buffers [2, slots] (a step's inputs, its tokens): one for the step in
-        # flight, one for the step being read
-        self._host_buffers = (
-            [torch.empty(2, slots, dtype=torch.long, pin_memory=True) for _ in range(2)] if dev.type == "cuda" else []
-        )
-        self._launches = 0
+        self.table = SlotTable(slots, self.max_new_tokens, () if self.ignore_eos else self.stop_ids)
+        self._readback = Readback([((2, slots), torch.long)], dev)  # a step's inputs and its tokens
         self._fresh: list[int] = []  # slots prefilled since the last launch: their first token is read with it
-        self._prefill_events: list[tuple[Any, Any]] = []
+        self._prefill_marks: list[DeviceMarks] = []  # of the prefills queued since the last launch (CUDA)
+        long = dict(dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(slots, **long)
+        self.positions = torch.zeros(slots, **long)
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(slots, **long)
+        self.keys = torch.zeros(slots, **long)
+        self.steps = torch.zeros(slots, **long)
         self._sampling: set[int] = set()  # slots whose rows sample (temperature > 0)
         self._sampling_index: Tensor | None = None  # sorted(_sampling) on the device, rebuilt when it changes
         self._n_filtered = 0  # rows in slots that sample with top-k or top-p
-        log.info(
-            "built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s",
-            slots, max_len, self.decoder.kv_bytes() / 2**30, self.attention,
-            "CUDA graphs" if self.step.use_graphs else "eager",
-        )  # fmt: skip
 
     # --- setup ------------------------------------------------------------------------
 
@@ -197,32 +197,17 @@ class BuiltinEngine:
         # token: q_writing_kv + FlexAttention + post_attention + final_logits
         names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
             else ("pre_attention", "post_attention")
-        # all slots are idle: the k/v this writes at their position 0 are overwritten by prefill
-        exc = self._compiled(names, backend, trace=lambda: dec.decode(self.tokens, self.positions, dec.max_len))
+
+        def trace() -> None:  # all slots are idle: the k/v it writes at their position 0 are overwritten by prefill
+            dec.decode(self.tokens, self.positions, dec.max_len)
+            sync(self.device)
+
+        exc = compile_in_place([(dec, name) for name in names], trace, backend=backend)
         if exc is not None:  # run uncompiled, dense attention
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled with dense attention: "
                           f"{exc}", stacklevel=2)
             self.attention = "dense"
             use_dense_attention(dec)
-
-    def _compiled(self, names: tuple[str, ...], backend: str, *, trace) -> Exception | None:
-        """Swap the decoder's functions `names` for compiled ones and trace them now with `trace`
-        (so a compiler failure shows here, not mid-run); on a failure, put the originals back and
-        return it."""
-        dec = self.decoder
-        originals = {name: getattr(dec, name) for name in names}
-        try:
-            for name in names:
-                setattr(dec, name, torch.compile(originals[name], backend=backend, dynamic=False, fullgraph=True))
-            with torch.no_grad():  # as in `run`: grad mode is part of what compiled code is keyed on
-                trace()
-            if dec.device.type == "cuda":
-                torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure
-            for name, fn in originals.items():
-                setattr(dec, name, fn)
-            return exc
-        return None
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model_name}
@@ -255,29 +240,16 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def run(self, next_request: NextRequest, on_complete: OnComplete) -> None:
-        """Decode until `next_request` has nothing and every row is done.
-
-        The loop runs one step ahead of the host: step t is launched before the tokens of
-        step t-1 are read back, so the GPU never waits for the Python bookkeeping. A row
-        that stops at t-1 was therefore also stepped at t; that token is discarded (the
-        slot's row is compared with the one it held at launch). Prompts are admitted only
-        into slots known to be free, and their prefill is queued after the in-flight step,
-        so stream order keeps every slot's cache and inputs consistent. A prefill's first
+        """Decode until `next_request` has nothing and every row is done: the continuous-batching
+        loop of generate/continuous_batching.py, one step ahead of the host. A prefill's first
         tokens are not read on their own (that would drain the pipeline): they are the next
         step's inputs and come back with that step's tokens."""
-        pending: _Launched | None = None
-        while True:
-            pulled = 0
-            if len(self.table.free) >= self.refill_min or (self._n_active() == 0 and pending is None):
-                pulled = self._admit(next_request, on_complete)
-            if self._n_active() == 0 and pending is None:
-                if pulled:
-                    continue  # everything pulled failed at once (bad prompts)
-                return
-            launched = self._launch() if self._n_active() else None
-            if pending is not None:
-                self._collect(pending, on_complete)
-            pending = launched
+        run_one_step_ahead(
+            admit=lambda: self._admit(next_request, on_complete) if self.refill.due(len(self.table.free)) else 0,
+            launch=lambda: self._launch() if self._n_active() else None,
+            collect=lambda launched: self._collect(launched, on_complete),
+            busy=lambda: self._n_active() > 0,
+        )
 
     def _n_active(self) -> int:
         return self.table.n_active
@@ -285,12 +257,7 @@ class BuiltinEngine:
     def _admit(self, next_request: NextRequest, on_complete: OnComplete) -> int:
         """Pull requests into the free slots and prefill them; returns how many were pulled."""
         t0, prefill_s = time.perf_counter(), self.stats.host_prefill_seconds
-        pulled: list[Request] = []
-        while len(pulled) < len(self.table.free):
-            req = next_request()
-            if req is None:
-                break
-            pulled.append(req)
+        pulled = pull(next_request, len(self.table.free))
         batch: list[tuple[Request, list[int]]] = []
         for req, ids in zip(pulled, self.encode_many(pulled)):
             if not ids or len(ids) > self.max_prompt_tokens:
@@ -298,15 +265,14 @@ class BuiltinEngine:
                 on_complete(req, Completion(finish_reason="error", prompt_tokens=len(ids), error=problem))
                 continue
             batch.append((req, ids))
-        batch.sort(key=lambda item: len(item[1]))
-        for start, end in self.prefill_shapes.chunks([len(ids) for _, ids in batch]):
-            self._prefill(batch[start:end])
+        for chunk in self.prefill.chunks(batch, length=lambda item: len(item[1])):
+            self._prefill(chunk)
         self.stats.host_admit_seconds += time.perf_counter() - t0 - (self.stats.host_prefill_seconds - prefill_s)
         return len(pulled)
 
     def _prefill_forward(self, shape: tuple[int, int]) -> Tensor:
-        """The prefill of the chunk in `_prefill_stage` (`_prefill` put it there), padded to `shape`."""
-        slot_idx, lengths, ids = self.prefill_shapes.views(self._prefill_stage, shape)
+        """The prefill of the chunk staged (by `_prefill`) at `shape`."""
+        slot_idx, lengths, ids = self.prefill.views(shape)
         return self.decoder.prefill(ids, lengths, slot_idx)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> Tensor:
@@ -316,46 +282,46 @@ class BuiltinEngine:
         """Prefill `chunk` into free slots and choose each row's first token, without waiting
         for the device: the first tokens are read back with the next step (`_launch`)."""
         t0 = time.perf_counter()
-        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if self.device.type == "cuda" else None
-        if timing is not None:  # pragma: no cover - CUDA only
-            timing[0].record()
-        n = len(chunk)
-        reqs = [req for req, _ in chunk]
+        marks = DeviceMarks(self.device, 2)
+        marks.mark(0)
+        n, reqs = len(chunk), [req for req, _ in chunk]
         slots = [self.table.occupy(len(ids), min(req.max_new_tokens, self.max_new_tokens)) for req, ids in chunk]
         for slot, (req, prompt) in zip(slots, chunk):
             self._rows[slot] = _Row(req, len(prompt))
             self._track_sampling(slot, req, True)
         # two host-to-device copies per chunk (integers into the stage, floats) rather than one per field
         sampling_at = [i for i, req in enumerate(reqs) if not req.sampling.greedy]  # rows that sample
-        k = len(sampling_at)
-        (rows, width), ints = self.prefill_shapes.staged(slots, [p for _, p in chunk])
-        ints += [r.sampling.top_k for r in reqs] + [r.key & 0xFFFFFFFF for r in reqs] + sampling_at
-        stage = copy_values_async(self._prefill_stage[: len(ints)], ints)
-        slot_idx, lengths = stage[:n], stage[rows : rows + n]
-        top_k, keys = stage[PrefillShapes.staged_size((rows, width)) :].narrow(0, 0, 2 * n).view(2, n)
+        shape, staged = self.prefill.put(slots, [p for _, p in chunk], tail=sampling_at, columns=(
+            [r.sampling.top_k for r in reqs], [r.key & 0xFFFFFFFF for r in reqs]))
+        slot_idx, lengths, _ = (view[:n] for view in self.prefill.views(shape))
+        top_k, keys = self.prefill.columns(shape, 2)[:, :n]
         floats = self._to_device([r.sampling.temperature for r in reqs] + [r.sampling.top_p for r in reqs],
                                  torch.float32)
         self.temperature[slot_idx], self.top_p[slot_idx] = floats[:n], floats[n:]
         self.top_k[slot_idx], self.keys[slot_idx] = top_k, keys
         self.steps[slot_idx] = 0
 
-        logits = self.prefill_step((rows, width))[:n]
-        self.tokens[slot_idx] = self._select(logits, slot_idx, stage[len(ints) - k :] if k else None)
+        logits = self.prefill_step(shape)[:n]
+        self.tokens[slot_idx] = self._select(logits, slot_idx, staged[-len(sampling_at):] if sampling_at else None)
         self.positions[slot_idx] = lengths
         self.steps[slot_idx] = 1
         self._fresh.extend(slots)
-        self.stats.prompt_tokens += sum(len(p) for _, p in chunk)
-        self.stats.prefill_padded_tokens += rows * width
-        self.stats.prefill_captures = self.prefill_step.captured
-        self.stats.prefill_capture_seconds = self.prefill_step.capture_seconds
-        self.stats.prefill_forwards += 1
-        self.stats.host_prefill_seconds += time.perf_counter() - t0
-        if timing is not None:  # pragma: no cover - the device time is read when the next step is
-            timing[1].record()
-            self._prefill_events.append(timing)
+        self._count_prefill(chunk, shape, t0, marks)
+
+    def _count_prefill(self, chunk: list[tuple[Request, list[int]]], shape: tuple[int, int], t0: float,
+                       marks: DeviceMarks) -> None:
+        st = self.stats
+        st.prompt_tokens += sum(len(p) for _, p in chunk)
+        st.prefill_padded_tokens += shape[0] * shape[1]
+        st.prefill_captures = self.prefill_step.captured
+        st.prefill_capture_seconds = self.prefill_step.capture_seconds
+        st.prefill_forwards += 1
+        st.host_prefill_seconds += time.perf_counter() - t0
+        if marks.cuda:  # pragma: no cover - the device time is read when the next step is
+            marks.mark(1)
+            self._prefill_marks.append(marks)
         else:  # eager on CPU: the host time is the prefill's
-            self.stats.prefill_seconds += time.perf_counter() - t0
+            st.prefill_seconds += time.perf_counter() - t0
 
     def _track_sampling(self, slot: int, request: Request, occupied: bool) -> None:
         """Keep the set of slots whose rows sample, and the count of those that filter: greedy
@@ -392,23 +358,18 @@ class BuiltinEngine:
         t0 = time.perf_counter()
         kv_needed, owners = self.table.launch()
         fresh, self._fresh = self._fresh, []
-        prefills, self._prefill_events = self._prefill_events, []
-        cuda = self.device.type == "cuda"
-        host = self._host_buffers[self._launches % 2] if cuda else torch.empty(2, self.slots, dtype=torch.long)
+        prefills, self._prefill_marks = self._prefill_marks, []
+        (host,) = self._readback.buffers()
         if fresh:  # the prefilled rows' first tokens are this step's inputs
             host[0].copy_(self.tokens, non_blocking=True)
-        logits = self.step(next(b for b in self.buckets if b >= kv_needed))
+        logits = self.step(bucket_of(kv_needed, self.buckets))
         nxt = self._select(logits)
         self.tokens.copy_(nxt)
         # Idle slots keep stepping on stale input; clamping keeps their positions in range.
         self.positions.add_(1).clamp_(max=self.decoder.max_len - 1)
         self.steps.add_(1)
         host[1].copy_(nxt, non_blocking=True)  # async into pinned memory on CUDA
-        event = None
-        if cuda:  # pragma: no cover - CUDA only
-            event = torch.cuda.Event()
-            event.record()
-        self._launches += 1
+        event = self._readback.sent()
         self.stats.decode_steps += 1
         self.stats.slot_steps_active += self.table.n_active
         first_owners = None
@@ -423,10 +384,9 @@ class BuiltinEngine:
         """Read a launched step's tokens back (after the first tokens of the rows prefilled
         before it) and hand them to the rows still in their slots."""
         t0 = time.perf_counter()
-        if launched.event is not None:  # pragma: no cover - CUDA only
-            launched.event.synchronize()
+        wait_for(launched.event)
         # The wait covers the prefills queued before the step: their device time is prefill's.
-        prefill_s = sum(start.elapsed_time(end) for start, end in launched.prefills) / 1000
+        prefill_s = sum(marks.seconds(0, 1) for marks in launched.prefills)
         self.stats.prefill_seconds += prefill_s
         self.stats.decode_seconds += max(time.perf_counter() - t0 - prefill_s, 0.0)
         if launched.first is not None:

@@ -76,6 +76,13 @@ class PrefillShapes:
         rows, width = shape
         return stage[:rows], stage[rows : 2 * rows], stage[2 * rows : PrefillShapes.staged_size(shape)].view(rows, width)
 
+    def every_shape(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """Every padded [rows, width] a chunk of prompts of at most `max_width` tokens (any,
+        when None) can take, by width then rows: what to capture ahead of a run."""
+        widest = bucket_of(min(max_width, self.widths[-1]), self.widths) if max_width else self.widths[-1]
+        return [(rows, width) for width in self.widths if width <= widest
+                for rows in self.rows if rows * width <= self.budget or rows == 1]
+
     def chunks(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
         """Ascending prompt `lengths` -> [start, end) chunks, each as long as fits the budget padded."""
         out, start = [], 0

@@ -7,10 +7,10 @@
 * `RemoteTargetSource`: split layout; the target ran on a target rank and the hidden
   states arrive through `HiddenStateReceiver`, requested `queue_depth` batches ahead.
 
-Both hand out batches as the loader prepared them (padded to the compiled shape, or as
-they are; pinned on a GPU), still on the CPU, with the target output on the device. `next`
-raises StopIteration at the end of the data; it also returns whether the batch is a
-stop-request placeholder.
+Both are a `BatchSource`: they hand out batches as the loader prepared them (padded to
+the compiled shape, or as they are; pinned on a GPU), still on the CPU, with the target
+output on the device. `next` raises StopIteration at the end of the data; it also returns
+whether the batch is a stop-request placeholder.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,40 @@ from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.loss import StepStats
 from dflash_train.pipeline.transport import HiddenStateReceiver
 from dflash_train.target.runner import TargetOutput, TargetRunner
+
+
+class StageClock(Protocol):
+    """Where a source books its time (train/timing.py StageTimer): device spans, host seconds."""
+
+    def start(self) -> object: ...
+
+    def stop(self, name: str, begin: object) -> None: ...
+
+    def add_host(self, name: str, seconds: float) -> None: ...
+
+
+class SourcedBatch(NamedTuple):
+    """One micro-batch as a source hands it out."""
+
+    batch: PackedBatch  # on the CPU, as the loader prepared it
+    target: TargetOutput  # the target's output on it, on the drafter's device
+    placeholder: bool  # a stop-request placeholder from a stopping target: redo after resume
+
+
+class BatchSource(Protocol):
+    """What the trainer pulls its micro-batches from."""
+
+    @property
+    def stop_requested(self) -> bool:
+        """A target rank asked the drafters to stop."""
+
+    def next(self, timer: StageClock) -> SourcedBatch:
+        """The next micro-batch; StopIteration at the end of the data."""
+
+    def stats(self) -> dict:
+        """The transport's numbers for the run's summary ({} when the target runs here)."""
+
+    def close(self) -> None: ...
 
 
 class LocalTargetSource:
@@ -40,7 +75,7 @@ class LocalTargetSource:
         self._ahead: tuple | None = None  # (batch, target output, done event) of the next batch
         self._end: BaseException | None = None  # what the loader raised while reading ahead
 
-    def _run(self, timer) -> tuple[PackedBatch, TargetOutput, object]:
+    def _run(self, timer: StageClock) -> tuple[PackedBatch, TargetOutput, object]:
         """Read one batch and launch its target forward (on the side stream when overlapping)."""
         t = time.perf_counter()
         batch = next(self.loader)
@@ -55,10 +90,10 @@ class LocalTargetSource:
                 done.record(self.stream)
         return batch, out, done
 
-    def next(self, timer) -> tuple[PackedBatch, TargetOutput, bool]:
+    def next(self, timer: StageClock) -> SourcedBatch:
         if not self.overlap:
             batch, out, _ = self._run(timer)
-            return batch, out, False
+            return SourcedBatch(batch, out, False)
         if self._ahead is None:
             if self._end is not None:
                 raise self._end
@@ -77,7 +112,7 @@ class LocalTargetSource:
             for tensor in (out.taps, out.final_hidden):
                 if tensor is not None:  # made on the side stream, read (and freed) on this one
                     tensor.record_stream(main)
-        return batch, out, False
+        return SourcedBatch(batch, out, False)
 
     def stats(self) -> dict:
         return {}
@@ -122,7 +157,7 @@ class RemoteTargetSource:
         self.receiver.request(g, R, S)
         self.ahead.append((g, batch, R, S))
 
-    def next(self, timer):
+    def next(self, timer: StageClock) -> SourcedBatch:
         if not self.ahead:
             raise StopIteration
         g, batch, R, S = self.ahead.popleft()
@@ -138,7 +173,7 @@ class RemoteTargetSource:
         if self._last_handoff is not None:  # the drafter's work on the previous batch
             self.receiver.stats.busy_ms.append((t_wait_start - self._last_handoff) * 1000)
         self._last_handoff = now
-        return batch, out, poisoned
+        return SourcedBatch(batch, out, poisoned)
 
     def stats(self) -> dict:
         return self.receiver.stats.as_dict()

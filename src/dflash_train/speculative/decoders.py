@@ -3,7 +3,7 @@ whether a speculative output is lossless.
 
 `make_spec_decoder` returns the static engine (speculative/engine.py) when it supports the
 target (decoder.check_supported), else `HFSpecDecoder`: the generic Hugging Face path
-(speculative/loop.py, batch 1) behind the same interface.
+(speculative/loop.py, batch 1) behind the same interface, `SpecDecoder`.
 
 Lossless check. Speculative decoding is exact in exact arithmetic. In bf16 the verify
 forward (B tokens, batched) and the greedy forward (1 token) run differently shaped
@@ -25,7 +25,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -37,6 +37,22 @@ from dflash_train.speculative.hf_cache import decoding_cache
 from dflash_train.speculative.loop import DecodeResult, DFlashProposer, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
+
+
+class SpecDecoder(Protocol):
+    """What evaluation calls on a decoder: the static engine and `HFSpecDecoder` are both one."""
+
+    block_size: int  # tokens a speculative round proposes (1: no drafter)
+
+    def warm_up(self, max_kv: int | None = None) -> None:
+        """Compile or capture what a timed run would otherwise wait for, up to `max_kv` cache positions."""
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, speculative: bool = True) -> DecodeResult:
+        """Greedy decoding of one prompt; speculative unless `speculative` is False."""
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, speculative: bool = True,
+                       on_result: Callable[[int, DecodeResult], None] | None = None) -> list[DecodeResult]:
+        """Every prompt decoded; results in the prompts' order, each also given to `on_result` when it ends."""
 
 
 class HFSpecDecoder:
@@ -102,9 +118,9 @@ def make_spec_decoder(
     slots: int = 1,
     max_len: int = 2048,
     **engine_kwargs: Any,
-) -> SpecEngine | HFSpecDecoder:
+) -> SpecDecoder:
     """The static engine when it supports `target` (decoder.check_supported), else the
-    generic Hugging Face path. Both offer generate / generate_batch / warm_up / block_size."""
+    generic Hugging Face path."""
     try:
         check_supported(target, -(-max_len // FLEX_BLOCK) * FLEX_BLOCK)
     except UnsupportedModelError as exc:

@@ -96,17 +96,7 @@ def evaluate_prompts(
     check_compatible(drafter, target)
     if slots > 1 and greedy:
         raise ValueError("decoding several prompts at once measures tau only: pass greedy=False")
-    encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
-    if max_prompt_tokens:
-        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
-        if not kept:
-            shortest = min(len(ids) for _, ids in encoded)
-            raise EvalError(f"no prompt left to evaluate: all {len(encoded)} are longer than --max-prompt-tokens "
-                            f"{max_prompt_tokens} (the shortest has {shortest:,} tokens); raise it or give "
-                            f"shorter prompts")
-        encoded = kept
-    if not encoded:
-        raise EvalError("no prompt left to evaluate")
+    encoded = _encode_within(tokenizer, prompts, max_prompt_tokens)
     max_len = _cache_positions([ids for _, ids in encoded], max_new_tokens, drafter.config.block_size)
     decoder = make_spec_decoder(target, drafter, stop_token_ids(tokenizer, target), slots=slots, max_len=max_len,
                                 cuda_graphs=cuda_graphs, compile=compile, draft_window=draft_window,
@@ -121,13 +111,7 @@ def evaluate_prompts(
         decoder.generate(warm, min(16, max_new_tokens), speculative=False)
         bar = tqdm(total=len(encoded), desc="eval prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
         for prompt, ids in encoded:
-            base = decoder.generate(ids, max_new_tokens, speculative=False) if greedy else None
-            spec = decoder.generate(ids, max_new_tokens)
-            div = first_divergence(spec.tokens, base, ulps=near_tie_ulps) if base is not None else None
-            repeats = [(decoder.generate(ids, max_new_tokens).seconds,
-                        decoder.generate(ids, max_new_tokens, speculative=False).seconds)
-                       for _ in range(timing_repeats - 1 if greedy else 0)]
-            results.append(PromptResult(prompt.id, len(ids), spec, base, div, repeats))
+            results.append(_evaluate_one(decoder, prompt, ids, max_new_tokens, greedy, near_tie_ulps, timing_repeats))
             if on_prompt is not None:
                 on_prompt(results[-1])
             overall = overall_report(results, decoder.block_size)
@@ -137,6 +121,34 @@ def evaluate_prompts(
     finally:
         _close(decoder)
     return results
+
+
+def _encode_within(tokenizer, prompts: list[Prompt], max_prompt_tokens: int | None) -> list[tuple[Prompt, list[int]]]:
+    """Each prompt with its token ids, those longer than `max_prompt_tokens` left out."""
+    encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
+    if max_prompt_tokens:
+        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+        if not kept:
+            shortest = min(len(ids) for _, ids in encoded)
+            raise EvalError(f"no prompt left to evaluate: all {len(encoded)} are longer than --max-prompt-tokens "
+                            f"{max_prompt_tokens} (the shortest has {shortest:,} tokens); raise it or give "
+                            f"shorter prompts")
+        encoded = kept
+    if not encoded:
+        raise EvalError("no prompt left to evaluate")
+    return encoded
+
+
+def _evaluate_one(decoder, prompt: Prompt, ids: list[int], max_new_tokens: int, greedy: bool, near_tie_ulps: float,
+                  timing_repeats: int) -> PromptResult:
+    """One prompt at batch 1: plain greedy (if `greedy`) and speculative, then the timing repeats."""
+    base = decoder.generate(ids, max_new_tokens, speculative=False) if greedy else None
+    spec = decoder.generate(ids, max_new_tokens)
+    div = first_divergence(spec.tokens, base, ulps=near_tie_ulps) if base is not None else None
+    repeats = [(decoder.generate(ids, max_new_tokens).seconds,
+                decoder.generate(ids, max_new_tokens, speculative=False).seconds)
+               for _ in range(timing_repeats - 1 if greedy else 0)]
+    return PromptResult(prompt.id, len(ids), spec, base, div, repeats)
 
 
 def _evaluate_batched(decoder, encoded: list[tuple[Prompt, list[int]]], max_new_tokens: int, max_len: int,

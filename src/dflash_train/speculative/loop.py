@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 import torch
 
 from dflash_train.drafter.masks import dense_attention_mask
-from dflash_train.drafter.markov import markov_drafts
+from dflash_train.drafter.dspark import markov_drafts
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.speculative.hf_cache import CacheRollback, ReplayStats, decoding_cache
 from dflash_train.target.runner import find_decoder_layers
@@ -156,7 +156,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, sequence: Sequence[int], position: int) -> list[int]:
         hidden = self.block_hidden(sequence[-1], position)[1:]  # slots 1..B-1: the tokens after the anchor
-        if self.drafter.markov_head is not None:  # dspark: slots drafted left to right (drafter/markov.py)
+        if self.drafter.markov_head is not None:  # dspark: slots drafted left to right (drafter/dspark.py)
             anchor = torch.tensor([int(sequence[-1])], device=hidden.device)
             return markov_drafts(hidden[None], anchor, self.lm_head_weight,
                                  *self.drafter.markov_head.weights())[0].tolist()
@@ -213,6 +213,21 @@ class SpeculativeDecoder:
         """Run committed tokens through the target again to advance a restored cache (hf_cache.py)."""
         return self._forward(ids, cache, **self._last_only)[1]
 
+    def _accept(self, drafts: list[int], greedy: list[int], out: list[int],
+                max_new_tokens: int) -> tuple[int, list[int], str]:
+        """Greedy acceptance of a verified round: the longest prefix of `drafts` equal to the
+        target's choices `greedy` and the target's next token, appended to `out` and cut after a
+        stop token or at the limit. Returns (accepted, committed tokens, finish reason or "")."""
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        commit = drafts[:accepted] + [greedy[accepted]]
+        for i, tok in enumerate(commit):
+            out.append(tok)
+            if tok in self.stop_token_ids or len(out) >= max_new_tokens:
+                return accepted, commit[: i + 1], "stop" if tok in self.stop_token_ids else "length"
+        return accepted, commit, ""
+
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, proposer: Proposer | None = None) -> DecodeResult:
         """Greedy decoding of `prompt_ids`; speculative when a proposer is given."""
@@ -247,16 +262,7 @@ class SpeculativeDecoder:
             logits, cache, taps = self._forward([token] + drafts, cache)
             greedy = logits.argmax(-1).tolist()  # greedy[k]: the target's choice after slot k
             verify_s += time.perf_counter() - t  # .tolist() waited for the device
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
-                accepted += 1
-            commit = drafts[:accepted] + [greedy[accepted]]
-            for i, tok in enumerate(commit):
-                out.append(tok)
-                if tok in self.stop_token_ids or len(out) >= max_new_tokens:
-                    finish = "stop" if tok in self.stop_token_ids else "length"
-                    commit = commit[: i + 1]
-                    break
+            accepted, commit, finish = self._accept(drafts, greedy, out, max_new_tokens)
             rounds.append(Round(len(drafts), accepted, len(commit)))
             if finish:
                 break

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_train.drafter.markov import markov_drafts
+from dflash_train.drafter import dspark
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.attention import (
     FLEX_BLOCK,
@@ -213,14 +213,6 @@ def _draft_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, *, eps: float) -> 
     return F.linear(hidden.to(lm_head_w.dtype), lm_head_w).argmax(-1)
 
 
-def _dspark_head(x: Tensor, norm_w: Tensor, lm_head_w: Tensor, anchors: Tensor, markov_w1: Tensor,
-                 markov_w2: Tensor, gate_w: Tensor | None, gate_b: Tensor | None, *, eps: float) -> Tensor:
-    """The dspark variant's `_draft_head`: slots 1..B-1 drafted left to right, each slot's bigram
-    bias read from the token drafted before it (anchors [S] for slot 1; the gate's weights None
-    for the vanilla head; drafter/markov.py)."""
-    return markov_drafts(_norm(x[:, 1:], norm_w, eps), anchors, lm_head_w, markov_w1, markov_w2, gate_w, gate_b)
-
-
 class StaticDrafter:
     """DFlash proposals for `slots` sequences of at most `max_len` positions (see module doc).
 
@@ -274,7 +266,7 @@ class StaticDrafter:
         self.context_kv: Callable[..., None] = _context_kv
         self.post_attention: Callable[..., Tensor] = _post_attention
         self.head: Callable[..., Tensor] = _draft_head
-        self.dspark_head: Callable[..., Tensor] = _dspark_head
+        self.dspark_head: Callable[..., Tensor] = dspark.draft_head  # a dspark drafter's head
         self.attention_kind = attention  # generate/attention.py
         self._attentions: dict[tuple[int | None, bool], CacheAttention] = {}
 
@@ -370,6 +362,6 @@ class StaticDrafter:
         The caller guarantees max(positions) + B <= kv_len <= max_len."""
         x = self._block_residual(tokens, positions, kv_len)
         markov = self.module.markov_head
-        if markov is not None:  # dspark: slots drafted left to right (drafter/markov.py)
+        if markov is not None:  # the bigram head: slots drafted left to right (drafter/dspark.py)
             return self.dspark_head(x, self.norm_w, self.lm_head_w, tokens, *markov.weights(), eps=self.norm_eps)
         return self.head(x, self.norm_w, self.lm_head_w, eps=self.norm_eps)

@@ -15,6 +15,9 @@ without `state.json`. What happens to it afterwards (a truncated copy, a bad dis
 caught by `verify_checkpoint`, and `--resume` takes `latest_valid_checkpoint`: the newest
 one that verifies, with a warning for each newer one skipped. Checkpoints written before
 manifests existed are accepted when their files load. Only the newest `keep_last` are kept.
+
+`Checkpointer` keeps the run's saving time: every run.save_every steps, when a timed save
+(run.save_every_minutes) is due, and at the end of the run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import pickle
 import random
 import re
 import shutil
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,3 +326,46 @@ def checkpoint_to_resume(root: Path, resume: bool | str) -> Path | None:
     if found is None:
         log.info("--resume auto: no checkpoint in %s; starting from scratch", root)
     return found
+
+
+class Checkpointer:
+    """When and where a run's checkpoints are written. Every drafter replica reaches the same save
+    points (the timed one is agreed in the step's all-reduce, train/stopping.py); only the main
+    drafter writes, since data-parallel replicas hold the same weights, and its clock times the
+    timed saves."""
+
+    def __init__(self, root: Path, *, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 config: dict, every: int, every_minutes: float = 0.0, keep_last: int, main: bool = True,
+                 enabled: bool = True):
+        self.root = Path(root)
+        self.drafter, self.optimizer, self.scheduler, self.config = drafter, optimizer, scheduler, config
+        self.every, self.every_minutes, self.keep_last = every, every_minutes, keep_last
+        self.main = main
+        self.writes = main and enabled  # run.checkpoint false: the save points pass, nothing is written
+        self.last_save = time.perf_counter()  # the timed saves count from here, then from each save point
+
+    def timed_save_due(self) -> bool:
+        """run.save_every_minutes have passed since the last save point, on the main drafter's clock."""
+        return (bool(self.every_minutes) and self.main
+                and (time.perf_counter() - self.last_save) / 60 >= self.every_minutes)
+
+    def maybe_save(self, state: TrainState, say: Callable[[str], None], *, due: bool = False,
+                   last: bool = False) -> Path | None:
+        """Save at every `every`-th step, when `due` (the agreed timed save) and at the `last` step of a
+        run; the checkpoint's path where this process has one, else None."""
+        if last or due or state.step % self.every == 0:
+            return self.save(state, say)
+        return None
+
+    def save(self, state: TrainState, say: Callable[[str], None]) -> Path | None:
+        """A checkpoint of `state` now, said through `say`; a verified one of this step is not written again."""
+        self.last_save = time.perf_counter()
+        if not self.writes:
+            return None
+        saved = self.root / step_dir_name(state.step)
+        if saved.is_dir() and not verify_checkpoint(saved):
+            return saved  # this step is saved already (the last step was a save_every step)
+        path = save_checkpoint(self.root, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
+                               state=state, config=self.config, keep_last=self.keep_last)
+        say(f"saved {path}")
+        return path

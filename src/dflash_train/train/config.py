@@ -14,31 +14,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from dflash_train.data.config import DataConfig
+from dflash_train.drafter import dspark
 from dflash_train.drafter.config import DrafterSpec
 from dflash_train.drafter.loss import CONFIDENCE_WEIGHTINGS, LossConfig
+from dflash_train.drafter.step import StepConfig
 from dflash_train.pipeline.config import PipelineConfig
 from dflash_train.target.config import TargetConfig
 from dflash_train.train.profiling import parse_profile_steps
 
-
 DECAY_FRACTION = 0.2  # optim.decay_fraction's default: another value without schedule wsd is refused
-
-
-@dataclass
-class TrainStepConfig:
-    num_anchors: int = 512
-    """blocks (anchor positions) drawn per packed row and step"""
-    label_source: Literal["data", "target", "distill"] = "data"
-    """labels: the data's own tokens, the target's greedy tokens, or its distribution"""
-    noise_sigma: float = 0.0
-    """uniform noise U(-s, s) added to the tapped hidden states during training"""
-    attention: Literal["auto", "flex", "dense"] = "auto"
-    """auto = FlexAttention on GPU, a dense mask on CPU (FlexAttention has no CPU backward) and for
-    drafter heads under 16 dims (FlexAttention's GPU kernels need 16)"""
-
-    def __post_init__(self) -> None:
-        if self.num_anchors < 1 or self.noise_sigma < 0:
-            raise ValueError("step.num_anchors must be >= 1 and step.noise_sigma >= 0")
 
 
 @dataclass
@@ -196,7 +180,7 @@ class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
-    step: TrainStepConfig = field(default_factory=TrainStepConfig)
+    step: StepConfig = field(default_factory=StepConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -204,7 +188,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.optim.markov_lr_scale != 1.0 and self.drafter.variant != "dspark":
+        if self.optim.markov_lr_scale != 1.0 and not dspark.enabled(self.drafter):
             raise ValueError(f"optim.markov_lr_scale ({self.optim.markov_lr_scale}) scales the dspark bigram head's "
                              f"learning rate; drafter.variant is {self.drafter.variant!r}, which has no such head")
         if self.step.label_source == "distill" and self.loss.weighting in CONFIDENCE_WEIGHTINGS:

@@ -145,17 +145,37 @@ def describe(step: int, c: dict) -> str:
 
 
 class Evaluator:
-    """The trainer's evaluation (run.eval_every and the end of a run): the estimate on the eval
-    split and, with eval.spec_prompts, the held-out measurement next to it, logged and recorded."""
+    """The trainer's evaluation and its time: every run.eval_every steps and at the end of a run, the
+    estimate on the eval split and, with eval.spec_prompts, the held-out measurement next to it,
+    logged and recorded. Only a process that holds the whole target evaluates (`enabled`: the main
+    drafter; a sharded target runs only with its whole group, and a split layout's drafters have none)."""
 
     def __init__(self, cfg: TrainConfig, data: DataSplits, target: FrozenTarget, tokenizer, step_cfg: StepConfig,
-                 device: torch.device, *, padding: tuple[int, int] | None, num_drafters: int):
+                 device: torch.device, *, padding: tuple[int, int] | None, num_drafters: int, enabled: bool = True):
         self.cfg, self.data, self.target, self.tokenizer = cfg, data, target, tokenizer
         self.step_cfg, self.device, self.padding, self.num_drafters = step_cfg, device, padding, num_drafters
+        self.every = cfg.run.eval_every
+        self.enabled = enabled and target.runner is not None and not target.sharded
+        self.last: tuple[int, dict] = (-1, {})  # (step, result) of the last evaluation
         self.probe: HeldOutProbe | None = None
         self.probe_tried = False
 
-    def __call__(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None) -> dict:
+    def maybe_evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None) -> dict | None:
+        """At every run.eval_every-th step, the evaluation; None at the other steps."""
+        if not self.every or step % self.every:
+            return None
+        return self.evaluate(drafter, step, metrics)
+
+    def evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None = None) -> dict:
+        """The evaluation at `step`, measured once however often asked (the end of a run right after an
+        eval_every step); {} where this process does not evaluate."""
+        if not self.enabled:
+            return {}
+        if self.last[0] != step:
+            self.last = (step, self.measure(drafter, step, metrics))
+        return self.last[1]
+
+    def measure(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None) -> dict:
         e = self.cfg.eval
         if metrics is not None and self.data.eval is not None:  # a minute or so, the GPU busy: say so first
             batches = f"its first {self.cfg.data.eval_batches}" if self.cfg.data.eval_batches else "every"

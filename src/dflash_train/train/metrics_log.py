@@ -1,4 +1,9 @@
-"""Where training metrics go: a progress bar, log lines, metrics.jsonl and TensorBoard."""
+"""Where training metrics go, and when.
+
+`MetricsLogger`: a progress bar, log lines, metrics.jsonl and TensorBoard. `StepLog` keeps the
+training log's time: each step's statistics go into the current window, and every run.log_every
+steps (and at the last step) the window becomes one record and one log line.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -136,6 +142,45 @@ class Window:
         if device.type == "cuda":
             m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return m, timer.collect()
+
+
+class StepLog:
+    """The training log's own time (see the module's docstring), on a MetricsLogger."""
+
+    def __init__(self, metrics: MetricsLogger, timer: StageTimer, *, every: int, block_size: int, group,
+                 num_drafters: int, device: torch.device, clock: Callable[[], float]):
+        self.metrics, self.timer, self.every, self.block_size = metrics, timer, every, block_size
+        self.group, self.num_drafters, self.device = group, num_drafters, device
+        self.clock = clock  # seconds since this process started training: the first step's line says them
+        self.window = Window()
+        self.windows = 0  # log windows written by this process
+        self.last: dict = {}  # the last window's metrics
+
+    def step_done(self, step: int, micro: list[StepStats], tokens: int) -> None:
+        """An applied optimizer step: into the window, and onto the progress bar."""
+        self.window.add(micro, tokens)
+        if self.windows == 0 and self.window.steps == 1:  # the compiles are behind us: say so, and the memory held
+            self.metrics.line(first_step_line(self.clock(), self.device))
+        self.metrics.progress(step, {"tok/s": self.window.tok_per_s(self.num_drafters),
+                                     **{k: self.last[k] for k in ("loss", "tau") if k in self.last}})
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+    def maybe_log(self, step: int, *, total: int, lr: float, grad_norm: torch.Tensor) -> bool:
+        """At every `every`-th step and the `total`-th: the window's metrics (summed over the drafter
+        replicas: one collective, and the one host read of the gradient norm) recorded and said."""
+        if not self.due(step, total):
+            return False
+        m, split = self.window.metrics(self.timer, group=self.group, num_drafters=self.num_drafters, lr=lr,
+                                       grad_norm=float(grad_norm), device=self.device)
+        self.metrics.record(step, {**m, **{f"time_{k}_s": v for k, v in split.items()}})
+        busy = sum(split.values()) or 1.0
+        self.metrics.line(format_train_line(step, total, {**m, "split": {k: split.get(k, 0.0) / busy for k in STAGES}},
+                                            self.block_size))
+        self.last, self.window = m, Window()
+        self.windows += 1
+        return True
 
 
 def first_step_line(elapsed_s: float, device: torch.device) -> str:

@@ -8,11 +8,12 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_train.drafter import dspark
 from dflash_train.train.config import OptimConfig
 from dflash_train.utils.compile import compiled_once
 
 
-MARKOV_PREFIX = "markov_head."  # the dspark bigram head's parameters (drafter/markov.py)
+MARKOV_PREFIX = dspark.PARAMETER_PREFIX  # the bigram head's parameters
 
 
 def build_param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:

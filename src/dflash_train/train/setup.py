@@ -6,7 +6,6 @@ compiled wrappers, and where each step's (batch, target output) pairs come from.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import math
 import time
@@ -22,12 +21,11 @@ from dflash_train.data.batching import BatchPlanner
 from dflash_train.data.splits import DataSplits
 from dflash_train.drafter.checkpoint import load_drafter_as
 from dflash_train.drafter.config import DrafterConfig, build_drafter_config, init_source_layers
-from dflash_train.drafter.masks import FLEX_MIN_HEAD_DIM
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.drafter.step import FrozenHeads
+from dflash_train.drafter.step import FrozenHeads, StepConfig, mask_backend
 from dflash_train.drafter.target_init import check_target_layers_copyable, copy_target_layers
 from dflash_train.pipeline.context import DistContext
-from dflash_train.pipeline.sources import LocalTargetSource, RemoteTargetSource
+from dflash_train.pipeline.sources import BatchSource, LocalTargetSource, RemoteTargetSource
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.config import decide_forward
 from dflash_train.target.language_model import final_logit_softcap, text_config
@@ -46,6 +44,7 @@ from dflash_train.train.loader import PrefetchLoader
 from dflash_train.utils.config import to_dict
 from dflash_train.utils.device import resolve_dtype
 from dflash_train.utils.errors import ConfigError, ModelError, TrainingError
+from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM
 
 log = logging.getLogger(__name__)
 
@@ -315,21 +314,26 @@ def wrap_drafter(drafter: DFlashDrafter, ctx: DistContext, *, compile: bool,
 
 
 def resolve_attention(requested: str, device: torch.device, head_dim: int) -> str:
-    """step.attention -> the drafter's mask kind. auto: FlexAttention's block-sparse kernel on a
-    GPU; the dense mask of the same rule on the CPU (FlexAttention has no CPU backward) and for
-    heads narrower than its GPU kernels take (a tiny drafter), said once in the log."""
-    if requested == "auto":
-        if device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
-            log.info("drafter heads of %d dims: the dense attention mask (FlexAttention's GPU kernels need >= %d)",
-                     head_dim, FLEX_MIN_HEAD_DIM)
-            return "dense"
-        return "flex" if device.type == "cuda" else "dense"
+    """step.attention -> the drafter's mask kind (drafter/step.py mask_backend). auto: FlexAttention's
+    block-sparse kernel on a GPU; the dense mask of the same rule on the CPU (FlexAttention has no CPU
+    backward) and for heads narrower than its GPU kernels take (a tiny drafter), said once in the log."""
     if requested == "flex" and device.type != "cuda":
         raise TrainingError("step.attention=flex needs a GPU: FlexAttention has no backward on CPU; use dense")
     if requested == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
         raise TrainingError(f"step.attention=flex needs drafter heads of >= {FLEX_MIN_HEAD_DIM} dims (FlexAttention's "
                             f"GPU kernels), this drafter's are {head_dim}: use step.attention auto or dense")
-    return requested
+    chosen = mask_backend(requested, device, head_dim)
+    if requested == "auto" and device.type == "cuda" and chosen == "dense":
+        log.info("drafter heads of %d dims: the dense attention mask (FlexAttention's GPU kernels need >= %d)",
+                 head_dim, FLEX_MIN_HEAD_DIM)
+    return chosen
+
+
+def resolve_step(cfg: TrainConfig, device: torch.device, head_dim: int) -> StepConfig:
+    """The `step` section as this run's steps run it: its attention decided for the device, fixed shapes
+    in compiled mode."""
+    return dataclasses.replace(cfg.step, attention=resolve_attention(cfg.step.attention, device, head_dim),
+                               fixed_shape=cfg.run.compile is True)
 
 
 LOW_FILL = 0.25  # batches less full than this compute mostly padding: said before the run starts
@@ -381,7 +385,7 @@ def pad_batch(batch: PackedBatch, shape: tuple[int, int] | None) -> PackedBatch:
 
 
 def build_batch_source(cfg: TrainConfig, ctx: DistContext, data: DataSplits, target: FrozenTarget,
-                       drafter_config: DrafterConfig, *, start: tuple[int, int], budget: int):
+                       drafter_config: DrafterConfig, *, start: tuple[int, int], budget: int) -> BatchSource:
     """(batch, target output) pairs for this drafter: the target runs here (Local), or on a
     target rank of the split layout and the hidden states arrive (Remote)."""
     epochs = None if cfg.run.max_steps else int(math.ceil(cfg.run.epochs))

@@ -13,7 +13,8 @@ optimizer and schedule, or skip a non-finite step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from dflash_train.data.batch import PackedBatch
 from dflash_train.drafter.loss import LossConfig, StepStats
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_step
 from dflash_train.target.runner import TargetOutput
+from dflash_train.train.stopping import WeightAndStop
 from dflash_train.train.timing import StageTimer
 from dflash_train.utils.device import HostCopy
 
@@ -47,11 +49,7 @@ def micro_step(model, heads: FrozenHeads, batch: PackedBatch, target_out: Target
     generator = torch.Generator(device=device).manual_seed(seed)
     t = timer.start()
     with autocast_for(device), record_function("forward"):  # ranges named for run.profile_steps
-        stats = drafter_step(
-            model, heads, input_ids=b.input_ids, position_ids=b.position_ids, document_ids=b.document_ids,
-            loss_mask=b.loss_mask, taps=target_out.taps, final_hidden=target_out.final_hidden,
-            step_cfg=step_cfg, loss_cfg=loss_cfg, generator=generator,
-        )
+        stats = drafter_step(model, heads, b, target_out, step_cfg=step_cfg, loss_cfg=loss_cfg, generator=generator)
     timer.stop("forward", t)
     if train:
         t = timer.start()
@@ -65,6 +63,32 @@ def micro_step(model, heads: FrozenHeads, batch: PackedBatch, target_out: Target
 class GradientStep:
     applied: bool  # False: a non-finite loss or gradient, the step was skipped
     grad_norm: torch.Tensor
+
+
+class StepKind(enum.Enum):
+    """How an optimizer step ended."""
+
+    APPLIED = "applied"  # the gradients applied, the schedule stepped
+    NONFINITE = "nonfinite"  # a non-finite loss or gradient: nothing applied, the step skipped
+    REDO = "redo"  # a stopping target sent placeholders: nothing applied, these batches redone after resume
+    NO_DATA = "no_data"  # no micro-batch was left
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    kind: StepKind
+    micro: list[StepStats] = field(default_factory=list)  # the micro-batches' stats
+    tokens: int = 0
+    exhausted: bool = False  # the data ran out during the step
+    shared: WeightAndStop | None = None  # the step's all-reduce (None: no micro-batch was left)
+    grad_norm: torch.Tensor | None = None  # the normalised gradient's norm, when gradients were computed
+
+    @property
+    def ends_run(self) -> bool:
+        """Nothing applied and nothing to go on with: no micro-batch left, or a redo."""
+        return self.kind in (StepKind.NO_DATA, StepKind.REDO)
 
 
 def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, *,

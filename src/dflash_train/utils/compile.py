@@ -3,13 +3,15 @@
 Compiled mode wraps a few plain functions (the packed target's per-layer pieces, the LM
 head's per-chunk cross-entropy, FlexAttention) with `torch.compile`. One wrapper per function,
 options and process, so a second user of the same function (another lever of the benchmark,
-the eval after training) reuses the graphs compiled for the first.
+the eval after training) reuses the graphs compiled for the first. The decoding engines swap
+their per-layer functions for compiled ones in place (`compile_in_place`), falling back to the
+plain ones when the compiler fails.
 The plain functions are what the CPU tests run (compiling costs tens of seconds there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,3 +32,23 @@ def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph)
     return _COMPILED[key]
+
+
+def compile_in_place(swaps: Sequence[tuple[object, str]], trace: Callable[[], object], *,
+                     backend: str | Callable = "inductor") -> Exception | None:
+    """Replace each function `owner.name` of `swaps` by its torch.compile'd version (fixed
+    shapes, one graph) and call `trace` at once, without autograd (grad mode is part of what
+    compiled code is keyed on), so that a compiler failure shows here and not in the middle of
+    a run. On a failure, put every original back and return the exception; None when all
+    compiled."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in swaps]
+    try:
+        for owner, name, fn in originals:
+            setattr(owner, name, torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
+        with torch.no_grad():
+            trace()
+    except Exception as exc:  # noqa: BLE001 - any compiler failure
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+        return exc
+    return None

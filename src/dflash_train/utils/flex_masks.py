@@ -1,4 +1,8 @@
-"""FlexAttention block masks from per-query key ranges, for packed rows.
+"""FlexAttention's shared pieces, and block masks from per-query key ranges for packed rows.
+
+What every FlexAttention user here needs (the target's packed forward, the drafter's masks,
+the decoding engines' cache attention): its tile of 128 keys (`TILE`), the narrowest heads its
+GPU kernels take (`FLEX_MIN_HEAD_DIM`) and `BlockMask`.
 
 A packed row holds whole documents one after another (positions 0, 1, 2, ... within each,
 padding after the last), so the keys a query may see form one range [lo, hi) in closed form:
@@ -22,6 +26,9 @@ except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment,misc]
 
 TILE = 128  # FlexAttention's default block size
+# FlexAttention's GPU kernels need heads at least this wide (narrower ones fail in Inductor's
+# lowering: "NYI: embedding dimension of the query, key, and value must be at least 16").
+FLEX_MIN_HEAD_DIM = 16
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""One decoder layer of the static-KV decoder (generate/decoder.py), for each family it runs.
+
+A layer is two functions around attention, `pre_attention` (norm, q/k/v, q/k norms, RoPE) and
+`post_attention` (output projection, residuals, the MLP), that take the layer's weights as plain
+tensor arguments: a torch.compile'd version is traced once per layer kind and serves every layer.
+`LayerWeights` groups one layer's weights (references, no copies) as those arguments, with the
+options that say which family's op sequence runs:
+
+    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (target/moe.py)
+    gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
+    gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
+             (target/packed_gpt_oss.py, target/moe.py)
+
+What differs around the layers (Gemma's scaled embedding, per-layer-type RoPE tables and
+sliding windows, soft-capped scores and logits, gpt-oss's attention sinks) is the decoder's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_train.generate.attention import write_cache
+from dflash_train.target.moe import experts_as_tensors, moe_mlp
+from dflash_train.target.ops import apply_rope, rms_norm
+from dflash_train.target.packed_gemma import gemma_rms_norm, post_attention_gemma
+from dflash_train.target.packed_gpt_oss import experts_as_gpt_oss_stores_them, post_attention_gpt_oss
+
+LayerKind = Literal["llama", "gemma", "gpt_oss"]
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+ROPE_PER_LAYER_TYPE = ("gemma3_text",)  # a rotary table per layer type (local layers have their own base)
+
+
+def layer_kind(model_type: str) -> LayerKind:
+    if model_type in GEMMA_MODEL_TYPES:
+        return "gemma"
+    return "gpt_oss" if model_type == "gpt_oss" else "llama"
+
+
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' masks apply them:
+    by `layer_types` where the config has them, else (Mistral) on every layer when set."""
+    n, window = int(cfg.num_hidden_layers), getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types[:n]]
+    return [int(window) if getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None] * n
+
+
+def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
+    """The family's RMSNorm, as transformers computes it."""
+    if kind == "gemma":
+        return gemma_rms_norm(x, w, eps)
+    return rms_norm(x, w, eps, scale_in_float32=kind == "gpt_oss")
+
+
+def pre_attention(
+    x: Tensor, cos: Tensor, sin: Tensor,
+    ln1_w: Tensor, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None,
+    wv: Tensor, bv: Tensor | None, qn_w: Tensor | None, kn_w: Tensor | None,
+    *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int, kind: LayerKind = "llama",
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated.
+
+    `cos`/`sin` must broadcast against [..., heads, D] (a heads axis of size 1)."""
+    h = norm(x, ln1_w, eps, kind)
+    lead = h.shape[:-1]
+    q = F.linear(h, wq, bq).view(*lead, n_heads, head_dim)
+    k = F.linear(h, wk, bk).view(*lead, n_kv, head_dim)
+    v = F.linear(h, wv, bv).view(*lead, n_kv, head_dim)
+    if qn_w is not None and kn_w is not None:  # Qwen3, Gemma 3: a norm over head_dim before RoPE
+        q = norm(q, qn_w, qk_eps, kind)
+        k = norm(k, kn_w, qk_eps, kind)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def q_writing_kv(
+    x: Tensor, cos: Tensor, sin: Tensor, *pre: Tensor | None, k_flat: Tensor, v_flat: Tensor, index: Tensor,
+    eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int, kind: LayerKind = "llama",
+) -> Tensor:  # fmt: skip
+    """`pre_attention` that writes k/v into the cache (flat views, at `index`: generate/attention.py)
+    and returns q: compiled, the writes fuse into the kernels computing k and v."""
+    q, k, v = pre_attention(x, cos, sin, *pre, eps=eps, qk_eps=qk_eps, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,
+                            kind=kind)
+    write_cache(k_flat, index, k)
+    write_cache(v_flat, index, v)
+    return q
+
+
+def post_attention(
+    x: Tensor, attn_out: Tensor, *weights: Tensor | None, eps: float, kind: LayerKind = "llama", top_k: int = 0,
+    renormalise: bool = False, alpha: float = 0.0, limit: float = 0.0,
+) -> Tensor:  # fmt: skip
+    """Output projection, residual adds and the MLP: the rest of one decoder layer. `weights` are
+    the layer kind's (LayerWeights.post): a Llama-family gated MLP's (wo, bo, ln2, wg, bg, wu, bu,
+    wd, bd), with `top_k` a Qwen3-MoE's (wo, bo, ln2, router, gate_up, down); Gemma's and
+    gpt-oss's as their packed-forward functions take them. A kind is a fixed argument count,
+    so a compiled version traces each kind once."""
+    if kind == "gemma":
+        return post_attention_gemma(x, attn_out, *weights, eps=eps)
+    if kind == "gpt_oss":
+        return post_attention_gpt_oss(x, attn_out, *weights, eps=eps, top_k=top_k, alpha=alpha, limit=limit)
+    wo, bo, ln2_w, *mlp = weights
+    x = x + F.linear(attn_out, wo, bo)
+    h = rms_norm(x, ln2_w, eps)
+    if top_k:
+        router_w, gate_up, down = mlp
+        return x + moe_mlp(h, router_w, gate_up, down, top_k=top_k, renormalise=renormalise)
+    wg, bg, wu, bu, wd, bd = mlp
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+
+
+def final_logits(h: Tensor, norm_w: Tensor, lm_head_w: Tensor, lm_head_b: Tensor | None, *, eps: float,
+                 kind: LayerKind = "llama", softcap: float | None = None) -> Tensor:
+    """The final norm and the LM head; Gemma 2's logits soft-capped (cap * tanh(logits / cap))."""
+    logits = F.linear(norm(h, norm_w, eps, kind), lm_head_w, lm_head_b)
+    return logits if softcap is None else (logits / softcap).tanh() * softcap
+
+
+def eps_of(norm_module: nn.Module) -> float:
+    return float(getattr(norm_module, "variance_epsilon", getattr(norm_module, "eps", 1e-6)))
+
+
+def mlp_laid_out_as_expected(mlp: nn.Module, kind: LayerKind) -> bool:
+    """Experts stored as transformers 5 stores them (3D tensors), where the layer has experts."""
+    if kind == "gpt_oss":
+        return experts_as_gpt_oss_stores_them(mlp)
+    return not hasattr(mlp, "experts") or experts_as_tensors(mlp)
+
+
+class LayerWeights:
+    """References to one decoder layer's weights (no copies), grouped as the arguments of
+    `pre_attention` / `post_attention`, with its RoPE table's name (`rope`: Gemma 3's layer type,
+    ROPE_PER_LAYER_TYPE; None: the model's one table), its sliding window (None: full attention) and its attention
+    sinks (gpt-oss) beside them."""
+
+    def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:
+        attn = layer.self_attn
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.pre: tuple[Tensor | None, ...] = (
+            layer.input_layernorm.weight,
+            attn.q_proj.weight, attn.q_proj.bias,
+            attn.k_proj.weight, attn.k_proj.bias,
+            attn.v_proj.weight, attn.v_proj.bias,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+        )  # fmt: skip
+        self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
+        self.rope = rope
+        self.ln1_eps = eps_of(layer.input_layernorm)
+        self.qk_eps = eps_of(q_norm) if q_norm is not None else 0.0
+        self.post, self.post_kw = _post_weights(layer, kind)
+
+
+def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:
+    attn, mlp = layer.self_attn, layer.mlp
+    eps = eps_of(layer.post_attention_layernorm)
+    if kind == "gemma":
+        return (attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                layer.post_feedforward_layernorm.weight), {"eps": eps, "kind": kind}
+    head = (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight)
+    experts = getattr(mlp, "experts", None)
+    if kind == "gpt_oss":
+        return (*head, mlp.router.weight, mlp.router.bias, experts.gate_up_proj, experts.gate_up_proj_bias,
+                experts.down_proj, experts.down_proj_bias), \
+            {"eps": eps, "kind": kind, "top_k": int(mlp.router.top_k), "alpha": float(experts.alpha),
+             "limit": float(experts.limit)}
+    if experts is not None:  # Qwen3-MoE: the router and the experts' 3D tensors (target/moe.py)
+        return (*head, mlp.gate.weight, experts.gate_up_proj, experts.down_proj), \
+            {"eps": eps, "top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
+    return (*head, mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+            mlp.down_proj.weight, mlp.down_proj.bias), {"eps": eps}

@@ -1,0 +1,139 @@
+"""The static-KV decoder on the families whose layers differ from a Llama block: Gemma 2 (soft-capped
+scores and logits), Gemma 3 (per-layer-type RoPE, q/k norms; also inside its multimodal wrapper),
+gpt-oss (attention sinks, biased experts, YaRN) and Mistral with a sliding window; every one of
+them with sliding-window layers, filled past the window by the prompts alone.
+
+Each check is against transformers' own eager forward of the same random fp32 model: prefill
+logits and taps, verify rounds that roll back part of a block (stale cache entries past the
+kept tokens must be masked, then overwritten), `decode` step by step, and greedy generation
+through the built-in engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.generate.builtin import BuiltinEngine
+from dflash_train.generate.decoder import StaticDecoder, check_supported
+from dflash_train.generate.engine import Completion, Request
+from dflash_train.target.language_model import text_config
+from tests.families import FAMILIES, WINDOW, build_model
+
+VOCAB = 300
+NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window"]
+LAYERS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build_model(name, VOCAB) for name in NAMES}
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf(model, ids, layers=LAYERS):
+    """Logits [T, V] and taps [T, n*H] (hidden_states[l + 1]) of one uncached HF forward."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    return out.logits[0], torch.cat([out.hidden_states[i + 1][0] for i in layers], -1)
+
+
+def test_every_family_here_is_windowed_and_taken(models):
+    for name in NAMES:
+        assert FAMILIES[name].windowed
+        assert text_config(models[name].config).sliding_window == WINDOW
+        check_supported(models[name], 128)  # raises if the engine would refuse it
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_and_verify_equal_the_hugging_face_forward(models, name, kind):
+    model = models[name]
+    dec = StaticDecoder(model, slots=3, max_len=128, attention=kind)
+    prompts, slots = _prompts((20, 3, 13)), [2, 0, 1]
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        last, taps = dec.prefill_with_taps(ids, torch.tensor([len(p) for p in prompts]), torch.tensor(slots), LAYERS)
+    seqs = {}
+    for r, (p, s) in enumerate(zip(prompts, slots)):
+        ref_logits, ref_taps = _hf(model, p)
+        torch.testing.assert_close(last[r], ref_logits[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(taps[r, :len(p)], ref_taps, atol=1e-4, rtol=1e-4)
+        seqs[s] = list(p)
+    kept = {0: 3, 1: 1, 2: 2}  # tokens of each block a slot keeps: the rest is stale in the cache
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):  # every slot ends past the window
+        blocks = torch.randint(4, VOCAB, (3, 4), generator=g)
+        positions = torch.tensor([len(seqs[s]) for s in range(3)])
+        with torch.no_grad():
+            logits, taps = dec.verify(blocks, positions, 128, LAYERS)
+        for s in range(3):
+            ref_logits, ref_taps = _hf(model, seqs[s] + blocks[s].tolist())
+            torch.testing.assert_close(logits[s], ref_logits[-4:], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(taps[s], ref_taps[-4:], atol=1e-4, rtol=1e-4)
+            seqs[s] += blocks[s].tolist()[:kept[s]]
+    assert min(map(len, seqs.values())) > WINDOW
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_steps_equal_the_hugging_face_forward(models, name):
+    model = models[name]
+    dec = StaticDecoder(model, slots=2, max_len=64)
+    prompts = _prompts((11, 4), seed=3)
+    ids = torch.tensor([p + [0] * (11 - len(p)) for p in prompts])
+    with torch.no_grad():
+        dec.prefill(ids, torch.tensor([11, 4]), torch.tensor([0, 1]))
+    seqs = [list(p) for p in prompts]
+    g = torch.Generator().manual_seed(7)
+    for _ in range(WINDOW + 2):  # the short prompt's slot too decodes past the window
+        tokens = torch.randint(4, VOCAB, (2,), generator=g)
+        with torch.no_grad():
+            logits = dec.decode(tokens, torch.tensor([len(s) for s in seqs]), 32)
+        for s in range(2):
+            seqs[s].append(int(tokens[s]))
+            torch.testing.assert_close(logits[s], _hf(model, seqs[s])[0][-1], atol=1e-4, rtol=1e-4)
+
+
+def _hf_greedy(model, prompt, new):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_builtin_engine_generates_hugging_face_greedy(models, name):
+    model = models[name]
+    model.generation_config.eos_token_id = None
+    prompts = _prompts((17, 5, 9), seed=11)
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=24, max_new_tokens=16, stop_ids=set())
+    results: dict[int, Completion] = {}
+    queue = iter([Request(prompt_ids=p, max_new_tokens=16, tag=i) for i, p in enumerate(prompts)])
+    engine.run(lambda: next(queue, None), lambda req, comp: results.__setitem__(req.tag, comp))
+    assert [results[i].token_ids for i in range(3)] == [_hf_greedy(model, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma3_text"])
+def test_flex_skips_the_blocks_before_a_window_and_still_equals_the_forward(models, name):
+    """Past the first 128-key block plus the window, a sliding-window layer's flex attention reads
+    from the block holding its window's first key: one block, where a full layer reads two."""
+    model = models[name]
+    dec = StaticDecoder(model, slots=2, max_len=256, attention="flex")
+    prompts = _prompts((140, 150), seed=13)
+    ids = torch.tensor([p + [0] * (150 - len(p)) for p in prompts])
+    with torch.no_grad():
+        dec.prefill(ids, torch.tensor([140, 150]), torch.tensor([0, 1]))
+    blocks = torch.randint(4, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, _ = dec.verify(blocks, torch.tensor([140, 150]), 256)
+    for s in range(2):
+        torch.testing.assert_close(logits[s], _hf(model, prompts[s] + blocks[s].tolist())[0][-4:], atol=1e-4,
+                                   rtol=1e-4)
+    windowed, full = dec._attentions[(2, 4, WINDOW)], dec._attentions[(2, 4, None)]
+    assert windowed.num_blocks.flatten().tolist() == [1, 1] and full.num_blocks.flatten().tolist() == [2, 2]
+    assert windowed.indices[:, 0, 0, 0].tolist() == [1, 1]
