@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Throughput of the targets people serve, and of the defaults, on one H200 (random weights at real
+# shapes): each PART fits one call of under 10 minutes; the JSON and the log land in $OUT.
+#     PART=defaults  bash dev/device/family_speed.sh   # qwen3-8b: `bench` with no options (auto) and
+#                                                      # the recommended flags, one after the other
+#     PART=gemma     ...   # gemma3-27b: bench (auto = packed compiled bf16), then profile_generate, 64 slots
+#     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
+#     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
+# DRY=1: the plumbing on a CPU with the tiny preset.
+set -u
+OUT=${OUT:-/tmp/out}; LOG=$OUT/family_speed.log; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+PART=${PART:-defaults}
+if [ "${DRY:-0}" = 1 ]; then
+  SHAPE="--tokens 256 --doc-len 40-120 --anchors 8 --block 4 --layers 1 --warmup 1 --measure 2 --device cpu"
+  GEN="--slots 4 --prompt-len 24 --steps 4 --warmup 2 --device cpu"
+  P8=tiny; PG=tiny; PO=tiny; PM=tiny
+  export OMP_NUM_THREADS=1
+else
+  SHAPE="--warmup 3 --measure 6"
+  GEN="--steps 20 --peak-gbs 4800"
+  P8=qwen3-8b; PG=gemma3-27b; PO=gpt-oss-20b; PM=qwen3-30b-a3b
+fi
+source dev/device/lib.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
+B=($PY -m dflash_train bench $SHAPE)
+FAST=(--compile --drafter-dtype bfloat16 --target-forward packed --target-compile)
+[ "${DRY:-0}" = 1 ] && FAST=(--target-forward packed)  # compiling costs minutes on a CPU
+
+case "$PART" in
+  defaults)
+    stage bench_default 280 "${B[@]}" --preset $P8 --out "$OUT/bench_qwen3_8b_default.json"
+    stage bench_recommended 280 "${B[@]}" --preset $P8 "${FAST[@]}" --out "$OUT/bench_qwen3_8b_recommended.json" ;;
+  gemma)
+    stage bench_gemma 360 "${B[@]}" --preset $PG --out "$OUT/bench_gemma3_27b.json"
+    stage generate_gemma 200 $PY bench/profile_generate.py preset:$PG --slots 64 --prompt-len 512 $GEN \
+      --out "$OUT/generate_gemma3_27b.json" ;;
+  gpt_oss)
+    stage bench_gpt_oss_hf 250 "${B[@]}" --preset $PO --target-forward hf --out "$OUT/bench_gpt_oss_20b_hf.json"
+    stage bench_gpt_oss_packed 300 "${B[@]}" --preset $PO "${FAST[@]}" --out "$OUT/bench_gpt_oss_20b_packed.json" ;;
+  moe_gen)
+    stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
+      --out "$OUT/generate_qwen3_30b_a3b.json" ;;
+  *) echo "unknown PART $PART" >&2; exit 2 ;;
+esac
+stages_status
