@@ -36,6 +36,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -76,12 +77,16 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def kv_read_bytes(positions: list[int], attention: str, bucket: int, per_position: int) -> int:
-    """K and V bytes one decode step's attention reads: `per_position` bytes (all layers, K and V)
-    per cache position; dense reads every slot up to `bucket`, flex each slot's own blocks."""
-    if attention == "flex":
-        return sum((p // FLEX_BLOCK + 1) * FLEX_BLOCK for p in positions) * per_position
-    return len(positions) * bucket * per_position
+def kv_read_bytes(positions: list[int], attention: str, bucket: int, per_position: int,
+                  windows: Sequence[int | None] = (None,)) -> int:
+    """K and V bytes one decode step's attention reads: `per_position` bytes (one layer, K and V) per
+    cache position and layer of `windows` (each layer's sliding window, None: full attention); dense
+    reads every slot up to `bucket` in every layer, flex each slot's own blocks: from the block
+    holding the first key of its window (block 0 for a full layer) to its position's."""
+    if attention != "flex":
+        return len(positions) * bucket * per_position * len(windows)
+    blocks = sum(p // FLEX_BLOCK + 1 - (max(p - w + 1, 0) // FLEX_BLOCK if w else 0) for p in positions for w in windows)
+    return blocks * FLEX_BLOCK * per_position
 
 
 def step_table(kernels: list[tuple[str, float, float]], steps: int, wall_s: float, timed_s: float, slots: int,
@@ -274,11 +279,12 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     wall_s = timed_s if device.type == "cuda" else profiled_s
     mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
     bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
-    per_position = 2 * len(dec.layers) * dec.n_kv * dec.head_dim * dec.k_cache.element_size()
+    per_position = 2 * dec.n_kv * dec.head_dim * dec.k_cache.element_size()  # one layer's K and V
     weights = weight_bytes(engine.model, engine.slots)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
-                       kv_read_bytes(mid, engine.attention, bucket, per_position), peak)
+                       kv_read_bytes(mid, engine.attention, bucket, per_position, [lay.window for lay in dec.layers]),
+                       peak)
     names: dict[str, list[float]] = {}
     for name, _, dur in kernels:
         names.setdefault(name, []).append(dur)
