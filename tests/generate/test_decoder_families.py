@@ -5,20 +5,24 @@ them with sliding-window layers, filled past the window by the prompts alone.
 
 Each check is against transformers' own eager forward of the same random fp32 model: prefill
 logits and taps, verify rounds that roll back part of a block (stale cache entries past the
-kept tokens must be masked, then overwritten), `decode` step by step, and greedy generation
-through the built-in engine.
+kept tokens must be masked, then overwritten), `decode` step by step, greedy generation through
+the built-in engine (also with its decode step compiled) and through the speculative engine with
+drafts accepted in part.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.decoder import StaticDecoder, check_supported
 from dflash_train.generate.engine import Completion, Request
+from dflash_train.speculative.engine import SpecEngine
 from dflash_train.target.language_model import text_config
 from tests.families import FAMILIES, WINDOW, build_model
+from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
 NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window"]
@@ -137,3 +141,51 @@ def test_flex_skips_the_blocks_before_a_window_and_still_equals_the_forward(mode
     windowed, full = dec._attentions[(2, 4, WINDOW)], dec._attentions[(2, 4, None)]
     assert windowed.num_blocks.flatten().tolist() == [1, 1] and full.num_blocks.flatten().tolist() == [2, 2]
     assert windowed.indices[:, 0, 0, 0].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss"])
+def test_the_compiled_decode_step_traces_each_function_once_and_matches(models, name, attention):
+    """The GPU path compiles the decode step's per-layer functions as one graph each (fullgraph): on
+    a CPU, with a backend that runs the traced graph as is, every layer kind traces once, nothing
+    recompiles during the run, and the tokens equal the uncompiled engine's."""
+    model = models[name]
+    model.generation_config.eos_token_id = None
+    traced: list[int] = []
+
+    def recording_backend(gm, example_inputs):
+        traced.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def tokens(compiled: bool):
+        engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=16, max_new_tokens=12, stop_ids=set(),
+                               attention=attention)
+        if compiled:
+            engine._compile_layer_functions(backend=recording_backend)
+            assert engine.attention == attention  # no fallback
+        results: dict[int, Completion] = {}
+        queue = iter([Request(prompt_ids=p, max_new_tokens=12, tag=i) for i, p in enumerate(_prompts((14, 3, 9)))])
+        engine.run(lambda: next(queue, None), lambda req, comp: results.__setitem__(req.tag, comp))
+        return [results[i].token_ids for i in range(3)]
+
+    want = tokens(False)
+    torch._dynamo.reset()
+    assert tokens(True) == want
+    # dense: pre_attention, post_attention; flex: q_writing_kv, post_attention, final_logits
+    assert len(traced) == (2 if attention == "dense" else 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_speculative_engine_with_partial_acceptance_equals_hugging_face_greedy(models, name):
+    """The static speculative engine on these targets, drafts scripted to be accepted in part
+    (all, none, one, all but one, ...) over rounds that run past the window: its output is
+    transformers' greedy decoding, and every round accepted what the script allowed."""
+    model, block, pattern = models[name], 4, [3, 0, 1, 2]
+    model.generation_config.eos_token_id = None
+    prompt = _prompts((20,), seed=17)[0]
+    ref = _hf_greedy(model, prompt, 29)
+    engine = SpecEngine(model, OracleDrafts({tuple(prompt): ref}, block, pattern, VOCAB), set(), max_len=128)
+    out = engine.generate(prompt, 29)
+    assert out.tokens == ref
+    accepted = [r.accepted for r in out.rounds]
+    assert {0, 1, 2, 3} <= set(accepted) and len(out.rounds) >= 8
