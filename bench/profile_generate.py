@@ -78,15 +78,27 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def kv_read_bytes(positions: list[int], attention: str, bucket: int, per_position: int,
-                  windows: Sequence[int | None] = (None,)) -> int:
+                  layers: Sequence[tuple[int | None, int | None]] = ((None, None),)) -> int:
     """K and V bytes one decode step's attention reads: `per_position` bytes (one layer, K and V) per
-    cache position and layer of `windows` (each layer's sliding window, None: full attention); dense
-    reads every slot up to `bucket` in every layer, flex each slot's own blocks: from the block
-    holding the first key of its window (block 0 for a full layer) to its position's."""
+    cache position and layer of `layers` (each layer's sliding window and ring length, None for
+    none). Dense reads every slot up to `bucket` (a ring: at most its length); flex reads each
+    slot's own blocks, from the block holding the first key of its window (block 0 for a full
+    layer) to its position's, and of a ring at most all of it."""
     if attention != "flex":
-        return len(positions) * bucket * per_position * len(windows)
-    blocks = sum(p // FLEX_BLOCK + 1 - (max(p - w + 1, 0) // FLEX_BLOCK if w else 0) for p in positions for w in windows)
+        return len(positions) * per_position * sum(min(bucket, ring or bucket) for _, ring in layers)
+    blocks = 0
+    for p in positions:
+        for window, ring in layers:
+            if ring:
+                blocks += min(p // FLEX_BLOCK + 1, ring // FLEX_BLOCK)
+            else:
+                blocks += p // FLEX_BLOCK + 1 - (max(p - window + 1, 0) // FLEX_BLOCK if window else 0)
     return blocks * FLEX_BLOCK * per_position
+
+
+def layer_caches(dec) -> list[tuple[int | None, int | None]]:
+    """(sliding window, ring length or None) of each layer of the engine's decoder."""
+    return [(lay.window, n if n < dec.max_len else None) for lay, n in zip(dec.layers, dec.cache_lens)]
 
 
 def step_table(kernels: list[tuple[str, float, float]], steps: int, wall_s: float, timed_s: float, slots: int,
@@ -279,12 +291,11 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     wall_s = timed_s if device.type == "cuda" else profiled_s
     mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
     bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
-    per_position = 2 * dec.n_kv * dec.head_dim * dec.k_cache.element_size()  # one layer's K and V
+    per_position = 2 * dec.n_kv * dec.head_dim * dec.embed_w.element_size()  # one layer's K and V
     weights = weight_bytes(engine.model, engine.slots)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
-                       kv_read_bytes(mid, engine.attention, bucket, per_position, [lay.window for lay in dec.layers]),
-                       peak)
+                       kv_read_bytes(mid, engine.attention, bucket, per_position, layer_caches(dec)), peak)
     names: dict[str, list[float]] = {}
     for name, _, dur in kernels:
         names.setdefault(name, []).append(dur)

@@ -30,8 +30,11 @@ def test_kv_bytes_read_by_each_attention_kind():
     assert kv([10, 130, 300], "dense", 512, 7) == 3 * 512 * 7  # every slot up to the bucket
     assert kv([10, 130, 300], "flex", 512, 7) == (128 + 256 + 384) * 7  # each slot's own 128-key blocks
     # two layers, the second with a 100-key window: from the block holding the window's first key
-    assert kv([10, 130, 300], "flex", 512, 7, [None, 100]) == (128 + 256 + 384 + 128 + 256 + 256) * 7
-    assert kv([10, 130, 300], "dense", 512, 7, [None, 100]) == 2 * 3 * 512 * 7  # dense reads every layer whole
+    assert kv([10, 130, 300], "flex", 512, 7, [(None, None), (100, None)]) == (128 + 256 + 384 + 128 + 256 + 256) * 7
+    assert kv([10, 130, 300], "dense", 512, 7, [(None, None), (100, None)]) == 2 * 3 * 512 * 7  # every layer whole
+    # the second layer's cache a ring of 256 keys: at most all of it
+    assert kv([10, 130, 300], "flex", 512, 7, [(None, None), (100, 256)]) == (128 + 256 + 384 + 128 + 256 + 256) * 7
+    assert kv([10, 130, 300], "dense", 512, 7, [(None, None), (100, 256)]) == 3 * (512 + 256) * 7
 
 
 def test_step_table_arithmetic():

@@ -19,6 +19,7 @@ import torch._dynamo
 from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.decoder import StaticDecoder, check_supported
 from dflash_train.generate.engine import Completion, Request
+from dflash_train.generate.sizing import kv_shape
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.target.language_model import text_config
 from tests.families import FAMILIES, WINDOW, build_model
@@ -57,7 +58,7 @@ def test_every_family_here_is_windowed_and_taken(models):
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_and_verify_equal_the_hugging_face_forward(models, name, kind):
     model = models[name]
-    dec = StaticDecoder(model, slots=3, max_len=128, attention=kind)
+    dec = StaticDecoder(model, slots=3, max_len=128, attention=kind, width=4)
     prompts, slots = _prompts((20, 3, 13)), [2, 0, 1]
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
@@ -122,25 +123,49 @@ def test_the_builtin_engine_generates_hugging_face_greedy(models, name):
     assert [results[i].token_ids for i in range(3)] == [_hf_greedy(model, p, 16) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gemma3_text"])
-def test_flex_skips_the_blocks_before_a_window_and_still_equals_the_forward(models, name):
-    """Past the first 128-key block plus the window, a sliding-window layer's flex attention reads
-    from the block holding its window's first key: one block, where a full layer reads two."""
-    model = models[name]
-    dec = StaticDecoder(model, slots=2, max_len=256, attention="flex")
+def _verify_past_a_block(dec, model):
+    """Two slots prefilled with 140 and 150 tokens, then one verify of 4: logits against HF."""
     prompts = _prompts((140, 150), seed=13)
     ids = torch.tensor([p + [0] * (150 - len(p)) for p in prompts])
     with torch.no_grad():
         dec.prefill(ids, torch.tensor([140, 150]), torch.tensor([0, 1]))
     blocks = torch.randint(4, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        logits, _ = dec.verify(blocks, torch.tensor([140, 150]), 256)
+        logits, _ = dec.verify(blocks, torch.tensor([140, 150]), dec.max_len)
     for s in range(2):
         torch.testing.assert_close(logits[s], _hf(model, prompts[s] + blocks[s].tolist())[0][-4:], atol=1e-4,
                                    rtol=1e-4)
-    windowed, full = dec._attentions[(2, 4, WINDOW)], dec._attentions[(2, 4, None)]
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma3_text"])
+def test_flex_skips_the_blocks_before_a_window_and_still_equals_the_forward(models, name):
+    """Without a ring (one would be as long as the cache here), past the first 128-key block plus
+    the window a sliding-window layer's flex attention reads from the block holding its window's
+    first key: one block, where a full layer reads two."""
+    model = models[name]
+    dec = StaticDecoder(model, slots=2, max_len=256, attention="flex", width=64)  # a ring: 8 + 128 keys, whole blocks
+    assert dec.cache_lens == [256] * len(dec.layers)
+    _verify_past_a_block(dec, model)
+    windowed, full = dec._attentions[(2, 4, WINDOW, 256)], dec._attentions[(2, 4, None, 256)]
     assert windowed.num_blocks.flatten().tolist() == [1, 1] and full.num_blocks.flatten().tolist() == [2, 2]
     assert windowed.indices[:, 0, 0, 0].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma3_text", "mistral_window"])
+def test_sliding_window_layers_keep_a_ring_and_still_equal_the_forward(models, name, kind):
+    """A sliding-window layer's cache is a ring of W + 2B positions (whole 128-key blocks for flex)
+    where that is shorter than the cache: the prompts past it keep only their last W positions,
+    and a verify past the ring's length still equals the forward."""
+    model = models[name]
+    dec = StaticDecoder(model, slots=2, max_len=512, attention=kind, width=4)
+    ring = 128 if kind == "flex" else WINDOW + 8
+    assert dec.cache_lens == [ring if lay.window else 512 for lay in dec.layers]
+    assert {lay.window for lay in dec.layers} >= {WINDOW}
+    assert all(dec.k_layers[i].shape[2] == n for i, n in enumerate(dec.cache_lens))
+    _verify_past_a_block(dec, model)
+    with pytest.raises(ValueError, match="blocks of up to 4"):
+        dec.verify(torch.zeros(2, 5, dtype=torch.long), torch.tensor([154, 164]), 512)
 
 
 @pytest.mark.parametrize("attention", ["dense", "flex"])
@@ -189,3 +214,15 @@ def test_the_speculative_engine_with_partial_acceptance_equals_hugging_face_gree
     assert out.tokens == ref
     accepted = [r.accepted for r in out.rounds]
     assert {0, 1, 2, 3} <= set(accepted) and len(out.rounds) >= 8
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+@pytest.mark.parametrize("name", NAMES)
+def test_the_generate_job_sizes_the_cache_the_decoder_allocates(models, name, kind):
+    """`--batch-size auto` divides memory by the KV size per slot it computes from the config alone:
+    the bytes the built-in engine's decoder then allocates, rings included."""
+    model, max_len = models[name], 1024
+    shape = kv_shape(text_config(model.config), max_len, torch.float32, kind)
+    dec = StaticDecoder(model, slots=3, max_len=max_len, attention=kind)
+    assert shape.ring_layers == sum(n < max_len for n in dec.cache_lens) > 0
+    assert shape.bytes_per_slot * 3 == dec.kv_bytes() < 2 * len(dec.layers) * 3 * dec.n_kv * max_len * dec.head_dim * 4

@@ -13,7 +13,8 @@ from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.evaluate import make_proposer
 from dflash_train.speculative.loop import SpeculativeDecoder
-from dflash_train.speculative.static_drafter import StaticDrafter, ring_length, ring_rule
+from dflash_train.generate.attention import ring_length, ring_rule
+from dflash_train.speculative.static_drafter import StaticDrafter
 
 from ..eval.conftest import ScriptedProposer, plain_greedy, random_drafter
 from .test_engine import OracleDrafts, RecordingSlow, RecordingStatic

@@ -85,6 +85,33 @@ def windowed_rule(window: int) -> Rule:
     return rule
 
 
+def ring_rule(rule: Rule, ring_len: int, block_size: int) -> Rule:
+    """`rule` over a ring cache of `ring_len` positions a slot, for blocks of `block_size` queries:
+    position x lives at ring slot x mod ring_len, and ring slot j is read as the latest position at
+    or before the block's last one that is j modulo `ring_len`; a slot never written (negative) is
+    hidden. Sized by `ring_length`, every key a query may see is still in the ring, and an entry
+    left by a rejected draft reads as a position too old for any window."""
+
+    def visible(p: Tensor, q: Tensor, slot: Tensor) -> Tensor:
+        last = p + (block_size - 1)
+        key = last - torch.remainder(last - slot, ring_len)
+        return (key >= 0) & rule(p, q, key)
+
+    return visible
+
+
+def ring_length(windows: list[int | None], block_size: int, max_len: int, attention: AttentionKind) -> int | None:
+    """Cache positions per slot that layers with these windows need for blocks of up to
+    `block_size` queries: W + 2B (the widest window W), in whole blocks for FlexAttention; None
+    when they need them all (a full-attention layer) or the ring would be no shorter than `max_len`."""
+    if not windows or any(w is None for w in windows):
+        return None
+    ring = max(windows) + 2 * block_size  # type: ignore[type-var]
+    if attention == "flex":
+        ring = -(-ring // FLEX_BLOCK) * FLEX_BLOCK
+    return ring if ring < max_len else None
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float | None,
                      score_cap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """softmax(q k^T * scale + mask) v over the last two axes; q [..., Tq, D], k/v [..., Tk, D];

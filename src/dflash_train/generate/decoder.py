@@ -4,7 +4,8 @@ It reads the Hugging Face model's own weight tensors (nothing is copied) and rep
 Hugging Face op sequence for norms, rotary embeddings and MLP (generate/layers.py), so fp32
 results match `model.generate` token for token. Only attention and the cache are ours:
 
-    k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim]
+    k_caches[L], v_caches[L]: [layers of cache length L, slots, kv_heads, L, head_dim]
+    (L = max_len, and for sliding-window layers a ring of W + 2B positions where shorter)
 
 Every slot holds one conversation at its own position, so a finished slot can be refilled
 by `prefill` while the others keep decoding. `decode` has a fixed shape for a given
@@ -14,9 +15,10 @@ capture it in a CUDA graph.
 Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, whose experts run as
 one grouped GEMM: target/moe.py), Gemma 2 and Gemma 3 (text, or the text decoder of the
 multimodal model) and gpt-oss; any static RoPE variant transformers provides (default, linear,
-llama3, yarn, ...), Gemma 3's table per layer type, tied or untied lm_head. Sliding-window layers
-keep the full cache and see the last `sliding_window` positions of it (the mask applies the
-window), so a rejected draft is rolled back by position alone, as in full layers. Gemma 2's
+llama3, yarn, ...), Gemma 3's table per layer type, tied or untied lm_head. A sliding-window
+layer keeps a ring of its last W + 2B positions (W its window, B the widest block `verify` takes;
+generate/attention.py `ring_rule`) where that is shorter than the cache, so a rejected draft is
+still rolled back by position alone, as in full layers, and the mask applies the window. Gemma 2's
 soft-capped attention scores and gpt-oss's attention sinks attend through an explicit softmax.
 """
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_train.generate.attention import (AttentionKind, CacheAttention, cache_index, causal_rule, flat,
-                                             masked_attention, windowed_rule)
+                                             masked_attention, ring_length, ring_rule, windowed_rule)
 from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind, layer_windows,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
 from dflash_train.target.language_model import language_model, text_config
@@ -113,7 +115,9 @@ def head_dim_of(model: torch.nn.Module) -> int | None:
 class StaticDecoder:
     """Static-cache forward for `slots` concurrent sequences of at most `max_len` tokens."""
 
-    def __init__(self, model, slots: int, max_len: int, attention: AttentionKind = "dense") -> None:
+    def __init__(self, model, slots: int, max_len: int, attention: AttentionKind = "dense", width: int = 1) -> None:
+        """`width`: the widest block `verify` is given (the speculative engine's block size), which
+        sizes the sliding-window layers' rings."""
         check_supported(model, max_len)
         cfg, inner = text_config(model.config), language_model(model)
         self.kind = layer_kind(cfg.model_type)
@@ -138,21 +142,37 @@ class StaticDecoder:
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
 
-        shape = (len(self.layers), slots, self.n_kv, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.width = width
+        # each layer's cache length: max_len, or a sliding-window layer's ring where shorter
+        self.cache_lens = [ring_length([lay.window], width, max_len, attention) or max_len if lay.window else max_len
+                           for lay in self.layers]
+        self.k_layers, self.v_layers = self._allocate_caches()  # per layer [slots, kv, L, D] views
         self.key_positions = torch.arange(max_len, device=self.device)
         self.ropes = self._rope_tables(inner.rotary_emb)
         self.rows = torch.arange(slots, device=self.device)
         # The per-layer pieces `decode` calls; the engine may swap in torch.compile'd versions.
         self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = pre_attention
         self.q_writing_kv: Callable[..., Tensor] = q_writing_kv  # of `verify`
-        self.k_flat = [flat(c) for c in self.k_cache]  # per layer [slots * kv * max_len, D] views
-        self.v_flat = [flat(c) for c in self.v_cache]
+        self.k_flat = [flat(c) for c in self.k_layers]  # per layer [slots * kv * L, D] views
+        self.v_flat = [flat(c) for c in self.v_layers]
         self.post_attention: Callable[..., Tensor] = post_attention
         self.final_logits: Callable[..., Tensor] = final_logits  # of `verify` (fixed shapes: compilable)
         self.attention_kind = attention  # of `verify` (generate/attention.py)
-        self._attentions: dict[tuple[int, int, int | None], CacheAttention] = {}
+        self._attentions: dict[tuple[int, int, int | None, int], CacheAttention] = {}
+
+    def _allocate_caches(self) -> tuple[list[Tensor], list[Tensor]]:
+        """One K and one V tensor per cache length, the layers' caches views of them."""
+        k_layers: list[Tensor] = [torch.empty(0)] * len(self.layers)
+        v_layers: list[Tensor] = [torch.empty(0)] * len(self.layers)
+        self.k_caches, self.v_caches = {}, {}
+        for length in sorted(set(self.cache_lens)):
+            ids = [i for i, n in enumerate(self.cache_lens) if n == length]
+            shape = (len(ids), self.slots, self.n_kv, length, self.head_dim)
+            self.k_caches[length] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_caches[length] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for j, i in enumerate(ids):
+                k_layers[i], v_layers[i] = self.k_caches[length][j], self.v_caches[length][j]
+        return k_layers, v_layers
 
     def _rope_tables(self, rotary) -> dict[str | None, tuple[Tensor, Tensor]]:
         """(cos, sin) [max_len, D] by the layers' table names, from the model's own rotary module, so
@@ -169,17 +189,24 @@ class StaticDecoder:
                 tables[name] = (cos[0].contiguous(), sin[0].contiguous())
         return tables
 
-    def _attention(self, slots: int, width: int, window: int | None = None) -> CacheAttention:
+    def _attention(self, slots: int, width: int, window: int | None, length: int) -> CacheAttention:
         """The causal cache attention of `verify` for `width` tokens per slot, cut to `window` keys
-        for sliding-window layers (its mask buffers are made on the first call: a warm-up, never
-        inside a CUDA-graph capture)."""
-        key = (slots, width, window)
+        for sliding-window layers, over caches of `length` positions (a ring when shorter than
+        max_len). Its mask buffers are made on the first call: a warm-up, never inside a CUDA-graph
+        capture."""
+        key = (slots, width, window, length)
         if key not in self._attentions:
+            rule = windowed_rule(window) if window else causal_rule
+            ring = length < self.max_len
             self._attentions[key] = CacheAttention(
-                windowed_rule(window) if window else causal_rule, self.attention_kind, slots=slots, q_len=width,
-                max_len=self.max_len, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim, scale=self.scale,
-                dtype=self.dtype, device=self.device, score_cap=self.score_cap, window=window)
+                ring_rule(rule, length, width) if ring else rule, self.attention_kind, slots=slots, q_len=width,
+                max_len=length, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim, scale=self.scale,
+                dtype=self.dtype, device=self.device, score_cap=self.score_cap, window=None if ring else window)
         return self._attentions[key]
+
+    def _slots_of(self, positions: Tensor, length: int) -> Tensor:
+        """Cache slots of sequence positions in a cache of `length`: themselves, or their ring slots."""
+        return positions if length == self.max_len else torch.remainder(positions, length)
 
     def _embed(self, ids: Tensor) -> Tensor:
         x = F.embedding(ids, self.embed_w)
@@ -190,7 +217,7 @@ class StaticDecoder:
                 "head_dim": self.head_dim, "kind": lay.kind}
 
     def kv_bytes(self) -> int:
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return 2 * sum(c.numel() * c.element_size() for c in self.k_caches.values())
 
     def _logits(self, h: Tensor) -> Tensor:
         return final_logits(h, self.norm_w, self.lm_head_w, self.lm_head_b, **self.logits_kw)
@@ -232,8 +259,7 @@ class StaticDecoder:
             cos, sin = (table[:t, None, :] for table in self.ropes[lay.rope])  # [T, 1, D] over [B, T, heads, D]
             q, k, v = pre_attention(x, cos, sin, *lay.pre, **self._pre_kw(lay))
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv, T, D]
-            self.k_cache[i, slot_ids, :, :t] = k
-            self.v_cache[i, slot_ids, :, :t] = v
+            self._write_prompts(i, k, v, lengths, slot_ids)
             if rep > 1:  # same as transformers' repeat_kv
                 k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
                 v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
@@ -245,6 +271,32 @@ class StaticDecoder:
                 taps[i] = x
         last = x[torch.arange(b, device=x.device), lengths - 1]
         return self._logits(last), self._concat_taps(taps, tap_layers)
+
+    def _write_prompts(self, i: int, k: Tensor, v: Tensor, lengths: Tensor, slot_ids: Tensor) -> None:
+        """k/v [B, kv, T, D] of right-padded prompts into layer i's cache rows `slot_ids`: every
+        position, or into a ring only each prompt's last W (its window: all a later query sees;
+        a short prompt's padding lands on positions past it, which read as too old until written)."""
+        t, length = k.shape[2], self.cache_lens[i]
+        if length == self.max_len:
+            self.k_layers[i][slot_ids, :, :t] = k
+            self.v_layers[i][slot_ids, :, :t] = v
+            return
+        keep = min(t, self.layers[i].window)
+        first = (lengths.to(self.device) - keep).clamp(min=0)  # [B]: each prompt's first position kept
+        grid = first[:, None] + self.key_positions[None, :keep]  # [B, keep], all < T
+        pick = grid[:, None, :, None].expand(-1, self.n_kv, -1, self.head_dim)
+        rows, ring_slots = slot_ids.to(self.device)[:, None], torch.remainder(grid, length)
+        self.k_layers[i][rows, :, ring_slots] = k.gather(2, pick).transpose(1, 2)  # [B, keep, kv, D]
+        self.v_layers[i][rows, :, ring_slots] = v.gather(2, pick).transpose(1, 2)
+
+    def _decode_visible(self, positions: Tensor, kv_len: int, window: int | None, length: int) -> Tensor:
+        """[S, 1, 1, n] bool: the cache slots 0..n-1 (n = min(kv_len, length)) a decode query at each
+        slot's position sees; a ring's slot j read as the latest position at or before it."""
+        n, p = min(kv_len, length), positions[:, None]
+        if length == self.max_len:
+            return self._visible(positions, n, window)[:, None, None, :]
+        key = p - torch.remainder(p - self.key_positions[None, :n], length)
+        return ((key >= 0) & (key > p - window))[:, None, None, :]
 
     @staticmethod
     def _concat_taps(taps: dict[int, Tensor], tap_layers: Sequence[int], out: Tensor | None = None) -> Tensor | None:
@@ -267,17 +319,18 @@ class StaticDecoder:
         x = self._embed(tokens)  # [S, H]
         ropes = {name: (cos[positions][:, None, :], sin[positions][:, None, :])  # [S, 1, D]
                  for name, (cos, sin) in self.ropes.items()}
-        visible = {w: self._visible(positions, kv_len, w)[:, None, None, :]  # [S, 1, 1, L]
-                   for w in {lay.window for lay in self.layers}}
+        kinds = {(lay.window, n) for lay, n in zip(self.layers, self.cache_lens)}
+        visible = {(w, n): self._decode_visible(positions, kv_len, w, n) for w, n in kinds}
         for i, lay in enumerate(self.layers):
             q, k, v = self.pre_attention(x, *ropes[lay.rope], *lay.pre, **self._pre_kw(lay))
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[self.rows, :, positions] = k
-            vc[self.rows, :, positions] = v
+            kc, vc, length = self.k_layers[i], self.v_layers[i], self.cache_lens[i]
+            kc[self.rows, :, self._slots_of(positions, length)] = k
+            vc[self.rows, :, self._slots_of(positions, length)] = v
+            n = min(kv_len, length)
             # GQA without repeating the cache: the `rep` query heads sharing a kv head become
             # that head's `rep` query rows (all at the same position, so one mask serves all).
-            o = masked_attention(q.view(s, self.n_kv, rep, self.head_dim), kc[:, :, :kv_len], vc[:, :, :kv_len],
-                                 visible[lay.window], scale=self.scale, score_cap=self.score_cap,
+            o = masked_attention(q.view(s, self.n_kv, rep, self.head_dim), kc[:, :, :n], vc[:, :, :n],
+                                 visible[(lay.window, length)], scale=self.scale, score_cap=self.score_cap,
                                  sinks=self._sinks(lay, (1, self.n_kv, rep, 1)))
             x = self.post_attention(x, o.reshape(s, self.n_heads * self.head_dim), *lay.post, **lay.post_kw)
         return self._logits(x)
@@ -298,19 +351,25 @@ class StaticDecoder:
         caller guarantees max(positions) + T <= kv_len <= max_len. The attention kernel is
         `attention_kind` (generate/attention.py: `flex` reads the whole cache, by blocks)."""
         s, t = tokens.shape
+        if t > self.width and min(self.cache_lens) < self.max_len:
+            raise ValueError(f"verify of {t} tokens a slot: this decoder's rings hold blocks of up to {self.width} "
+                             f"(StaticDecoder(width=...))")
         grid = positions[:, None] + self.key_positions[None, :t]  # [S, T] each token's position
         x = self._embed(tokens)  # [S, T, H]
         ropes = {name: (cos[grid][:, :, None, :], sin[grid][:, :, None, :])  # [S, T, 1, D]
                  for name, (cos, sin) in self.ropes.items()}
-        attentions = {w: self._attention(s, t, w) for w in {lay.window for lay in self.layers}}
-        for attention in attentions.values():
-            attention.prepare(positions, kv_len)  # once for all layers
-        index = cache_index(self.rows[:s], grid, self.n_kv, self.max_len)  # (s, t, j) -> row s, head j, grid[s, t]
+        kinds = {(lay.window, n) for lay, n in zip(self.layers, self.cache_lens)}
+        attentions = {(w, n): self._attention(s, t, w, n) for w, n in kinds}
+        for (_, n), attention in attentions.items():
+            attention.prepare(positions, min(kv_len, n))  # once for all layers of its kind
+        # (s, t, j) -> row s, head j, the cache slot of grid[s, t]; one index per cache length
+        index = {n: cache_index(self.rows[:s], self._slots_of(grid, n), self.n_kv, n) for n in set(self.cache_lens)}
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.layers):
+            length = self.cache_lens[i]
             q = self.q_writing_kv(x, *ropes[lay.rope], *lay.pre, k_flat=self.k_flat[i], v_flat=self.v_flat[i],
-                                  index=index, **self._pre_kw(lay))  # q [S, T, h, D]; k/v into the cache
-            attn = attentions[lay.window].attend(q, self.k_cache[i], self.v_cache[i], lay.sinks)
+                                  index=index[length], **self._pre_kw(lay))  # q [S, T, h, D]; k/v into the cache
+            attn = attentions[(lay.window, length)].attend(q, self.k_layers[i], self.v_layers[i], lay.sinks)
             x = self.post_attention(x, attn, *lay.post, **lay.post_kw)
             if i in tap_layers:
                 taps[i] = x

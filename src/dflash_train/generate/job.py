@@ -71,7 +71,7 @@ def _kv_shape(cfg: GenerateConfig, text_config, device, dtype, max_new_tokens: i
     shape = kv_shape(text_config, 1, dtype)
     attention = cfg.attention if cfg.attention != "auto" else decode_attention_for(device, cfg.compile,
                                                                                     [shape.head_dim])
-    return kv_shape(text_config, cache_positions(cfg.max_prompt_tokens, max_new_tokens, attention), dtype)
+    return kv_shape(text_config, cache_positions(cfg.max_prompt_tokens, max_new_tokens, attention), dtype, attention)
 
 
 def _refuse_too_big(slots: int, shape: KvShape, available: int | None, device, which: str) -> None:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.generate.attention import FLEX_BLOCK
+from dflash_train.generate.attention import FLEX_BLOCK, ring_length
+from dflash_train.generate.layers import layer_windows
 
 GPU_MAX_SLOTS = 1536
 CPU_MAX_SLOTS = 64
@@ -34,17 +35,21 @@ CPU_SHARE = 0.5
 
 @dataclass(frozen=True)
 class KvShape:
-    """What one slot's cache costs: layers x kv heads x positions x head dim, keys and values."""
+    """What one slot's cache costs: layers x kv heads x positions x head dim, keys and values; of
+    them, `ring_layers` (sliding-window layers) hold a ring of `ring_positions` instead."""
 
     layers: int
     kv_heads: int
     head_dim: int
     positions: int
     element_bytes: int
+    ring_layers: int = 0
+    ring_positions: int = 0
 
     @property
     def bytes_per_slot(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.positions * self.head_dim * self.element_bytes
+        positions = (self.layers - self.ring_layers) * self.positions + self.ring_layers * self.ring_positions
+        return 2 * self.kv_heads * positions * self.head_dim * self.element_bytes
 
 
 def cache_positions(max_prompt_tokens: int, max_new_tokens: int, attention: str) -> int:
@@ -54,13 +59,16 @@ def cache_positions(max_prompt_tokens: int, max_new_tokens: int, attention: str)
     return -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
 
 
-def kv_shape(text_config, positions: int, dtype: torch.dtype) -> KvShape:
-    """The cache shape of a decoder with this (text) config."""
+def kv_shape(text_config, positions: int, dtype: torch.dtype, attention: str = "dense") -> KvShape:
+    """The cache shape of a decoder with this (text) config, as generate/decoder.py allocates it
+    for the built-in engine (one token a step): sliding-window layers in rings where shorter."""
     heads = int(text_config.num_attention_heads)
     head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    rings = [ring_length([w], 1, positions, attention) for w in layer_windows(text_config) if w]
+    rings = [n for n in rings if n is not None]
     return KvShape(int(text_config.num_hidden_layers), int(kv_heads), int(head_dim), positions,
-                   torch.empty((), dtype=dtype).element_size())
+                   torch.empty((), dtype=dtype).element_size(), len(rings), max(rings, default=0))
 
 
 def host_available_bytes() -> int | None:

@@ -109,7 +109,8 @@ class SpecEngine:
             attention = decode_attention_for(dev, compile, heads) if slots == 1 else "dense"
         self.attention = attention
         max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
-        self.decoder = StaticDecoder(target, slots, max_len, attention=attention)
+        block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else getattr(drafter, "block_size", 1)
+        self.decoder = StaticDecoder(target, slots, max_len, attention=attention, width=block)  # rings fit a block
         self.device = dev
         self.slots, self.max_len = slots, max_len
         self.stop_ids = {int(t) for t in stop_ids}

@@ -52,15 +52,8 @@ from torch import Tensor
 
 from dflash_train.drafter import dspark
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import (
-    FLEX_BLOCK,
-    AttentionKind,
-    CacheAttention,
-    Rule,
-    cache_index,
-    flat,
-    write_cache,
-)
+from dflash_train.generate.attention import (AttentionKind, CacheAttention, cache_index, flat, ring_length,
+                                             ring_rule, write_cache)
 from dflash_train.speculative.loop import layer_windows
 from dflash_train.target.ops import apply_rope, rms_norm
 
@@ -98,30 +91,6 @@ def block_rule(block_size: int, window: int | None, causal: bool):
         return context | in_block
 
     return visible
-
-
-def ring_rule(rule: Rule, ring_len: int, block_size: int) -> Rule:
-    """`rule` over a ring cache (module doc): ring slot j holds the latest position at or before
-    the block's last one that is j modulo `ring_len`; a slot never written (negative) is hidden."""
-
-    def visible(p: Tensor, q: Tensor, slot: Tensor) -> Tensor:
-        last = p + (block_size - 1)
-        key = last - torch.remainder(last - slot, ring_len)
-        return (key >= 0) & rule(p, q, key)
-
-    return visible
-
-
-def ring_length(windows: list[int | None], block_size: int, max_len: int, attention: AttentionKind) -> int | None:
-    """Cache positions per slot that a drafter with these layer windows needs (module doc): W + 2B,
-    in whole blocks for FlexAttention; None when it needs them all (a full-attention layer) or
-    the ring would be no shorter than `max_len`."""
-    if not windows or any(w is None for w in windows):
-        return None
-    ring = max(windows) + 2 * block_size  # type: ignore[type-var]
-    if attention == "flex":
-        ring = -(-ring // FLEX_BLOCK) * FLEX_BLOCK
-    return ring if ring < max_len else None
 
 
 def drafter_like(drafter: DFlashDrafter, like: Tensor) -> DFlashDrafter:
