@@ -12,6 +12,7 @@ from dflash_train.generate.builtin import BuiltinEngine
 from dflash_train.generate.engine import Request
 
 from .test_builtin_engine import NEW, run_engine
+from tests.families import build_model
 from .tiny import make_model
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -47,3 +48,22 @@ def test_gpu_engine_equals_hf_greedy_with_stops_limits_and_refills(attention, co
         assert [(results[i].token_ids, results[i].finish_reason) for i in range(len(prompts))] == expected
         assert engine.table.n_active == 0 and engine.stats.decode_steps > 0
     assert engine.stats.prefill_seconds > 0  # CUDA events timed the prefills
+
+
+@needs_gpu
+@pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss"])
+def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compile):
+    """Gemma 2 (capped scores and logits), Gemma 3 and gpt-oss (sinks, experts) on the CUDA path:
+    prompts past the window, so the sliding-window layers decode from their rings (dense: W + 2
+    keys, flex: one 128-key block in a 256-key cache), CUDA-graphed and, with flex, compiled."""
+    model = build_model(name, 300).cuda()
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (150, 9, 170, 131)]
+    expected = [hf_greedy_on_device(model, p) for p in prompts]
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
+                           attention=attention, compile=compile, cuda_graphs=True)
+    assert engine.attention == attention and min(engine.decoder.cache_lens) < engine.decoder.max_len
+    results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
+    assert [results[i].token_ids for i in range(len(prompts))] == expected
