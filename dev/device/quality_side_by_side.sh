@@ -16,7 +16,7 @@
 #                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
 #                                       the new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min;
-#                                       PREPARE=0: no prepare, for a session that only generates)
+#                                       PREPARE=0: no prepare, for a run that only generates)
 # Kept conversations (`bash scripts/recipe_data.sh restore .recipe`: .recipe/NNN-NAME.jsonl.xz) travel
 # with any part: each part first keeps the .recipe files it carries in /tmp/recipe-kept, and data
 # restores them all in name order (EXPECT_ROWS=N: stop unless N rows came). A call carries 64 MiB in
