@@ -12,7 +12,8 @@ from dflash_train.data import prompts as prompts_mod
 from dflash_train.data.prompts import CHAT_ASSET, PromptError, asset_path, encode_prompt, load_prompts
 from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.eval.assets import TRAIN_ASSET, overlap, read_jsonl
-from dflash_train.utils.errors import DataError
+from dflash_train.speculative.evaluate import evaluate_prompts
+from dflash_train.utils.errors import DataError, EvalError
 
 from ..conftest import ON_CPU
 from .conftest import random_drafter
@@ -69,6 +70,8 @@ def test_eval_refuses_strict_without_greedy_and_names_why_no_prompt_is_left(tiny
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"dflash-train eval: error: no prompt left to evaluate: all 3 are longer than --max-prompt-tokens 5 (the "
         f"shortest has {shortest:,} tokens); raise it or give shorter prompts")
+    with pytest.raises(EvalError, match="^no prompt left to evaluate$"):  # none given: nothing to measure
+        evaluate_prompts(model, tok, random_drafter(model, tok, 4), [], max_new_tokens=4, max_prompt_tokens=5)
 
 
 def test_eval_cli_draft_window(tiny_targets, loaded_targets, tmp_path, monkeypatch):

@@ -126,17 +126,15 @@ def evaluate_prompts(
 def _encode_within(tokenizer, prompts: list[Prompt], max_prompt_tokens: int | None) -> list[tuple[Prompt, list[int]]]:
     """Each prompt with its token ids, those longer than `max_prompt_tokens` left out."""
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
-    if max_prompt_tokens:
-        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
-        if not kept:
-            shortest = min(len(ids) for _, ids in encoded)
-            raise EvalError(f"no prompt left to evaluate: all {len(encoded)} are longer than --max-prompt-tokens "
-                            f"{max_prompt_tokens} (the shortest has {shortest:,} tokens); raise it or give "
-                            f"shorter prompts")
-        encoded = kept
     if not encoded:
         raise EvalError("no prompt left to evaluate")
-    return encoded
+    kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens] if max_prompt_tokens else encoded
+    if not kept:
+        shortest = min(len(ids) for _, ids in encoded)
+        raise EvalError(f"no prompt left to evaluate: all {len(encoded)} are longer than --max-prompt-tokens "
+                        f"{max_prompt_tokens} (the shortest has {shortest:,} tokens); raise it or give "
+                        f"shorter prompts")
+    return kept
 
 
 def _evaluate_one(decoder, prompt: Prompt, ids: list[int], max_new_tokens: int, greedy: bool, near_tie_ulps: float,
