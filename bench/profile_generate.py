@@ -319,8 +319,8 @@ def prefill_times(engine: BuiltinEngine, shapes: list[tuple[int, int]], reps: in
     overwrites those slots' caches."""
     out = []
     for rows, width in shapes:
-        padded = engine.prefill_shapes.shape(rows, width)
-        slot_idx, lengths, ids = engine.prefill_shapes.views(engine._prefill_stage, padded)
+        padded = engine.prefill.shapes.shape(rows, width)
+        slot_idx, lengths, ids = engine.prefill.shapes.views(engine.prefill.buffer, padded)
         slot_idx.copy_(torch.arange(len(slot_idx), device=device))
         lengths.fill_(width)
         ids.copy_(torch.randint(0, engine.decoder.embed_w.shape[0], ids.shape, device=device))

@@ -143,7 +143,7 @@ def test_prefill_forwards_follow_the_chunk_rule_and_host_time_is_split(monkeypat
     prompts = [[5] * 10, [6] * 2, [7] * 20, [8] * 3, [9] * 5]
     engine = BuiltinEngine(model, None, slots=5, max_prompt_tokens=20, max_new_tokens=3, stop_ids=set(),
                            ignore_eos=True, prefill_tokens=40)
-    assert (engine.prefill_shapes.widths, engine.prefill_shapes.rows) == ([4, 8, 16, 20], [1, 2, 4, 5])
+    assert (engine.prefill.shapes.widths, engine.prefill.shapes.rows) == ([4, 8, 16, 20], [1, 2, 4, 5])
     t0 = time.perf_counter()
     results = run_engine(engine, [Request(prompt_ids=p, tag=i) for i, p in enumerate(prompts)])
     wall = time.perf_counter() - t0

@@ -53,7 +53,7 @@ def test_compile_in_place_swaps_and_traces_once_without_autograd():
         grad.append(torch.is_grad_enabled())
         return owner.inc(owner.double(torch.ones(2)))
 
-    assert compile_in_place([(owner, "double"), (owner, "inc")], trace, backend=backend) is None
+    assert compile_in_place([(owner, "double"), (owner, "inc")], trace, torch.device("cpu"), backend=backend) is None
     assert owner.double is not double and len(graphs) == 2 and grad == [False]
     with torch.no_grad():  # as the engines' steps run: the traced graphs serve, none is compiled again
         assert torch.equal(owner.inc(owner.double(torch.ones(2))), torch.full((2,), 3.0)) and len(graphs) == 2
@@ -66,7 +66,7 @@ def test_compile_in_place_puts_the_eager_functions_back_on_a_failure():
     def failing_backend(gm, example_inputs):
         raise RuntimeError("no kernel for this")
 
-    exc = compile_in_place([(owner, "double"), (owner, "inc")], lambda: owner.double(torch.ones(2)),
+    exc = compile_in_place([(owner, "double"), (owner, "inc")], lambda: owner.double(torch.ones(2)), torch.device("cpu"),
                            backend=failing_backend)
     assert "no kernel for this" in str(exc) and (owner.double, owner.inc) == plain
 
@@ -74,5 +74,5 @@ def test_compile_in_place_puts_the_eager_functions_back_on_a_failure():
         assert owner.double is not double  # the compiled one is in place while tracing
         raise ValueError("out of memory")
 
-    exc = compile_in_place([(owner, "double")], trace_that_raises, backend="eager")
+    exc = compile_in_place([(owner, "double")], trace_that_raises, torch.device("cpu"), backend="eager")
     assert isinstance(exc, ValueError) and owner.double is double

@@ -32,7 +32,6 @@ from dflash_train.generate.continuous_batching import (
     pull,
     run_one_step_ahead,
     step_buckets,
-    sync,
     wait_for,
 )
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
@@ -156,7 +155,6 @@ class BuiltinEngine:
         # a chunk's inputs: [slots, lengths, ids], its rows' top-k and keys, the rows that sample
         self.prefill = PrefillStage(PrefillShapes(slots, max_prompt_tokens, prefill_tokens, PREFILL_MIN_WIDTH),
                                     dev, values_per_row=3)
-        self.prefill_shapes, self._prefill_stage = self.prefill.shapes, self.prefill.buffer  # a profiler stages by hand
         self.prefill_step = self.prefill.step(self._prefill_forward, use_graphs=graphs, name="prefill")
         log.info("built-in engine: %d slots x %d positions, KV cache %.2f GiB, %s attention, %s", slots, max_len,
                  self.decoder.kv_bytes() / 2**30, self.attention, "CUDA graphs" if self.step.use_graphs else "eager")
@@ -200,9 +198,8 @@ class BuiltinEngine:
 
         def trace() -> None:  # all slots are idle: the k/v it writes at their position 0 are overwritten by prefill
             dec.decode(self.tokens, self.positions, dec.max_len)
-            sync(self.device)
 
-        exc = compile_in_place([(dec, name) for name in names], trace, backend=backend)
+        exc = compile_in_place([(dec, name) for name in names], trace, self.device, backend=backend)
         if exc is not None:  # run uncompiled, dense attention
             warnings.warn(f"torch.compile of the decode step failed, running it uncompiled with dense attention: "
                           f"{exc}", stacklevel=2)

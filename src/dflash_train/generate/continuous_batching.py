@@ -205,9 +205,3 @@ class DeviceMarks:
         if self.cuda:  # pragma: no cover
             return self.events[i].elapsed_time(self.events[j]) / 1000
         return self.marks[j] - self.marks[i]
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing on CPU)."""
-    if torch.device(device).type == "cuda":  # pragma: no cover
-        torch.cuda.synchronize()

@@ -59,7 +59,6 @@ from dflash_train.generate.continuous_batching import (
     pull,
     run_one_step_ahead,
     step_buckets,
-    sync,
 )
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of
@@ -67,6 +66,7 @@ from dflash_train.speculative.loop import DecodeResult, Round
 from dflash_train.speculative.rounds import Launched, Row, commit_round
 from dflash_train.speculative.static_drafter import DraftSource, StaticDrafter, drafter_like
 from dflash_train.utils.compile import compile_in_place
+from dflash_train.utils.device import sync
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ class SpecEngine:
             attention = decode_attention_for(dev, compile, heads) if slots == 1 else "dense"
         self.attention = attention
         max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
-        block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else getattr(drafter, "block_size", 1)
+        block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else \
+            drafter.block_size if drafter is not None else 1
         self.decoder = StaticDecoder(target, slots, max_len, attention=attention, width=block)  # rings fit a block
         self.device = dev
         self.slots, self.max_len = slots, max_len
@@ -119,7 +120,7 @@ class SpecEngine:
                                     self.decoder.lm_head_w, slots, max_len, attention=attention,
                                     window=draft_window)
         self.drafter = drafter
-        self.block_size = drafter.block_size if drafter is not None else 1
+        self.block_size = block
         self.tap_layers = list(drafter.target_layer_ids) if drafter is not None else []
         self.refill = RefillRule.of(slots, refill_fraction)
         self.overlap_rounds = overlap_rounds
@@ -221,9 +222,8 @@ class SpecEngine:
         def trace() -> None:  # all slots idle: the steps commit nothing
             for step in self._steps():
                 step.fn(self.buckets[0])
-            sync(self.device)
 
-        exc = compile_in_place(swapped, trace, backend=backend)
+        exc = compile_in_place(swapped, trace, self.device, backend=backend)
         if exc is not None:  # run uncompiled, dense attention
             warnings.warn(f"torch.compile of the engine's layers failed, running them uncompiled: {exc}", stacklevel=2)
             self._use_dense_attention()

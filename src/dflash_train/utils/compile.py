@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dflash_train.utils.device import sync
+
 _COMPILED: dict[tuple[str, bool | None, bool], Callable] = {}
 
 
@@ -34,19 +36,20 @@ def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool
     return _COMPILED[key]
 
 
-def compile_in_place(swaps: Sequence[tuple[object, str]], trace: Callable[[], object], *,
+def compile_in_place(swaps: Sequence[tuple[object, str]], trace: Callable[[], object], device: torch.device, *,
                      backend: str | Callable = "inductor") -> Exception | None:
     """Replace each function `owner.name` of `swaps` by its torch.compile'd version (fixed
     shapes, one graph) and call `trace` at once, without autograd (grad mode is part of what
-    compiled code is keyed on), so that a compiler failure shows here and not in the middle of
-    a run. On a failure, put every original back and return the exception; None when all
-    compiled."""
+    compiled code is keyed on), waiting for `device`, so that a compiler or kernel failure shows
+    here and not in the middle of a run. On a failure, put every original back and return the
+    exception; None when all compiled."""
     originals = [(owner, name, getattr(owner, name)) for owner, name in swaps]
     try:
         for owner, name, fn in originals:
             setattr(owner, name, torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
         with torch.no_grad():
             trace()
+        sync(device)
     except Exception as exc:  # noqa: BLE001 - any compiler failure
         for owner, name, fn in originals:
             setattr(owner, name, fn)

@@ -139,3 +139,9 @@ def choose_cpu_threads(requested: int = 0, ranks_on_node: int | None = None) -> 
         torch.set_num_threads(free)
         return free, f"other processes keep {busy:.1f} of {cores} cores busy; --threads overrides"
     return cores, "all cores idle"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing on CPU)."""
+    if torch.device(device).type == "cuda":  # pragma: no cover
+        torch.cuda.synchronize()
