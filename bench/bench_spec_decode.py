@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     gc.collect()  # the engine's graphs and caches (lambdas hold reference cycles)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if args.batch_slots and static_engine_supported(model, max_len):
+    if args.batch_slots and static_engine_supported(model):
         batch_prompts = [prompts[i % len(prompts)] for i in range(args.batch_prompts)]
         t0 = time.perf_counter()
         say(f"building the batched engine ({args.batch_slots} slots) ...")
@@ -276,10 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def static_engine_supported(model, max_len: int) -> bool:
+def static_engine_supported(model) -> bool:
     """Batched runs need the static engine (the Hugging Face fallback is batch 1)."""
     try:
-        check_supported(model, max_len)
+        check_supported(model)
     except UnsupportedModelError as exc:
         say(f"batched runs skipped: {exc}")
         return False

@@ -195,7 +195,7 @@ def test_unsupported_architecture_points_to_http_engine():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="--engine http"):
-        check_supported(model, 64)
+        check_supported(model)
 
 
 def test_fp8_target_is_refused_so_the_training_probe_is_skipped():
@@ -203,10 +203,10 @@ def test_fp8_target_is_refused_so_the_training_probe_is_skipped():
     (it reads each projection's bf16 weight), so check_supported refuses it and the trainer's
     held-out probe reports itself unavailable (a warning, not a crashed run)."""
     model = make_model("llama", vocab=256, seed=4)
-    check_supported(model, 64)
+    check_supported(model)
     convert_decoder_linears(model, model.model.layers)
     with pytest.raises(UnsupportedModelError, match="target.fp8"):
-        check_supported(model, 64)
+        check_supported(model)
     assert not HeldOutProbe(model, {0}, [[5, 7, 9]], max_new_tokens=8).available()
 
 

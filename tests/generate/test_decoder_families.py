@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from transformers import AutoModelForCausalLM
 
 from dflash_train.generate.builtin import BuiltinEngine
-from dflash_train.generate.decoder import StaticDecoder, check_supported
+from dflash_train.generate.decoder import StaticDecoder, UnsupportedModelError, check_supported, check_supported_config
 from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.sizing import kv_shape
 from dflash_train.speculative.engine import SpecEngine
@@ -51,7 +52,7 @@ def test_every_family_here_is_windowed_and_taken(models):
     for name in NAMES:
         assert FAMILIES[name].windowed
         assert text_config(models[name].config).sliding_window == WINDOW
-        check_supported(models[name], 128)  # raises if the engine would refuse it
+        check_supported(models[name])  # raises if the engine would refuse it
 
 
 @pytest.mark.parametrize("kind", ["dense", "flex"])
@@ -226,3 +227,28 @@ def test_the_generate_job_sizes_the_cache_the_decoder_allocates(models, name, ki
     dec = StaticDecoder(model, slots=3, max_len=max_len, attention=kind)
     assert shape.ring_layers == sum(n < max_len for n in dec.cache_lens) > 0
     assert shape.bytes_per_slot * 3 == dec.kv_bytes() < 2 * len(dec.layers) * 3 * dec.n_kv * max_len * dec.head_dim * 4
+
+
+def test_a_rope_that_depends_on_the_length_is_refused_in_any_layer_type():
+    """Gemma 3 keeps one set of RoPE parameters per layer type: a dynamic one on its full layers
+    alone cannot be a fixed table either."""
+    cfg = FAMILIES["gemma3_text"].config(VOCAB)
+    cfg.rope_parameters = {"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
+        check_supported_config(cfg)
+
+
+def test_gemma_3_decodes_as_its_forward_whatever_its_attention_cap_field_says():
+    """Gemma 3's config has Gemma 2's `attn_logit_softcapping`, which its forward never applies:
+    the decoder does not either."""
+    cfg = FAMILIES["gemma3_text"].config(VOCAB)
+    cfg.attn_logit_softcapping = 2.0  # low enough to change the scores of a random model
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    dec = StaticDecoder(model, slots=1, max_len=64)
+    assert dec.score_cap is None
+    prompt = _prompts((20,), seed=19)[0]
+    with torch.no_grad():
+        logits = dec.prefill(torch.tensor([prompt]), torch.tensor([20]), torch.tensor([0]))
+    torch.testing.assert_close(logits[0], _hf(model, prompt)[0][-1], atol=1e-4, rtol=1e-4)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash_train.target.ops import soft_cap
 from dflash_train.target.packed_gemma import soft_capped
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM, TILE, BlockMask
@@ -125,8 +126,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, sc
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
-    if score_cap is not None:
-        scores = torch.tanh(scores / score_cap) * score_cap
+    scores = soft_cap(scores, score_cap)
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask

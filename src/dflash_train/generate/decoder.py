@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_train.generate.attention import (AttentionKind, CacheAttention, cache_index, causal_rule, flat,
+from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule, cache_index, causal_rule, flat,
                                              masked_attention, ring_length, ring_rule, windowed_rule)
 from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind, layer_windows,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
-from dflash_train.target.language_model import language_model, text_config
+from dflash_train.target.language_model import final_logit_softcap, language_model, rope_types, text_config
 from dflash_train.utils.errors import ModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
@@ -48,15 +48,10 @@ class UnsupportedModelError(ModelError):
     """The built-in engine cannot run this model; the message points to the HTTP engine."""
 
 
-def _rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return str(params.get("rope_type", params.get("type", "default")))
-
-
 _HINT = "; use the HTTP engine (--engine http) with a vLLM or SGLang server for this model"
 
 
-def check_supported_config(config, max_len: int) -> None:
+def check_supported_config(config) -> None:
     """Raise UnsupportedModelError unless a model of this config is one the engine reproduces,
     judged from the config alone: the refusal comes before any weight is loaded."""
     cfg = text_config(config)
@@ -70,9 +65,9 @@ def check_supported_config(config, max_len: int) -> None:
     if act not in _ACTIVATIONS[kind]:
         raise UnsupportedModelError(f"hidden activation {act!r} is not supported here (only "
                                     f"{', '.join(_ACTIVATIONS[kind])}){_HINT}")
-    rope = _rope_type(cfg)
-    if rope in _DYNAMIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope type {rope!r} depends on the sequence length{_HINT}")
+    dynamic = sorted(rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES))
+    if dynamic:
+        raise UnsupportedModelError(f"rope type {dynamic[0]!r} depends on the sequence length{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"partial rotary embeddings are not supported{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -81,9 +76,9 @@ def check_supported_config(config, max_len: int) -> None:
         raise UnsupportedModelError(f"layer types {sorted(set(cfg.layer_types))} are not supported{_HINT}")
 
 
-def check_supported(model, max_len: int) -> None:
+def check_supported(model) -> None:
     """Raise UnsupportedModelError unless `decode`/`prefill` reproduce `model` exactly."""
-    check_supported_config(model.config, max_len)
+    check_supported_config(model.config)
     inner = language_model(model)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{_HINT}")
@@ -118,7 +113,7 @@ class StaticDecoder:
     def __init__(self, model, slots: int, max_len: int, attention: AttentionKind = "dense", width: int = 1) -> None:
         """`width`: the widest block `verify` is given (the speculative engine's block size), which
         sizes the sliding-window layers' rings."""
-        check_supported(model, max_len)
+        check_supported(model)
         cfg, inner = text_config(model.config), language_model(model)
         self.kind = layer_kind(cfg.model_type)
         self.embed_w = inner.embed_tokens.weight
@@ -133,19 +128,20 @@ class StaticDecoder:
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = head_dim_of(model)
         self.scale = float(inner.layers[0].self_attn.scaling)
-        # Gemma 2 caps its attention scores and its logits; gpt-oss's layers carry sinks
+        # Gemma 2 caps its attention scores (Gemma 3's forward ignores the field), Gemma its logits where
+        # set; gpt-oss's layers carry sinks
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
         self.score_cap = float(cap) if cap else None
-        logit_cap = getattr(cfg, "final_logit_softcapping", None)
+        logit_cap = final_logit_softcap(cfg)
         self.logits_kw = {"eps": self.norm_eps, **({"kind": self.kind} if self.kind != "llama" else {}),
-                          **({"softcap": float(logit_cap)} if logit_cap else {})}
+                          **({"softcap": logit_cap} if logit_cap else {})}
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
 
         self.width = width
         # each layer's cache length: max_len, or a sliding-window layer's ring where shorter
-        self.cache_lens = [ring_length([lay.window], width, max_len, attention) or max_len if lay.window else max_len
-                           for lay in self.layers]
+        self.cache_lens = [ring_length([lay.window], width, max_len, attention) or max_len for lay in self.layers]
+        self.kinds = {(lay.window, n) for lay, n in zip(self.layers, self.cache_lens)}  # (window, cache length)
         self.k_layers, self.v_layers = self._allocate_caches()  # per layer [slots, kv, L, D] views
         self.key_positions = torch.arange(max_len, device=self.device)
         self.ropes = self._rope_tables(inner.rotary_emb)
@@ -196,13 +192,18 @@ class StaticDecoder:
         capture."""
         key = (slots, width, window, length)
         if key not in self._attentions:
-            rule = windowed_rule(window) if window else causal_rule
             ring = length < self.max_len
             self._attentions[key] = CacheAttention(
-                ring_rule(rule, length, width) if ring else rule, self.attention_kind, slots=slots, q_len=width,
-                max_len=length, n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim, scale=self.scale,
-                dtype=self.dtype, device=self.device, score_cap=self.score_cap, window=None if ring else window)
+                self._rule(window, length, width), self.attention_kind, slots=slots, q_len=width, max_len=length,
+                n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim, scale=self.scale, dtype=self.dtype,
+                device=self.device, score_cap=self.score_cap, window=None if ring else window)
         return self._attentions[key]
+
+    def _rule(self, window: int | None, length: int, width: int) -> Rule:
+        """Which cache slots a query sees (generate/attention.py): causal, cut to a sliding `window`,
+        over a ring where the cache `length` is shorter than max_len, for blocks of `width`."""
+        rule = windowed_rule(window) if window else causal_rule
+        return ring_rule(rule, length, width) if length < self.max_len else rule
 
     def _slots_of(self, positions: Tensor, length: int) -> Tensor:
         """Cache slots of sequence positions in a cache of `length`: themselves, or their ring slots."""
@@ -242,8 +243,7 @@ class StaticDecoder:
 
     def _visible(self, query_positions: Tensor, key_count: int, window: int | None) -> Tensor:
         """[..., key_count] bool: keys 0..key_count-1 a query at each position sees (causal, in its window)."""
-        keys, q = self.key_positions[:key_count], query_positions[..., None]
-        return (keys <= q) & (keys > q - window) if window else keys <= q
+        return self._rule(window, self.max_len, 1)(query_positions[..., None], 0, self.key_positions[:key_count])
 
     def _sinks(self, lay: LayerWeights, shape: tuple[int, ...]) -> Tensor | None:
         return None if lay.sinks is None else lay.sinks.view(shape)
@@ -292,11 +292,8 @@ class StaticDecoder:
     def _decode_visible(self, positions: Tensor, kv_len: int, window: int | None, length: int) -> Tensor:
         """[S, 1, 1, n] bool: the cache slots 0..n-1 (n = min(kv_len, length)) a decode query at each
         slot's position sees; a ring's slot j read as the latest position at or before it."""
-        n, p = min(kv_len, length), positions[:, None]
-        if length == self.max_len:
-            return self._visible(positions, n, window)[:, None, None, :]
-        key = p - torch.remainder(p - self.key_positions[None, :n], length)
-        return ((key >= 0) & (key > p - window))[:, None, None, :]
+        keys = self.key_positions[None, :min(kv_len, length)]
+        return self._rule(window, length, 1)(positions[:, None], 0, keys)[:, None, None, :]
 
     @staticmethod
     def _concat_taps(taps: dict[int, Tensor], tap_layers: Sequence[int], out: Tensor | None = None) -> Tensor | None:
@@ -319,13 +316,13 @@ class StaticDecoder:
         x = self._embed(tokens)  # [S, H]
         ropes = {name: (cos[positions][:, None, :], sin[positions][:, None, :])  # [S, 1, D]
                  for name, (cos, sin) in self.ropes.items()}
-        kinds = {(lay.window, n) for lay, n in zip(self.layers, self.cache_lens)}
-        visible = {(w, n): self._decode_visible(positions, kv_len, w, n) for w, n in kinds}
+        visible = {(w, n): self._decode_visible(positions, kv_len, w, n) for w, n in self.kinds}
+        slots = {n: self._slots_of(positions, n) for n in set(self.cache_lens)}  # each slot's cache slot
         for i, lay in enumerate(self.layers):
             q, k, v = self.pre_attention(x, *ropes[lay.rope], *lay.pre, **self._pre_kw(lay))
             kc, vc, length = self.k_layers[i], self.v_layers[i], self.cache_lens[i]
-            kc[self.rows, :, self._slots_of(positions, length)] = k
-            vc[self.rows, :, self._slots_of(positions, length)] = v
+            kc[self.rows, :, slots[length]] = k
+            vc[self.rows, :, slots[length]] = v
             n = min(kv_len, length)
             # GQA without repeating the cache: the `rep` query heads sharing a kv head become
             # that head's `rep` query rows (all at the same position, so one mask serves all).
@@ -358,8 +355,7 @@ class StaticDecoder:
         x = self._embed(tokens)  # [S, T, H]
         ropes = {name: (cos[grid][:, :, None, :], sin[grid][:, :, None, :])  # [S, T, 1, D]
                  for name, (cos, sin) in self.ropes.items()}
-        kinds = {(lay.window, n) for lay, n in zip(self.layers, self.cache_lens)}
-        attentions = {(w, n): self._attention(s, t, w, n) for w, n in kinds}
+        attentions = {(w, n): self._attention(s, t, w, n) for w, n in self.kinds}
         for (_, n), attention in attentions.items():
             attention.prepare(positions, min(kv_len, n))  # once for all layers of its kind
         # (s, t, j) -> row s, head j, the cache slot of grid[s, t]; one index per cache length

@@ -47,7 +47,7 @@ def build_engine(cfg: GenerateConfig, *, need_tokenizer: bool):
     max_new_tokens = max(cfg.max_new_tokens, cfg.prompt_max_tokens if cfg.synthesize else 1)
     # a family the engine cannot decode is refused from its config, before the weights load
     text_config = load_config(source).get_text_config()
-    check_supported_config(text_config, cfg.max_prompt_tokens + max_new_tokens)
+    check_supported_config(text_config)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     shape = _kv_shape(cfg, text_config, device, dtype, max_new_tokens)

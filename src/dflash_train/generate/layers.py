@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from dflash_train.generate.attention import write_cache
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
-from dflash_train.target.ops import apply_rope, rms_norm
-from dflash_train.target.packed_gemma import gemma_rms_norm, post_attention_gemma
-from dflash_train.target.packed_gpt_oss import experts_as_gpt_oss_stores_them, post_attention_gpt_oss
+from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
+from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
+from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
+                                                post_attention_gpt_oss)
 
 LayerKind = Literal["llama", "gemma", "gpt_oss"]
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -117,8 +118,7 @@ def post_attention(
 def final_logits(h: Tensor, norm_w: Tensor, lm_head_w: Tensor, lm_head_b: Tensor | None, *, eps: float,
                  kind: LayerKind = "llama", softcap: float | None = None) -> Tensor:
     """The final norm and the LM head; Gemma 2's logits soft-capped (cap * tanh(logits / cap))."""
-    logits = F.linear(norm(h, norm_w, eps, kind), lm_head_w, lm_head_b)
-    return logits if softcap is None else (logits / softcap).tanh() * softcap
+    return soft_cap(F.linear(norm(h, norm_w, eps, kind), lm_head_w, lm_head_b), softcap)
 
 
 def eps_of(norm_module: nn.Module) -> float:
@@ -157,19 +157,15 @@ class LayerWeights:
 
 
 def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:
+    """The layer's `post_attention` arguments and options: Gemma's and gpt-oss's as the packed forward
+    groups them (target/packed_gemma.py, target/packed_gpt_oss.py)."""
+    if kind != "llama":
+        packed = GemmaLayerWeights(layer, None, None) if kind == "gemma" else GptOssLayerWeights(layer, None)
+        return tuple(packed.post), {**packed.post_kwargs, "kind": kind}
     attn, mlp = layer.self_attn, layer.mlp
     eps = eps_of(layer.post_attention_layernorm)
-    if kind == "gemma":
-        return (attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                layer.post_feedforward_layernorm.weight), {"eps": eps, "kind": kind}
     head = (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight)
     experts = getattr(mlp, "experts", None)
-    if kind == "gpt_oss":
-        return (*head, mlp.router.weight, mlp.router.bias, experts.gate_up_proj, experts.gate_up_proj_bias,
-                experts.down_proj, experts.down_proj_bias), \
-            {"eps": eps, "kind": kind, "top_k": int(mlp.router.top_k), "alpha": float(experts.alpha),
-             "limit": float(experts.limit)}
     if experts is not None:  # Qwen3-MoE: the router and the experts' 3D tensors (target/moe.py)
         return (*head, mlp.gate.weight, experts.gate_up_proj, experts.down_proj), \
             {"eps": eps, "top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}

@@ -30,7 +30,6 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dflash_train.drafter.model import DFlashDrafter
-from dflash_train.generate.attention import FLEX_BLOCK
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.hf_cache import decoding_cache
@@ -122,7 +121,7 @@ def make_spec_decoder(
     """The static engine when it supports `target` (decoder.check_supported), else the
     generic Hugging Face path."""
     try:
-        check_supported(target, -(-max_len // FLEX_BLOCK) * FLEX_BLOCK)
+        check_supported(target)
     except UnsupportedModelError as exc:
         log.warning("static speculative engine unavailable (%s); using the Hugging Face path: batch 1, no CUDA "
                     "graphs, %s (docs/eval.md, \"Supported models\")", exc, _hf_path_cost(target))

@@ -222,7 +222,7 @@ class HeldOutProbe:
         """Whether the static engine supports the target (the Hugging Face path cannot decode
         while a training target's hooks end its forwards early)."""
         try:
-            check_supported(self.target, _cache_positions(self.prompts, self.max_new_tokens, 64))
+            check_supported(self.target)
         except UnsupportedModelError:
             return False
         return True

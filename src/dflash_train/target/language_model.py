@@ -65,3 +65,10 @@ def final_logit_softcap(config: Any) -> float | None:
     """The cap of the target's logit soft-capping (Gemma 2: logits = cap * tanh(h W^T / cap)), or None."""
     cap = getattr(text_config(config), "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+def rope_types(config: Any) -> set[str]:
+    """Every RoPE type of the (text) config (Gemma 3 keeps one set of parameters per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}

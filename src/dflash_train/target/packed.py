@@ -50,6 +50,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
+from dflash_train.target.language_model import rope_types
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -86,13 +87,6 @@ class UnsupportedTarget(ValueError):
 _HINT = "; use target.forward: hf for this model"
 
 
-def _rope_types(cfg) -> set[str]:
-    """Every RoPE type of the config (Gemma 3 keeps one set of parameters per layer type)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
-    return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}
-
-
 def check_packed_config(cfg) -> None:
     """Raise UnsupportedTarget unless a model of this Hugging Face config is one `PackedForward`
     reproduces, judged from the config alone (before the model loads)."""
@@ -104,7 +98,7 @@ def check_packed_config(cfg) -> None:
     act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", None) or "silu"
     if act != ("gelu_pytorch_tanh" if gemma else "silu") and not (not gemma and act == "swish"):
         raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
-    if _rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
+    if rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
