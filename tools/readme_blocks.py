@@ -4,9 +4,10 @@
 
 Each block runs once, in order, in the repository root, under `bash -e` with a new shell's
 environment (PATH=/usr/bin:/bin, HOME and the machine's pip settings, nothing else), so a command that only works from an
-activated virtual environment fails here as it would there. Blocks marked
-`<!-- readme-test: check-only (why) -->` name GPUs and model folders this machine may not have:
-they are listed as not run (tests/test_readme.py checks their options and paths). The blocks
+activated virtual environment fails here as it would there. The marks are tests/test_readme.py's:
+blocks marked `skip` there (they install packages and run for minutes) run here, since a newcomer
+pastes them too; blocks marked `check-only` name GPUs and model folders this machine may not have:
+they are listed as not run (the test checks their options and paths); any other mark is an error. The blocks
 install packages and train; on 2 CPU cores they take about 45 minutes in all (README.md, "Run
 times"). Exit status 1 when a run block fails.
 """
@@ -48,6 +49,8 @@ def main() -> int:
     for i, m in enumerate(BLOCK.finditer((ROOT / "README.md").read_text(encoding="utf-8")), 1):
         first = m["body"].strip().splitlines()[0]
         row = {"block": i, "first_line": first, "mark": m["mark"] or "run"}
+        if row["mark"] not in ("run", "skip", "check-only"):
+            p.error(f"README block {i}: unknown readme-test mark {row['mark']!r}")
         if row["mark"] == "check-only":
             row.update(ran=False, why=m["why"])
         else:

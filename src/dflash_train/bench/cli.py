@@ -134,15 +134,16 @@ class BenchConfig:
 # Each is measured alone against `baseline`, then together. Every row names its target forward: the
 # defaults (auto) would otherwise give the baseline the fast path.
 HF = {"target_forward": "hf", "target_compile": False}
+PACKED_EAGER = {"target_forward": "packed", "target_compile": False}
 LEVERS: dict[str, tuple[str, dict]] = {
     "baseline": ("Hugging Face forward, PyTorch's SDPA choice", HF),
     "hf-flash": ("Hugging Face forward, SDPA forced to flash", {**HF, "sdpa_backend": "flash"}),
     "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {**HF, "sdpa_backend": "cudnn"}),
-    "packed": ("packed forward, eager, PyTorch's SDPA choice", {"target_forward": "packed", "target_compile": False}),
+    "packed": ("packed forward, eager, PyTorch's SDPA choice", PACKED_EAGER),
     "packed-flash": ("packed forward, eager, SDPA forced to flash",
-                     {"target_forward": "packed", "target_compile": False, "sdpa_backend": "flash"}),
+                     {**PACKED_EAGER, "sdpa_backend": "flash"}),
     "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN",
-                     {"target_forward": "packed", "target_compile": False, "sdpa_backend": "cudnn"}),
+                     {**PACKED_EAGER, "sdpa_backend": "cudnn"}),
     "packed-compiled": ("packed forward, compiled, one fixed shape",
                         {"target_forward": "packed", "target_compile": True}),
     "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {**HF, "fp8_target": True}),

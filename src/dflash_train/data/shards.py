@@ -16,7 +16,6 @@ class ShardWriter:
     shorter), written in record batches of BATCH_ROWS; `close` returns each shard's rows and tokens."""
 
     def __init__(self, directory: Path, shard_size: int):
-        self.pa = pa
         self.schema = pa.schema(
             [
                 ("input_ids", pa.list_(pa.int32())),
@@ -39,7 +38,6 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self._buf:
             return
-        pa = self.pa
         if self._writer is None:
             name = f"shard-{len(self.shards):05d}.arrow"
             self._writer = pa.ipc.new_file(str(self.directory / name), self.schema)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflash_train.generate.attention import FLEX_BLOCK, AttentionKind, decode_attention_for, use_dense_attention
+from dflash_train.generate.attention import AttentionKind, decode_attention_for, use_dense_attention
 from dflash_train.generate.continuous_batching import (
     DeviceMarks,
     PrefillStage,
@@ -38,6 +38,7 @@ from dflash_train.generate.decoder import StaticDecoder, head_dim_of
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of
 from dflash_train.generate.sampling import select_tokens
+from dflash_train.generate.sizing import cache_positions
 from dflash_train.generate.slots import SlotTable
 from dflash_train.target.chat_template import stop_token_ids
 from dflash_train.utils.compile import compile_in_place
@@ -139,9 +140,7 @@ class BuiltinEngine:
 
         if attention == "auto":
             attention = decode_attention_for(model.get_input_embeddings().weight.device, compile, [head_dim_of(model)])
-        # flex reads the cache in 128-key blocks, so its length is a whole number of blocks
-        multiple = FLEX_BLOCK if attention == "flex" else 64
-        max_len = -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
+        max_len = cache_positions(max_prompt_tokens, max_new_tokens, attention)  # whole attention blocks
         self.attention = attention
         self.decoder = StaticDecoder(model, slots, max_len, attention=attention)
         self.device = dev = self.decoder.device

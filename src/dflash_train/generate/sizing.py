@@ -54,7 +54,7 @@ class KvShape:
 
 def cache_positions(max_prompt_tokens: int, max_new_tokens: int, attention: str) -> int:
     """The engine's cache length: prompt + answer, rounded up to whole attention blocks (flex reads
-    128-key blocks, dense a multiple of 64), as generate/builtin.py sizes it."""
+    128-key blocks, dense a multiple of 64)."""
     multiple = FLEX_BLOCK if attention == "flex" else 64
     return -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
 
