@@ -44,9 +44,10 @@ class CheckedRun:
     resume_from: Path | None  # the checkpoint the run continues from
 
 
-def check_run(cfg: TrainConfig, ctx: DistContext, resume: bool | str, *, main: bool) -> CheckedRun:
+def check_run(cfg: TrainConfig, ctx: DistContext, resume: bool | str) -> CheckedRun:
     """Everything about the run that can be checked before the target loads (see the module's
-    docstring); `main`: this process speaks for the run (its logs, its folder)."""
+    docstring); the main drafter rank speaks for the run (its logs, its folder)."""
+    main = ctx.is_main_drafter
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint_to_resume(output_dir / "checkpoints", resume)
     target_config, tokenizer = open_target(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
@@ -76,10 +77,9 @@ def resolve_fast_path(cfg: TrainConfig, target_config, ctx: DistContext, resume_
     resolved, line = setup.resolve_fast_path(cfg, target_config, ctx.device)
     if line and main:
         log.info("%s", line)
-    saved = saved_config(resume_from) if resume_from is not None else {}
+    saved = setup.flatten(saved_config(resume_from)) if resume_from is not None else {}
     for key in setup.FAST_PATH_FIELDS:
-        section, name = key.split(".")
-        before, now = (saved.get(section) or {}).get(name), getattr(getattr(resolved, section), name)
+        before, now = saved.get(key), setup.config_value(resolved, key)
         if before not in (None, "auto") and before != now and main:
             log.warning("--resume: %s is %s now, the checkpoint ran with %s (set --%s %s to continue as it "
                         "ran)", key, str(now).lower(), str(before).lower(), key, str(before).lower())

@@ -13,20 +13,17 @@ from dflash_train.train.config import OptimConfig
 from dflash_train.utils.compile import compiled_once
 
 
-MARKOV_PREFIX = dspark.PARAMETER_PREFIX  # the bigram head's parameters
-
-
 def build_param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     """The trainable parameters as AdamW groups: one at cfg.lr, or with optim.markov_lr_scale
     set, the bigram head's tables in a second group at lr * scale (the schedule scales both)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.markov_lr_scale == 1.0:
         return [{"params": [p for _, p in named]}]
-    head = [p for n, p in named if n.startswith(MARKOV_PREFIX)]
+    head = [p for n, p in named if n.startswith(dspark.PARAMETER_PREFIX)]
     if not head:
         raise ValueError(f"optim.markov_lr_scale {cfg.markov_lr_scale}: the drafter has no trainable "
-                         f"{MARKOV_PREFIX}* parameters (drafter.variant dspark has them)")
-    return [{"params": [p for n, p in named if not n.startswith(MARKOV_PREFIX)]},
+                         f"{dspark.PARAMETER_PREFIX}* parameters (drafter.variant dspark has them)")
+    return [{"params": [p for n, p in named if not n.startswith(dspark.PARAMETER_PREFIX)]},
             {"params": head, "lr": cfg.lr * cfg.markov_lr_scale}]
 
 

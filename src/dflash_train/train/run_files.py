@@ -19,7 +19,8 @@ from dflash_train.utils.errors import OutputError
 
 log = logging.getLogger(__name__)
 
-RESOLVED_KEY = "drafter_resolved"  # in the config.yaml a run writes, never in a config a user writes
+# in the config.yaml a run writes, never in a config a user writes: the drafter and the data as resolved
+RESOLVED_KEY, DATA_KEY = TrainConfig.RUN_RECORD_KEYS
 
 
 def check_run_files(output_dir: Path) -> None:
@@ -31,22 +32,24 @@ def check_run_files(output_dir: Path) -> None:
     config = output_dir / "config.yaml"
     if not config.exists():
         return
-    try:
-        data = yaml.safe_load(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        data = None
-    if not isinstance(data, dict) or RESOLVED_KEY not in data:
+    data = _read_mapping(config)
+    if data is None or RESOLVED_KEY not in data:
         raise OutputError(f"{config} is not a config a run wrote (a run writes its resolved config there, and this "
                           f"one would be replaced): choose another run.output_dir, or move the file")
 
 
 def saved_config(checkpoint: Path) -> dict:
     """The resolved config a checkpoint recorded ({} when it cannot be read)."""
+    return _read_mapping(checkpoint / "config.yaml") or {}
+
+
+def _read_mapping(path: Path) -> dict | None:
+    """A YAML file's mapping; None when it cannot be read or holds something else."""
     try:
-        saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def resolved_config(cfg: TrainConfig, drafter_config: DrafterConfig, init_layers: list[int] | None,
@@ -55,8 +58,8 @@ def resolved_config(cfg: TrainConfig, drafter_config: DrafterConfig, init_layers
     (the drafter's taps and mask token, the layers it started from, the data's identity)."""
     drafter = {"target_layer_ids": drafter_config.target_layer_ids, "mask_token_id": drafter_config.mask_token_id,
                "init_from_target_layers": init_layers}
-    data = {k.split(".", 1)[1]: v for k, v in data_identity.items() if k.startswith("data_resolved.")}
-    return {**to_dict(cfg), RESOLVED_KEY: drafter, "data_resolved": data}
+    data = {k.split(".", 1)[1]: v for k, v in data_identity.items() if k.startswith(f"{DATA_KEY}.")}
+    return {**to_dict(cfg), RESOLVED_KEY: drafter, DATA_KEY: data}
 
 
 def write_run_config(output_dir: Path, resolved: dict, resume_from: Path | None) -> None:
@@ -78,12 +81,9 @@ def keep_edited_config(output_dir: Path, checkpoint: Path, new: dict) -> tuple[P
     path = output_dir / "config.yaml"
     if not path.is_file() or not (checkpoint / "config.yaml").is_file():
         return None
-    try:
-        ours = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError):
-        ours = None
+    ours = _read_mapping(path)
     flat_saved, flat_new = setup.flatten(saved_config(checkpoint)), setup.flatten(to_dict(new))
-    flat_ours = setup.flatten(ours) if isinstance(ours, dict) else {"(not a YAML mapping)": ours}
+    flat_ours = setup.flatten(ours) if ours is not None else {"(not a YAML mapping)": None}
     edited = [k for k, v in flat_ours.items() if k not in flat_saved or flat_saved[k] != v]
     lost = sorted(k for k in edited if k not in flat_new or flat_new[k] != flat_ours[k])
     if not lost:

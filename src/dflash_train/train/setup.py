@@ -120,10 +120,10 @@ def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> 
                           "true, or leave compile_autotune out")
     resolved = dataclasses.replace(cfg, target=target, run=dataclasses.replace(run, compile=compile_,
                                                                               drafter_dtype=dtype))
-    auto = [k for k in FAST_PATH_FIELDS if _value(cfg, k) == "auto"]
+    auto = [k for k in FAST_PATH_FIELDS if config_value(cfg, k) == "auto"]
     if not auto:
         return resolved, None
-    picked = ", ".join(f"{k} {str(_value(resolved, k)).lower()}" for k in auto)
+    picked = ", ".join(f"{k} {str(config_value(resolved, k)).lower()}" for k in auto)
     if not gpu:
         why = "on a CPU the uncompiled float32 path: compiling pays only on a GPU"
     elif packed_no is None:
@@ -134,7 +134,8 @@ def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> 
     return resolved, f"auto settings: {picked} ({why}; set any of them to choose)"
 
 
-def _value(cfg: TrainConfig, dotted: str):
+def config_value(cfg: TrainConfig, dotted: str):
+    """The value of a dotted field (`run.compile`) of `cfg`."""
     section, name = dotted.split(".")
     return getattr(getattr(cfg, section), name)
 

@@ -70,7 +70,7 @@ class Trainer:
         self.device = self.ctx.device
         self.output_dir = Path(cfg.run.output_dir)
         # ---- checks first: nothing heavy is loaded until the config is known to fit
-        checked = check_run(cfg, self.ctx, resume, main=self.main)
+        checked = check_run(cfg, self.ctx, resume)
         self.cfg, self.tokenizer, self.drafter_config = checked.cfg, checked.tokenizer, checked.drafter_config
         self.data, self.step_cfg = checked.data, checked.step_cfg
         self._announce(checked)
