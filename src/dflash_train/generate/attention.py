@@ -49,7 +49,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_train.target.ops import soft_cap
 from dflash_train.target.packed_gemma import soft_capped
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM, TILE, BlockMask
+from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM, LSE_REQUEST, TILE, BlockMask, output_and_lse
 
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
 AttentionKind = Literal["dense", "flex"]
@@ -278,11 +278,11 @@ class CacheAttention:
     def _flex(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sinks: Tensor | None, enable_gqa: bool = False):
         """The flex kernel on q's layout; with sinks, each row's output times its share of a softmax
         that also holds the sink: sigmoid(lse - sink) (lse: the log-sum-exp of the row's real scores)."""
-        out = self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale, score_mod=self.score_mod,
-                           enable_gqa=enable_gqa, return_lse=sinks is not None)
         if sinks is None:
-            return out
-        o, lse = out
+            return self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
+                                score_mod=self.score_mod, enable_gqa=enable_gqa)
+        o, lse = output_and_lse(self._kernel(q, k_cache, v_cache, block_mask=self.block_mask, scale=self.scale,
+                                             score_mod=self.score_mod, enable_gqa=enable_gqa, **LSE_REQUEST))
         share = torch.sigmoid(lse[..., None] - self._sink_rows(sinks, q.shape[2] // (1 if enable_gqa else self.rep)))
         return o * share.to(o.dtype)
 

@@ -69,7 +69,7 @@ from dflash_train.target.packed_gemma import (
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import causal_document_block_mask
+from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # families whose sliding-window layers the packed forward runs (through windowed FlexAttention)
@@ -289,11 +289,12 @@ class PackedForward:
             # compiled on a GPU (eager FlexAttention builds every score); on a CPU compiling costs
             # tens of seconds a shape and cannot return the log-sum-exp: eager there
             flex = compiled_once(flex_attention, dynamic=None, fullgraph=False) if q.is_cuda else flex_attention
-            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=layout, scale=self.scale,
-                       score_mod=self.score_mod, return_lse=sinks is not None)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if sinks is None:
-                return out.transpose(1, 2).reshape(R, S, h * d)
-            o, lse = out
+                o = flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod)
+                return o.transpose(1, 2).reshape(R, S, h * d)
+            o, lse = output_and_lse(flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod,
+                                         **LSE_REQUEST))
             return (o.transpose(1, 2) * sink_attention_scale(lse, sinks).to(o.dtype)).reshape(R, S, h * d)
         with sdpa_backend(self.sdpa):
             if layout is None:

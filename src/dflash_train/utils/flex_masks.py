@@ -2,7 +2,8 @@
 
 What every FlexAttention user here needs (the target's packed forward, the drafter's masks,
 the decoding engines' cache attention): its tile of 128 keys (`TILE`), the narrowest heads its
-GPU kernels take (`FLEX_MIN_HEAD_DIM`) and `BlockMask`.
+GPU kernels take (`FLEX_MIN_HEAD_DIM`), `BlockMask`, and how to ask it for each row's
+log-sum-exp (`LSE_REQUEST`, `output_and_lse`).
 
 A packed row holds whole documents one after another (positions 0, 1, 2, ... within each,
 padding after the last), so the keys a query may see form one range [lo, hi) in closed form:
@@ -24,11 +25,23 @@ try:  # FlexAttention exists on every torch this project supports; keep CPU impo
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment,misc]
+try:  # torch >= 2.9: the log-sum-exp is an auxiliary output (`return_lse` is deprecated there)
+    from torch.nn.attention.flex_attention import AuxRequest
+    LSE_REQUEST: dict = {"return_aux": AuxRequest(lse=True)}
+except ImportError:  # pragma: no cover - older torch
+    LSE_REQUEST = {"return_lse": True}
 
 TILE = 128  # FlexAttention's default block size
 # FlexAttention's GPU kernels need heads at least this wide (narrower ones fail in Inductor's
 # lowering: "NYI: embedding dimension of the query, key, and value must be at least 16").
 FLEX_MIN_HEAD_DIM = 16
+
+
+def output_and_lse(out: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of a flex_attention call made with `**LSE_REQUEST`, on any torch: the second
+    item is the lse itself (older torch) or an auxiliary output holding it."""
+    o, extra = out
+    return o, extra if isinstance(extra, torch.Tensor) else extra.lse
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,12 @@ class PromptsConfig:
     math_count: int = 20_000
     """math problems generated (before de-duplication and the held-out split)"""
     styles_per_function: int = 2
-    """requests per documented function (write, complete, explain, docstring, type-hints, find-bug, tests), per
-    passage of text, or per part of a long document (summarize, extract-list/json/steps, question)"""
+    """requests per documented function (write, complete, explain, docstring, type-hints, find-bug, tests) or
+    per passage of text, each of a distinct style"""
+    styles_per_document: int = 4
+    """long-docs: requests per part of a long document, each of a distinct style (summarize, extract-list,
+    extract-json, extract-steps, question; 5 = all). A part is costly to find (whole documents of 1,500+
+    characters are few) and each style reads it differently, so it gets more requests than a passage"""
     max_functions_per_package: int = 1500
     """package-code: functions drawn per package directory (0 = all), so no large package dominates"""
     heldout: int = 200
@@ -63,8 +67,8 @@ class PromptsConfig:
         for name in ("limit", "math_count", "max_functions_per_package", "heldout", "workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.styles_per_function < 1 or self.shards < 1:
-            raise ValueError("styles_per_function and shards must be >= 1")
+        if self.styles_per_function < 1 or self.styles_per_document < 1 or self.shards < 1:
+            raise ValueError("styles_per_function, styles_per_document and shards must be >= 1")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if not 0.0 <= self.dedup_threshold <= 1.0 or not 0.0 < self.humaneval_threshold <= 1.0:
