@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.utils.device import sync
+
 QUESTIONS = [
     "What is the capital of France, and what is it famous for?",
     "Write a short poem about the ocean at night.",
@@ -91,10 +93,6 @@ def make_prompts(tokenizer, n: int, vocab: int) -> list[list[int]]:
             base.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return [base[i % len(base)] for i in range(n)]
 
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_engine(model, prompts, *, slots, new_tokens, cuda_graphs, compile, device):

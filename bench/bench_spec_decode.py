@@ -55,6 +55,7 @@ from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.loop import DecodeResult
 from dflash_train.target.loading import choose_mask_token_id, load_target_model, load_tokenizer
 from dflash_train.target.presets import is_preset
+from dflash_train.utils.device import sync
 
 
 def say(text: str) -> None:
@@ -111,10 +112,6 @@ def prompt_ids(args, tokenizer, vocab: int) -> list[tuple[str, list[int]]]:
         return [(f"random-{i}", torch.randint(3, vocab, (n,), generator=gen).tolist()) for i, n in enumerate(lengths)]
     return [(p.id, encode_prompt(tokenizer, p)) for p in load_prompts(args.prompts, args.num_prompts)]
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def totals(results: list[DecodeResult], walls: list[float]) -> dict:

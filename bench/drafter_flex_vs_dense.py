@@ -21,6 +21,7 @@ from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import DFlashDrafter, block_input_ids, block_positions
+from dflash_train.utils.device import sync
 
 
 def packed_row(S: int, doc_len: int, device, gen):
@@ -38,10 +39,6 @@ _T0 = time.perf_counter()
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device, repeat=5, warmup=1):

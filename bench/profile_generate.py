@@ -47,6 +47,7 @@ from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Request
 from dflash_train.generate.sampling import Sampling
 from dflash_train.target.loading import load_target_model
+from dflash_train.utils.device import sync
 
 CATEGORIES = ("attention", "matmul", "sampling", "other")
 _ATTENTION = ("attention", "flash", "fmha", "flex", "sdpa", "softmax")
@@ -197,10 +198,6 @@ def decode(engine: BuiltinEngine, steps: int) -> None:
         pending = launched
     engine._collect(pending, _never_completes)
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
