@@ -36,6 +36,7 @@ import torch
 from dflash_train.drafter.checkpoint import load_drafter
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.graphs import bucket_of
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.target.loading import load_target_model
 
@@ -75,7 +76,7 @@ def draft_ms(engine: SpecEngine, context: int, iters: int) -> float:
     B = engine.block_size
     engine.positions.fill_(context)
     engine.block_start.fill_(context - B)  # last round verified the block before it
-    kv = next(b for b in engine.buckets if b >= context + B)
+    kv = bucket_of(context + B, engine.buckets)
     cuda = engine.device.type == "cuda"
     for _ in range(3):  # capture and warm
         engine._draft(kv)

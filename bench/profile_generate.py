@@ -45,6 +45,7 @@ from dflash_train.generate.attention import FLEX_BLOCK, folds_gqa
 from dflash_train.generate.builtin import PREFILL_TOKENS, BuiltinEngine
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.generate.engine import Request
+from dflash_train.generate.graphs import bucket_of
 from dflash_train.generate.sampling import Sampling
 from dflash_train.target.loading import load_target_model
 from dflash_train.utils.device import sync
@@ -287,7 +288,7 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     # on a GPU kernel times are the device's, so the clean run's wall time is the reference.
     wall_s = timed_s if device.type == "cuda" else profiled_s
     mid = [p + args.steps + args.steps // 2 for p in start]  # the profiled steps' middle position
-    bucket = next(b for b in engine.buckets if b >= 1 + max(mid))
+    bucket = bucket_of(1 + max(mid), engine.buckets)
     per_position = 2 * dec.n_kv * dec.head_dim * dec.embed_w.element_size()  # one layer's K and V
     weights = weight_bytes(engine.model, engine.slots)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)

@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.generate.graphs import bucket_of
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.target.loading import load_target_model
 
@@ -86,7 +87,7 @@ def main() -> int:
         engine = SpecEngine(model, drafter, set(), slots=args.slots, max_len=args.max_len, compile=True,
                             attention=kind)
         reset = lambda positions=engine.positions: positions.fill_(args.position)  # noqa: E731
-        kv = next(b for b in engine.buckets if b >= args.position + 2 * args.block_size)
+        kv = bucket_of(args.position + 2 * args.block_size, engine.buckets)
         steps = {"greedy": engine._verify[1], "verify": engine._verify[args.block_size], "draft": engine._draft}
         out = {}
         for name, step in steps.items():
