@@ -80,13 +80,13 @@ def test_init_from_target_options(capsys):
     (["--run.compile=maybe"], "run.compile: expected true/false or 'auto', got 'maybe'"),
     (["--run.compile_autotune", "--no-run.compile"], "run.compile_autotune needs run.compile: true"),
     (["--optim.decay_fraction", "5", "--optim.schedule", "wsd"], "optim.decay_fraction must be in (0, 1], got 5.0"),
-    (["--optim.decay_fraction", "0.5"], "optim.decay_fraction (0.5) applies to optim.schedule wsd; the schedule is"),
-    (["--loss.dpace_alpha", "0.3"], "loss.dpace_alpha (0.3) applies to loss.weighting dpace; the weighting is 'decay'"),
-    (["--drafter.markov_head", "gated"], "drafter.markov_head ('gated') shapes the dspark bigram head; "
+    (["--optim.decay_fraction", "0.5"], "optim.decay_fraction (0.5) applies to optim.schedule wsd; optim.schedule is"),
+    (["--loss.dpace_alpha", "0.3"], "loss.dpace_alpha (0.3) applies to loss.weighting dpace; loss.weighting is 'decay'"),
+    (["--drafter.markov_head", "gated"], "drafter.markov_head ('gated') applies to drafter.variant dspark; "
                                          "drafter.variant is 'dflash'"),
-    (["--drafter.markov_rank", "64"], "drafter.markov_rank (64) shapes the dspark bigram head"),
+    (["--drafter.markov_rank", "64"], "drafter.markov_rank (64) applies to drafter.variant dspark"),
     (["--drafter.init_from_target", "first"], "drafter.init_from_target: 'first' is not one of"),
-    (["--drafter.init_target_layers", "1,2"], "drafter.init_target_layers is used only with drafter.init_from_target=layers"),
+    (["--drafter.init_target_layers", "1,2"], "drafter.init_target_layers ([1, 2]) applies to drafter.init_from_target layers"),
     (["--drafter.init_from_target", "layers", "--drafter.init_target_layers", "1,2"], "one target layer id per drafter layer (5), got 2"),
 ])
 def test_bad_values_are_one_line_errors_before_anything_loads(options, message, capsys):

@@ -34,7 +34,7 @@ def test_which_target_layers():
     (dict(init_from_target="layers"), "needs drafter.init_target_layers with one target layer id per drafter layer"),
     (dict(init_from_target="layers", init_target_layers=[1, 2]), r"per drafter layer \(5\), got 2"),
     (dict(num_layers=1, init_from_target="layers", init_target_layers=[-1]), "must be >= 0"),
-    (dict(init_target_layers=[1, 2, 3, 4, 5]), "used only with drafter.init_from_target=layers"),
+    (dict(init_target_layers=[1, 2, 3, 4, 5]), "applies to drafter.init_from_target layers"),
     (dict(init_from_target="last", init_from="drafters/x"), "choose one"),
 ])
 def test_spec_validation(kw, msg):

@@ -49,7 +49,7 @@ def test_scheduler_follows_the_config_and_a_changing_total():
     ({"schedule": "linear"}, "optim.schedule must be cosine or wsd, got 'linear'"),
     ({"decay_fraction": 0.0, "schedule": "wsd"}, r"optim.decay_fraction must be in \(0, 1\], got 0.0"),
     ({"decay_fraction": 1.5, "schedule": "wsd"}, r"optim.decay_fraction must be in \(0, 1\], got 1.5"),
-    ({"decay_fraction": 0.5}, r"optim.decay_fraction \(0.5\) applies to optim.schedule wsd; the schedule is 'cosine'"),
+    ({"decay_fraction": 0.5}, r"optim.decay_fraction \(0.5\) applies to optim.schedule wsd; optim.schedule is 'cosine'"),
 ])
 def test_bad_schedule_settings_are_refused_naming_the_field_at_fault(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from dflash_train.drafter import dspark
 from dflash_train.target.language_model import text_config
+from dflash_train.utils.config import refuse_unread
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -270,9 +271,7 @@ class DrafterSpec:
                                  f"layer id per drafter layer ({self.num_layers}), got {got}")
             if min(self.init_target_layers) < 0:
                 raise ValueError(f"drafter.init_target_layers must be >= 0, got {self.init_target_layers}")
-        elif self.init_target_layers is not None:
-            raise ValueError("drafter.init_target_layers is used only with drafter.init_from_target=layers "
-                             f"(it is {self.init_from_target!r})")
+        refuse_unread(self, "drafter", {"init_target_layers": None}, "init_from_target", "layers")
         if self.init_from_target != "none" and self.init_from:
             raise ValueError("drafter.init_from and drafter.init_from_target both set the starting weights; "
                              "choose one")

@@ -40,6 +40,7 @@ from torch import nn
 
 from dflash_train.drafter.labels import block_label_positions
 from dflash_train.target.ops import rms_norm
+from dflash_train.utils.config import refuse_unread
 from dflash_train.utils.errors import ModelError
 
 if TYPE_CHECKING:
@@ -82,12 +83,7 @@ def check_spec(spec: DrafterSpec) -> None:
         raise ValueError(f"drafter.markov_rank must be >= 1, got {spec.markov_rank}")
     if spec.markov_head not in HEAD_TYPES:
         raise ValueError(f"drafter.markov_head must be one of {list(HEAD_TYPES)}, got {spec.markov_head!r}")
-    ignored = [f"drafter.{name} ({getattr(spec, name)!r})" for name, default in
-               (("markov_rank", DEFAULT_RANK), ("markov_head", "vanilla")) if getattr(spec, name) != default]
-    if ignored and not enabled(spec):
-        raise ValueError(f"{' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} the dspark "
-                         f"bigram head; drafter.variant is "
-                         f"{spec.variant!r}, which has none: set drafter.variant dspark, or leave them out")
+    refuse_unread(spec, "drafter", {"markov_rank": DEFAULT_RANK, "markov_head": "vanilla"}, "variant", VARIANT)
 
 
 # ---- the head -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from dflash_train.drafter.head_kernel import RowWeigher, head_cross_entropy, weighted_head_cross_entropy
+from dflash_train.utils.config import refuse_unread
 
 WEIGHTINGS = ("decay", "cap", "cap+decay", "dpace", "uniform")
 CONFIDENCE_WEIGHTINGS = ("cap", "cap+decay", "dpace")  # need the drafter's probability of each label
@@ -72,9 +73,7 @@ class LossConfig:
             raise ValueError(f"loss.cap_eps must be in (0, 1), got {self.cap_eps}")
         if not 0 < self.dpace_alpha <= 1:
             raise ValueError(f"loss.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
-        if self.dpace_alpha != DPACE_ALPHA and self.weighting != "dpace":  # set, and it would be ignored
-            raise ValueError(f"loss.dpace_alpha ({self.dpace_alpha}) applies to loss.weighting dpace; the weighting "
-                             f"is {self.weighting!r}: set loss.weighting dpace, or leave dpace_alpha out")
+        refuse_unread(self, "loss", {"dpace_alpha": DPACE_ALPHA}, "weighting", "dpace")
         if self.chunk_rows < 1:
             raise ValueError("loss.chunk_rows must be >= 1")
 

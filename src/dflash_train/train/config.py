@@ -21,6 +21,7 @@ from dflash_train.drafter.step import StepConfig
 from dflash_train.pipeline.config import PipelineConfig
 from dflash_train.target.config import TargetConfig
 from dflash_train.train.profiling import parse_profile_steps
+from dflash_train.utils.config import refuse_unread
 
 DECAY_FRACTION = 0.2  # optim.decay_fraction's default: another value without schedule wsd is refused
 
@@ -67,9 +68,7 @@ class OptimConfig:
             raise ValueError(f"optim.schedule must be cosine or wsd, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.decay_fraction != DECAY_FRACTION and self.schedule != "wsd":  # set, and it would be ignored
-            raise ValueError(f"optim.decay_fraction ({self.decay_fraction}) applies to optim.schedule wsd; the "
-                             f"schedule is {self.schedule!r}: set optim.schedule wsd, or leave decay_fraction out")
+        refuse_unread(self, "optim", {"decay_fraction": DECAY_FRACTION}, "schedule", "wsd")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.grad_accum < 1:
             raise ValueError("optim.warmup_steps >= 0, optim.grad_clip >= 0 and optim.grad_accum >= 1 are required")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

@@ -46,6 +46,20 @@ def cli(*, positional: bool = False, aliases: tuple[str, ...] = (), help: str | 
     return out
 
 
+def refuse_unread(cfg: Any, section: str, defaults: dict[str, Any], switch: str, needed: str) -> None:
+    """Refuse the fields of `cfg` (named in `defaults`) that are set away from their defaults while
+    `cfg.<switch>` is not `needed`: the mode chosen never reads them, and a setting silently ignored
+    would make a run differ from what its config says."""
+    chosen = getattr(cfg, switch)
+    changed = [name for name, default in defaults.items() if getattr(cfg, name) != default]
+    if chosen == needed or not changed:
+        return
+    named = " and ".join(f"{section}.{name} ({getattr(cfg, name)!r})" for name in changed)
+    verb, them = ("apply", "them") if len(changed) > 1 else ("applies", changed[0])
+    raise ValueError(f"{named} {verb} to {section}.{switch} {needed}; {section}.{switch} is {chosen!r}: set "
+                     f"{section}.{switch} {needed}, or leave {them} out")
+
+
 # -- reading the config classes ----------------------------------------------------------------
 
 
