@@ -54,3 +54,29 @@ def test_the_per_expert_loop_equals_the_grouped_gemm():
     odd = torch.randn(4, 8, 5, generator=g)  # rows of 20 bytes: the native kernel refuses them, the loop serves
     torch.testing.assert_close(grouped_mm(x, odd, offs=offs), torch.cat([x[0:3] @ odd[0], x[3:9] @ odd[2],
                                                                           x[9:11] @ odd[3]]))
+
+
+@pytest.mark.parametrize("dtype,device,capability,syncs", [
+    (torch.bfloat16, "cuda", (9, 0), False),  # Hopper's bf16 grouped GEMM: offsets stay on the device
+    (torch.bfloat16, "cuda", (10, 0), False),
+    (torch.bfloat16, "cuda", (8, 0), True),  # PyTorch's fallback loops on the host
+    (torch.float32, "cuda", (9, 0), True),
+    (torch.float16, "cuda", (9, 0), True),
+    (torch.bfloat16, "cpu", None, True),
+])
+def test_grouped_mm_syncs_off_hoppers_bf16_kernel(monkeypatch, dtype, device, capability, syncs):
+    from dflash_train.target import moe
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert moe.grouped_mm_syncs(dtype, torch.device(device)) is syncs
+
+
+def test_a_decoder_with_experts_is_capturable_only_where_the_grouped_gemm_keeps_offsets_on_device(monkeypatch):
+    from dflash_train.generate import decoder as decoder_mod
+    from tests.families import build_model
+
+    dense, moe_model = build_model("qwen3", 64), build_model("gpt_oss", 64)
+    assert decoder_mod.StaticDecoder(dense, 1, 32).capturable
+    assert not decoder_mod.StaticDecoder(moe_model, 1, 32).capturable  # CPU: the expert loop
+    monkeypatch.setattr(decoder_mod, "grouped_mm_syncs", lambda dtype, device: False)
+    assert decoder_mod.StaticDecoder(moe_model, 1, 32).capturable

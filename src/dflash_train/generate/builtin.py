@@ -147,7 +147,7 @@ class BuiltinEngine:
         self._allocate_slot_state(slots, dev)
         if compile and dev.type == "cuda":
             self._compile_layer_functions()
-        graphs = cuda_graphs and dev.type == "cuda"
+        graphs = cuda_graphs and dev.type == "cuda" and self.decoder.capturable
         self.buckets = step_buckets(self.attention, max_len)
         self.step = GraphedStep(lambda kv_len: self.decoder.decode(self.tokens, self.positions, kv_len),
                                 use_graphs=graphs, name="decode")

@@ -24,6 +24,7 @@ soft-capped attention scores and gpt-oss's attention sinks attend through an exp
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import torch
@@ -35,7 +36,10 @@ from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule
 from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind, layer_windows,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
 from dflash_train.target.language_model import final_logit_softcap, language_model, rope_types, text_config
+from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.utils.errors import ModelError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
@@ -137,6 +141,13 @@ class StaticDecoder:
                           **({"softcap": logit_cap} if logit_cap else {})}
         self.slots, self.max_len = slots, max_len
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
+        # a step whose experts' grouped GEMM reads its offsets on the host cannot be a CUDA graph
+        self.capturable = not (any(hasattr(layer.mlp, "experts") for layer in inner.layers)
+                               and grouped_mm_syncs(self.dtype, self.device))
+        if not self.capturable and self.device.type == "cuda":
+            log.warning("the experts' grouped GEMM in %s reads its group offsets on the host on this GPU, so decoding "
+                        "runs without CUDA graphs (slower); a bfloat16 target on a Hopper or newer GPU keeps them",
+                        str(self.dtype).removeprefix("torch."))
 
         self.width = width
         # each layer's cache length: max_len, or a sliding-window layer's ring where shorter

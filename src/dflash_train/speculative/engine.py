@@ -127,7 +127,7 @@ class SpecEngine:
         self._allocate_slot_state(slots, dev)
         self.buckets = step_buckets(attention, max_len)
         self._commit: Callable[..., None] = commit_round
-        graphs = cuda_graphs and dev.type == "cuda" and (drafter is None or isinstance(drafter, StaticDrafter))
+        graphs = cuda_graphs and dev.type == "cuda" and self.decoder.capturable and (drafter is None or isinstance(drafter, StaticDrafter))
         self._build_steps(graphs, prefill_tokens)
         self._marks = [DeviceMarks(dev, 3), DeviceMarks(dev, 3)]  # by launch parity: two rounds in flight
         self._rows: list[Row | None] = [None] * slots

@@ -37,6 +37,16 @@ def grouped_mm(x: Tensor, w: Tensor, *, offs: Tensor) -> Tensor:
     return expert_loop_mm(x, w, offs)
 
 
+def grouped_mm_syncs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `grouped_mm` reads the group offsets on the host for this dtype and device: every
+    path but PyTorch's bfloat16 kernel on a Hopper-or-newer GPU (its fallback for other dtypes
+    and older GPUs loops over the groups on the host, as `expert_loop_mm` does). A step that
+    runs such a grouped GEMM cannot be captured in a CUDA graph."""
+    if device.type != "cuda" or _NATIVE_GROUPED_MM is None:
+        return True
+    return dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 9
+
+
 def _aligned(t: Tensor) -> bool:
     """The grouped GEMM's layout rule: every stride but a unit one spans a multiple of 16 bytes."""
     return all(stride == 1 or stride * t.element_size() % 16 == 0 for stride in t.stride())
