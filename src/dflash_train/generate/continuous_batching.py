@@ -163,9 +163,15 @@ class Readback:
                       for _ in range(2)]
         self.launches = 0
 
+    @property
+    def parity(self) -> int:
+        """Which of the two sets this launch uses: anything else kept per launch in flight (a
+        round's device marks) is picked by it too."""
+        return self.launches % 2
+
     def buffers(self) -> list[Tensor]:
         """This launch's host buffers (copy into them with non_blocking=True)."""
-        return self._sets[self.launches % 2]
+        return self._sets[self.parity]
 
     def sent(self) -> Any:
         """This launch's copies are queued: the next launch takes the other set. Returns the

@@ -374,7 +374,7 @@ class SpecEngine:
         # Each round in flight may commit a whole block before this one starts.
         need = max(row.position + row.in_flight * width for _, row in rows) + width
         kv_len = bucket_of(min(need, self.max_len), self.buckets)
-        marks = self._marks[self._readback.launches % 2]
+        marks = self._marks[self._readback.parity]
         marks.mark(0)
         if speculative:
             self._draft(kv_len)
