@@ -2,7 +2,8 @@
 directory given, the target sharded over every rank against the whole model loaded by
 transformers, on batches of documents of this rank's own lengths. Writes OUT/rank-N.json:
 each tapped layer's largest difference, the parameter bytes this rank holds before and after
-the forwards, and how many bytes of weights it read from the files."""
+the forwards, and how many bytes of weights it read from the files. A `preset:NAME` target is
+drawn at random on each rank and compared with the same preset built whole."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from dflash_train.target import sharded
 from dflash_train.target.loading import load_causal_lm
+from dflash_train.target.presets import build_random_target, is_preset
 from dflash_train.target.runner import TargetRunner
 
 
@@ -42,7 +44,8 @@ def main(out: Path, targets: list[str]) -> None:
         read[0] = 0
         model = sharded.load_sharded_target(path, dtype=torch.float32, device=torch.device("cpu"), group=group)
         loaded = sharded.parameter_bytes(model)
-        whole = load_causal_lm(path, dtype=torch.float32)
+        whole = build_random_target(path, dtype=torch.float32, device="cpu") if is_preset(path) \
+            else load_causal_lm(path, dtype=torch.float32)
         n = len(whole.model.layers)
         ours = TargetRunner(model, list(range(n)), need_final=True)
         ref = TargetRunner(whole, list(range(n)), need_final=True)

@@ -39,8 +39,9 @@ def families(tmp_path_factory):
 def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
     """Dense and MoE targets sharded over 2 and 4 gloo processes: every layer's output and the
     final norm's equal transformers' whole model on each rank's own documents (forwards that stop
-    early too); each rank holds and reads 1/G of the parameter bytes, before and after forwards."""
-    targets = [str(families / "qwen3"), str(families / "qwen3_moe")]
+    early too); each rank holds and reads 1/G of the parameter bytes, before and after forwards.
+    A preset's random weights, drawn shard by shard, equal the preset built whole."""
+    targets = [str(families / "qwen3"), str(families / "qwen3_moe"), "preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
            str(WORKER), str(tmp_path), *targets]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -50,12 +51,13 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
         for target in targets:
             r = report[target]
             assert r["sharded"]
-            assert [len(d) for d in r["diffs"]] == [5, 4, 5]  # 4 layers (+ the final norm when asked)
+            n = 6 if target == "preset:tiny" else 4
+            assert [len(d) for d in r["diffs"]] == [n + 1, n, n + 1]  # every layer (+ the final norm when asked)
             assert max(max(d) for d in r["diffs"]) <= 1e-5, (rank, target, r["diffs"])
             local, whole = r["bytes_loaded"]
             assert r["bytes_after"] == r["bytes_loaded"]  # every gathered weight freed again
             assert abs(local / whole - 1 / world) < 0.01, (rank, target, local, whole)
-            assert r["read_bytes"] == local  # this rank's rows and no more
+            assert r["read_bytes"] == (0 if target == "preset:tiny" else local)  # this rank's rows and no more
 
 
 def test_shard_rows_are_fsdp_chunks():
@@ -77,9 +79,9 @@ def test_group_layouts_that_cannot_work_are_refused(fields, words):
 
 def test_sharded_target_options_are_refused_or_resolved():
     assert sharded_target_config(TargetConfig(path="x"), 2).forward == "hf"
+    assert sharded_target_config(TargetConfig(path="preset:llama3.3-70b"), 2).forward == "hf"  # random weights
     for t, words in ((TargetConfig(path="x", fp8=True), "target.fp8 with pipeline.target_group_size 2"),
-                     (TargetConfig(path="x", forward="packed"), "target.forward packed"),
-                     (TargetConfig(path="preset:qwen3-8b"), "preset target")):
+                     (TargetConfig(path="x", forward="packed"), "target.forward packed")):
         with pytest.raises(ConfigError, match=words):
             sharded_target_config(t, 2)
 

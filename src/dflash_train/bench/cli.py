@@ -55,14 +55,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchConfig:
     preset: Literal["smollm2-135m", "qwen3-8b", "dense-27b", "qwen3-30b-a3b", "gpt-oss-20b", "gemma3-27b",
-                    "qwen3.5-27b", "tiny"] = "qwen3-8b"
-    """target shape (random weights)"""
+                    "qwen3.5-27b", "llama3.3-70b", "qwen3-235b-a22b", "tiny"] = "qwen3-8b"
+    """target shape (random weights); llama3.3-70b and qwen3-235b-a22b need a group of ranks
+    (--target-group-size)"""
     layout: Literal["single", "colocated", "split"] = "single"
     """rank layout (colocated and split under torchrun)"""
     target_ranks: int = 0
     """split: ranks running targets"""
     drafter_ranks: int = 0
     """split: ranks running drafters"""
+    target_group_size: int = 1
+    """pipeline.target_group_size: ranks holding one target between them (FSDP2), for one bigger than a GPU"""
     tokens: int = 8192
     """tokens per packed row (= per step and drafter)"""
     doc_len: str | None = None
@@ -192,6 +195,7 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
         "pipeline.overlap_target": str(args.overlap),
         "optim.warmup_steps": "2", "pipeline.layout": args.layout, "pipeline.queue_depth": str(args.queue_depth),
         "pipeline.target_ranks": str(args.target_ranks), "pipeline.drafter_ranks": str(args.drafter_ranks),
+        "pipeline.target_group_size": str(args.target_group_size),
     }
     if args.window:
         overrides["drafter.sliding_window"] = str(args.window)
@@ -255,6 +259,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         "preset": args.preset, "layout": args.layout, "world": world, "drafters": drafters,
         "compile": cfg.run.compile, "labels": args.labels, "fp8_target": args.fp8_target,
         "target_forward": cfg.target.forward, "target_compile": cfg.target.compile,
+        "target_group_size": cfg.pipeline.target_group_size,
         "sdpa_backend": cfg.target.sdpa_backend, "overlap": cfg.pipeline.overlap_target,
         "drafter_dtype": cfg.run.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
@@ -422,6 +427,7 @@ def _mfu_text(r: dict) -> str:
 
 def format_result(r: dict) -> str:
     target = f"target {r.get('target_forward', 'hf')}{' compiled' if r.get('target_compile') else ''}" \
+             f"{' sharded over ' + str(r['target_group_size']) if r.get('target_group_size', 1) > 1 else ''}" \
              f"{' sdpa-' + r['sdpa_backend'] if r.get('sdpa_backend', 'auto') != 'auto' else ''}" \
              f"{' overlapped' if r.get('overlap') else ''}"
     lines = [f"bench {r['preset']} | layout {r['layout']} ({r['world']} rank(s)) | {'compiled' if r['compile'] else 'eager'}{' fp8-target' if r['fp8_target'] else ''} | {target} | "

@@ -27,6 +27,20 @@ PRESETS: dict[str, dict] = {
                       num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262144,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=131072,
                       tie_word_embeddings=True),
+    # Llama-3.3-70B (one that needs a group of ranks: 141 GB in bf16, pipeline.target_group_size)
+    "llama3.3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         rms_norm_eps=1e-5, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=False),
+    # Qwen3-235B-A22B: 94 MoE layers, 128 experts, 8 routed per token (470 GB in bf16: a group of ranks)
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, decoder_sparse_step=1, vocab_size=151936, rms_norm_eps=1e-6,
+                            rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False),
     # Qwen3-30B-A3B: 48 MoE layers, 128 experts, 8 routed per token
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -80,6 +94,15 @@ def preset_config(spec: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def initialise_(tensor: torch.Tensor, name: str, gen: torch.Generator) -> torch.Tensor:
+    """A preset's value of parameter `name`, in place: 1 for a norm's weight, else N(0, 0.02) drawn
+    from `gen`. Parameters drawn in `named_parameters()` order from one generator seeded alike
+    give the same weights on every run, sharded (target/sharded.py) or not."""
+    if name.endswith("norm.weight"):
+        return tensor.fill_(1.0)
+    return tensor.normal_(0.0, 0.02, generator=gen)
+
+
 def build_random_target(spec: str, *, dtype, device, attn_implementation: str = "sdpa", seed: int = 0):
     """A frozen, eval-mode causal LM of the preset's shape with N(0, 0.02) weights (norms 1).
 
@@ -93,10 +116,7 @@ def build_random_target(spec: str, *, dtype, device, attn_implementation: str = 
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            initialise_(p, name, gen)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval().requires_grad_(False)

@@ -16,7 +16,8 @@ given empty local shards, and each rank reads from the safetensors files only th
 shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...)
 fill the stacked expert tensors transformers builds (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]): a rank's dim-0 shard is a range of experts, and it reads only
-those experts' tensors.
+those experts' tensors. A `preset:` target (a benchmark's random weights) draws each parameter
+whole, one at a time, and keeps its rows (`fill_random_shards`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.config import TargetConfig
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
-from dflash_train.target.presets import is_preset
+from dflash_train.target.presets import initialise_, is_preset, preset_config
 from dflash_train.utils.errors import ConfigError, ModelError
 
 
@@ -159,6 +160,20 @@ def load_shards(model: nn.Module, directory: Path, rank: int, size: int) -> None
         reader.close()
 
 
+@torch.no_grad()
+def fill_random_shards(model: nn.Module, rank: int, size: int, seed: int = 0) -> None:
+    """A preset's weights (`presets.build_random_target`'s: the same generator drawing the same
+    parameters in the same order), each rank keeping its rows of each; one parameter at a time is
+    drawn whole, on this rank's device, so a sharded preset holds the unsharded one's values."""
+    device = next(p.to_local().device for p in model.parameters())
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        whole = initialise_(torch.empty(param.shape, dtype=param.dtype, device=device), name, gen)
+        local = param.to_local()
+        start, stop = shard_rows(param.shape[0], rank, size)
+        local.copy_(whole[start:stop])
+
+
 def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
     """The `target:` section for a target sharded over `group_size` ranks: the Hugging Face forward
     (FSDP2 gathers a layer's weights when the module runs; the packed forward reads the weights
@@ -167,9 +182,6 @@ def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
     if t.fp8:
         raise ConfigError(f"target.fp8 with {option}: FP8 is not applied per shard yet; use target.fp8 false, "
                           f"or a group size of 1")
-    if is_preset(t.path):
-        raise ConfigError(f"{option} reads each shard from safetensors files and a preset target ({t.path}) has "
-                          f"none: use a model directory, or a group size of 1")
     for name, value, wanted in (("forward", t.forward, ("auto", "hf")), ("compile", t.compile, ("auto", False)),
                                 ("document_attention", t.document_attention, ("gather",))):
         if value not in wanted:
@@ -183,12 +195,15 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
                         trust_remote_code: bool = False, attn_implementation: str = "auto",
                         attn_option: str = "target.attn_implementation") -> nn.Module:
     """The frozen target sharded over `group` (this rank holds 1/G of each parameter), read shard by shard."""
-    source = resolve_model_source(spec)
-    if source.gguf_file or not any(source.directory.glob("*.safetensors")):
-        raise ModelError(f"sharded target {source.describe()}: each rank reads its shard from safetensors files, and "
-                         f"this target has none: save it as a Hugging Face model directory, or use "
-                         f"pipeline.target_group_size 1")
-    config = load_config(source, trust_remote_code=trust_remote_code)
+    if is_preset(spec):  # a benchmark's random weights of a real shape: nothing to read
+        source, config = None, preset_config(spec)
+    else:
+        source = resolve_model_source(spec)
+        if source.gguf_file or not any(source.directory.glob("*.safetensors")):
+            raise ModelError(f"sharded target {source.describe()}: each rank reads its shard from safetensors files, "
+                             f"and this target has none: save it as a Hugging Face model directory, or use "
+                             f"pipeline.target_group_size 1")
+        config = load_config(source, trust_remote_code=trust_remote_code)
     attn = resolve_attn_implementation(config, attn_implementation, trust_remote_code=trust_remote_code,
                                        option=attn_option)
     kwargs = {"attn_implementation": attn} if attn else {}
@@ -200,7 +215,11 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
     for name, value in buffers.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = value
-    load_shards(model, source.directory, dist.get_rank(group), dist.get_world_size(group))
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if source is None:
+        fill_random_shards(model, rank, size)
+    else:
+        load_shards(model, source.directory, rank, size)
     model.eval()
     model.requires_grad_(False)
     return model

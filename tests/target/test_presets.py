@@ -1,0 +1,49 @@
+"""The benchmark presets: real shapes, checked against the published checkpoints' sizes (built on
+the meta device: no memory), and the seeded random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_train.target.presets import build_random_target, preset_config
+
+
+def _parameters(name: str) -> tuple[int, int]:
+    """(all parameters, the expert parameters) of a preset, counted on the meta device."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(f"preset:{name}"))
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for n, p in model.named_parameters() if ".experts." in n))
+
+
+def test_llama_70b_has_the_checkpoints_parameters():
+    # Llama-3.3-70B-Instruct's model.safetensors.index.json: total_size 141,107,412,992 bytes of bf16
+    assert _parameters("llama3.3-70b") == (141_107_412_992 // 2, 0)
+
+
+@pytest.mark.parametrize("name, total_b, active_b, experts, routed", [
+    ("qwen3-235b-a22b", 235.1, 22.2, 128, 8),
+    ("qwen3-30b-a3b", 30.5, 3.3, 128, 8),
+])
+def test_moe_presets_have_the_published_total_and_active_parameters(name, total_b, active_b, experts, routed):
+    """Qwen3-235B-A22B: 235B in all, 22B active; Qwen3-30B-A3B: 30.5B and 3.3B (model cards; the
+    30B's 30,532,122,624 exactly, as KerasHub lists it)."""
+    total, expert = _parameters(name)
+    if name == "qwen3-30b-a3b":
+        assert total == 30_532_122_624
+    active = total - expert + expert * routed // experts
+    assert round(total / 1e9, 1) == total_b and abs(active / 1e9 - active_b) < 0.1
+
+
+def test_random_weights_are_seeded_norms_one():
+    a = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)
+    b = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)
+    c = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=6)
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)) and torch.equal(p, r)
+        else:
+            assert not torch.equal(p, r) and abs(float(p.std()) - 0.02) < 0.005, name
