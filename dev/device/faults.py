@@ -6,8 +6,9 @@ For colocated on NPROC ranks (default 2) and split T+D (SPLIT, default "1 1"): S
 torchrun once 5 steps are logged (time to exit, exit code, checkpoints written, then
 `--resume` for 3 more steps: the first resumed step must be the checkpoint's + 1); and for
 colocated a SIGKILL of rank KILL_RANK (default 1; time until every process is gone, whether a
-survivor named the dead rank). One JSON line per case is printed ("FAULT ...") and all of them
-go to OUT/faults.json.
+survivor named the dead rank). CASES (default "term kill") picks them: "kill" alone for a run
+whose split layout does not apply (a target sharded over every rank). One JSON line per case is
+printed ("FAULT ...") and all of them go to OUT/faults.json.
 """
 
 import json
@@ -22,6 +23,7 @@ from pathlib import Path
 NPROC = int(os.environ.get("NPROC", "2"))
 SPLIT = os.environ.get("SPLIT", "1 1").split()
 KILL_RANK = int(os.environ.get("KILL_RANK", "1"))
+CASES = os.environ.get("CASES", "term kill").split()
 
 
 def torchrun(args, out, log):
@@ -63,7 +65,7 @@ def main():
                "split": ["--pipeline.layout", "split", "--pipeline.target_ranks", SPLIT[0],
                          "--pipeline.drafter_ranks", SPLIT[1]]}
     results = []
-    for name, extra in layouts.items():
+    for name, extra in layouts.items() if "term" in CASES else ():
         out, log = work / f"term_{name}", work / f"term_{name}.log"
         proc = torchrun([*args, *extra], out, log)
         r = {"case": f"sigterm_torchrun_{name}_x{NPROC}", "started": wait_steps(proc, out, 5)}
@@ -83,17 +85,32 @@ def main():
         r["stopped_line"] = "stopped by SIGTERM" in text
         r["sigkilled_by_torchrun"] = "forcefully exiting via" in text
         if ckpts:
-            step = int(ckpts[-1].split("-")[1])
-            resume = [a if a != "100000" or args[i - 1] != "--run.max_steps" else str(step + 3)
-                      for i, a in enumerate(args)]
-            p2 = torchrun([*resume, *extra, "--resume"], out, work / f"resume_{name}.log")
-            p2.wait(timeout=150)
-            r.update(checkpoint_step=step, resume_exit=p2.returncode, steps_after_resume=steps(out)[-4:])
+            r.update(resume(work, args, extra, out, name))
         results.append(r)
         print("FAULT", json.dumps(r), flush=True)
 
+    if "kill" in CASES:
+        results.append(kill_case(work, args, layouts["colocated"]))
+    (out_dir / "faults.json").write_text(json.dumps(results, indent=1))
+
+
+def resume(work, args, extra, out, name):
+    """`--resume` of a stopped run for 3 more steps: its checkpoint's step and what followed."""
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*")) if (out / "checkpoints").exists() else []
+    if not ckpts:
+        return {"checkpoints": []}
+    step = int(ckpts[-1].split("-")[1])
+    more = [a if a != "100000" or args[i - 1] != "--run.max_steps" else str(step + 3) for i, a in enumerate(args)]
+    p2 = torchrun([*more, *extra, "--resume"], out, work / f"resume_{name}.log")
+    p2.wait(timeout=300)
+    return {"checkpoint_step": step, "resume_exit": p2.returncode, "steps_after_resume": steps(out)[-4:]}
+
+
+def kill_case(work, args, extra):
+    """Colocated: SIGKILL of rank KILL_RANK once 5 steps are logged; time until every process is gone,
+    then `--resume` from the last checkpoint (give the run a `--run.save_every` that leaves one)."""
     out, log = work / "kill_colocated", work / "kill_colocated.log"
-    proc = torchrun([*args, *layouts["colocated"]], out, log)
+    proc = torchrun([*args, *extra], out, log)
     r = {"case": f"sigkill_rank{KILL_RANK}_colocated_x{NPROC}", "started": wait_steps(proc, out, 5)}
     victim = rank_pid(proc.pid, KILL_RANK)
     if victim:
@@ -104,11 +121,11 @@ def main():
         r.update(seconds_to_all_exit=round(time.time() - t, 2), exit_code=proc.returncode,
                  survivor_named_victim=f"rank {KILL_RANK} sent no heartbeat" in text,
                  sigkilled_by_torchrun="forcefully exiting via" in text)
+        r.update(resume(work, args, extra, out, "kill"))
     else:
         proc.kill()
-    results.append(r)
     print("FAULT", json.dumps(r), flush=True)
-    (out_dir / "faults.json").write_text(json.dumps(results, indent=1))
+    return r
 
 
 if __name__ == "__main__":
