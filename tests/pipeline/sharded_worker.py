@@ -3,18 +3,26 @@ directory given, the target sharded over every rank against the whole model load
 transformers, on batches of documents of this rank's own lengths. Writes OUT/rank-N.json:
 each tapped layer's largest difference, the parameter bytes this rank holds before and after
 the forwards, and how many bytes of weights it read from the files. A `preset:NAME` target is
-drawn at random on each rank and compared with the same preset built whole."""
+drawn at random on each rank and compared with the same preset built whole; an `fp8:` prefix loads
+the target with FP8 decoder linears, compared with the whole model converted alike."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+
+FP8 = "fp8:"  # a target spec with this prefix loads with target.fp8
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 from dflash_train.target import sharded
+from dflash_train.target.fp8 import convert_decoder_linears
+from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_causal_lm
 from dflash_train.target.presets import build_random_target, is_preset
 from dflash_train.target.runner import TargetRunner
@@ -34,18 +42,33 @@ def count_reads() -> list[int]:
     return seen
 
 
+def checkpoint_bytes(path: str) -> int:
+    """Bytes of every tensor in a model directory's safetensors files (0 for a preset)."""
+    total = 0
+    for file in [] if is_preset(path) else sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            for key in fh.keys():
+                t = fh.get_slice(key)
+                total += math.prod(t.get_shape()) * torch.empty((), dtype=DTYPES[t.get_dtype()]).element_size()
+    return total
+
+
 def main(out: Path, targets: list[str]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), backend="gloo")
     read = count_reads()
     report = {}
-    for path in targets:
+    for spec in targets:
         read[0] = 0
-        model = sharded.load_sharded_target(path, dtype=torch.float32, device=torch.device("cpu"), group=group)
+        fp8, path = spec.startswith(FP8), spec.removeprefix(FP8)
+        model = sharded.load_sharded_target(path, dtype=torch.float32, device=torch.device("cpu"), group=group,
+                                            fp8=fp8)
         loaded = sharded.parameter_bytes(model)
         whole = build_random_target(path, dtype=torch.float32, device="cpu") if is_preset(path) \
             else load_causal_lm(path, dtype=torch.float32)
+        if fp8:
+            convert_decoder_linears(whole, find_decoder_layers(whole))
         n = len(whole.model.layers)
         ours = TargetRunner(model, list(range(n)), need_final=True)
         ref = TargetRunner(whole, list(range(n)), need_final=True)
@@ -58,8 +81,9 @@ def main(out: Path, targets: list[str]) -> None:
             a, fa = ours.run_documents(ids, lengths, need_final=need_final)
             b, fb = ref.run_documents(ids, lengths, need_final=need_final)
             diffs.append([float((x - y).abs().max()) for x, y in zip(a + [fa] * need_final, b + [fb] * need_final)])
-        report[path] = {"diffs": diffs, "bytes_loaded": loaded, "bytes_after": sharded.parameter_bytes(model),
-                        "read_bytes": read[0], "sharded": sharded.is_sharded(model)}
+        report[spec] = {"diffs": diffs, "bytes_loaded": loaded, "bytes_after": sharded.parameter_bytes(model),
+                        "read_bytes": read[0], "checkpoint_bytes": checkpoint_bytes(path),
+                        "sharded": sharded.is_sharded(model)}
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

@@ -40,8 +40,10 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
     """Dense and MoE targets sharded over 2 and 4 gloo processes: every layer's output and the
     final norm's equal transformers' whole model on each rank's own documents (forwards that stop
     early too); each rank holds and reads 1/G of the parameter bytes, before and after forwards.
-    A preset's random weights, drawn shard by shard, equal the preset built whole."""
-    targets = [str(families / "qwen3"), str(families / "qwen3_moe"), "preset:tiny"]
+    A preset's random weights, drawn shard by shard, equal the preset built whole; with FP8 decoder
+    linears, each rank quantising its rows, both equal the whole model converted to FP8."""
+    targets = [str(families / "qwen3"), str(families / "qwen3_moe"), "preset:tiny", "fp8:" + str(families / "qwen3"),
+               "fp8:preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
            str(WORKER), str(tmp_path), *targets]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -51,13 +53,17 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
         for target in targets:
             r = report[target]
             assert r["sharded"]
-            n = 6 if target == "preset:tiny" else 4
+            n = 6 if target.endswith("preset:tiny") else 4
             assert [len(d) for d in r["diffs"]] == [n + 1, n, n + 1]  # every layer (+ the final norm when asked)
             assert max(max(d) for d in r["diffs"]) <= 1e-5, (rank, target, r["diffs"])
             local, whole = r["bytes_loaded"]
             assert r["bytes_after"] == r["bytes_loaded"]  # every gathered weight freed again
             assert abs(local / whole - 1 / world) < 0.01, (rank, target, local, whole)
-            assert r["read_bytes"] == (0 if target == "preset:tiny" else local)  # this rank's rows and no more
+            if target.startswith("fp8:"):  # reads its rows in the checkpoint's dtype, holds them in float8
+                assert r["read_bytes"] == 0 if "preset:" in target else \
+                    abs(r["read_bytes"] / r["checkpoint_bytes"] - 1 / world) < 0.01
+            else:
+                assert r["read_bytes"] == (0 if target == "preset:tiny" else local)  # this rank's rows and no more
 
 
 def test_shard_rows_are_fsdp_chunks():
@@ -80,8 +86,8 @@ def test_group_layouts_that_cannot_work_are_refused(fields, words):
 def test_sharded_target_options_are_refused_or_resolved():
     assert sharded_target_config(TargetConfig(path="x"), 2).forward == "hf"
     assert sharded_target_config(TargetConfig(path="preset:llama3.3-70b"), 2).forward == "hf"  # random weights
-    for t, words in ((TargetConfig(path="x", fp8=True), "target.fp8 with pipeline.target_group_size 2"),
-                     (TargetConfig(path="x", forward="packed"), "target.forward packed")):
+    assert sharded_target_config(TargetConfig(path="x", fp8=True), 2).fp8  # each rank quantises its rows
+    for t, words in ((TargetConfig(path="x", forward="packed"), "target.forward packed"),):
         with pytest.raises(ConfigError, match=words):
             sharded_target_config(t, 2)
 

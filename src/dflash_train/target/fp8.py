@@ -51,13 +51,30 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
 
 
 class FP8Linear(nn.Module):
+    """A frozen nn.Linear as float8 weights and one scale per output channel. Both are (frozen)
+    parameters laid out by output channel, [N, K] and [N, 1], so that a target sharded by rows
+    (target/sharded.py) shards them alike and each rank quantises only its rows (`fill_rows`)."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w8, scale = quantize_rows(linear.weight.detach())  # [N, K], [N, 1]
-        self.register_buffer("weight_fp8", w8)
-        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N]
+        self.weight_fp8 = nn.Parameter(w8, requires_grad=False)
+        self.row_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """[1, N]: the layout `fp8_matmul` takes."""
+        return self.row_scale.t()
+
+    @staticmethod
+    def fill_rows(weight_fp8: torch.Tensor, row_scale: torch.Tensor, weight_rows: torch.Tensor) -> None:
+        """Quantise some rows of the original weight into these (local) tensors: per output
+        channel, so any split of the rows gives the whole weight's numbers."""
+        w8, scale = quantize_rows(weight_rows)
+        weight_fp8.copy_(w8)
+        row_scale.copy_(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
@@ -72,6 +89,6 @@ def convert_decoder_linears(model: nn.Module, layers: nn.ModuleList) -> int:
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, FP8Linear(child))
                     count += 1
-    if next(model.parameters()).is_cuda:
+    if next(model.parameters()).is_cuda:  # the bf16 weights just freed
         torch.cuda.empty_cache()
     return count

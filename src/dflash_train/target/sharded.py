@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.config import TargetConfig
+from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
 from dflash_train.target.presets import initialise_, is_preset, preset_config
@@ -140,38 +141,64 @@ def _read_shard(reader: ShardReader, name: str, rows: tuple[int, int]) -> torch.
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, directory: Path, rank: int, size: int) -> None:
+def _checkpoint_name(name: str) -> str | None:
+    """The checkpoint tensor behind a model parameter: an FP8Linear's float8 weight is quantised
+    from the linear's weight (with its scales, so `row_scale` has none of its own)."""
+    if name.endswith(".row_scale"):
+        return None
+    return name.removesuffix("_fp8") if name.endswith(".weight_fp8") else name
+
+
+def _fill_local(model: nn.Module, name: str, local: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> None:
+    """This rank's rows of parameter `name`, given the same rows of its checkpoint tensor: copied,
+    or quantised in the model's dtype (an FP8Linear: per output channel, as the whole model's)."""
+    if tuple(rows.shape) != tuple(local.shape):
+        raise ModelError(f"sharded target: {name}'s rows are {tuple(rows.shape)} in the checkpoint, the model's "
+                         f"shard is {tuple(local.shape)}")
+    if name.endswith(".weight_fp8"):
+        scale = model.get_parameter(name.removesuffix("weight_fp8") + "row_scale").to_local()
+        FP8Linear.fill_rows(local, scale, rows.to(dtype))
+    else:
+        local.copy_(rows)
+
+
+def _local_shards(model: nn.Module, rank: int, size: int) -> Iterator[tuple[str, str, torch.Tensor, tuple[int, int]]]:
+    """(parameter name, its checkpoint tensor's name, the local shard, its rows) of every parameter
+    filled from a checkpoint tensor, in `named_parameters()` order."""
+    for name, param in model.named_parameters():
+        source = _checkpoint_name(name)
+        if source is None:
+            continue
+        local, rows = param.to_local(), shard_rows(param.shape[0], rank, size)
+        if local.shape[0] != rows[1] - rows[0]:
+            raise RuntimeError(f"{name}: local shard of {tuple(local.shape)} rows, expected rows {rows}")
+        yield name, source, local, rows
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: torch.dtype) -> None:
     """Fill every parameter's local shard (a DTensor sharded on dim 0) from the checkpoint."""
     reader = ShardReader(directory)
     try:
-        for name, param in model.named_parameters():
-            local = param.to_local()
-            rows = shard_rows(param.shape[0], rank, size)
-            if local.shape[0] != rows[1] - rows[0]:
-                raise RuntimeError(f"{name}: local shard of {tuple(local.shape)} rows, expected rows {rows}")
-            if local.shape[0] == 0:
-                continue
-            value = _read_shard(reader, name, rows)
-            if tuple(value.shape) != tuple(local.shape):
-                raise ModelError(f"sharded target: {name} is {tuple(value.shape)} in the checkpoint's rows {rows}, "
-                                 f"the model's shard is {tuple(local.shape)}")
-            local.copy_(value)
+        for name, source, local, rows in _local_shards(model, rank, size):
+            if local.shape[0]:
+                _fill_local(model, name, local, _read_shard(reader, source, rows), dtype)
     finally:
         reader.close()
 
 
 @torch.no_grad()
-def fill_random_shards(model: nn.Module, rank: int, size: int, seed: int = 0) -> None:
+def fill_random_shards(model: nn.Module, rank: int, size: int, dtype: torch.dtype, seed: int = 0) -> None:
     """A preset's weights (`presets.build_random_target`'s: the same generator drawing the same
     parameters in the same order), each rank keeping its rows of each; one parameter at a time is
     drawn whole, on this rank's device, so a sharded preset holds the unsharded one's values."""
     device = next(p.to_local().device for p in model.parameters())
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        whole = initialise_(torch.empty(param.shape, dtype=param.dtype, device=device), name, gen)
-        local = param.to_local()
-        start, stop = shard_rows(param.shape[0], rank, size)
-        local.copy_(whole[start:stop])
+    for name, source, local, (start, stop) in _local_shards(model, rank, size):
+        shape = model.get_parameter(name).shape
+        whole = initialise_(torch.empty(shape, dtype=dtype if source != name else local.dtype, device=device),
+                            source, gen)
+        _fill_local(model, name, local, whole[start:stop], dtype)
 
 
 def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
@@ -179,9 +206,6 @@ def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
     (FSDP2 gathers a layer's weights when the module runs; the packed forward reads the weights
     itself), an explicit choice it cannot honour refused in one line."""
     option = f"pipeline.target_group_size {group_size}"
-    if t.fp8:
-        raise ConfigError(f"target.fp8 with {option}: FP8 is not applied per shard yet; use target.fp8 false, "
-                          f"or a group size of 1")
     for name, value, wanted in (("forward", t.forward, ("auto", "hf")), ("compile", t.compile, ("auto", False)),
                                 ("document_attention", t.document_attention, ("gather",))):
         if value not in wanted:
@@ -193,8 +217,9 @@ def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
 
 def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, group,
                         trust_remote_code: bool = False, attn_implementation: str = "auto",
-                        attn_option: str = "target.attn_implementation") -> nn.Module:
-    """The frozen target sharded over `group` (this rank holds 1/G of each parameter), read shard by shard."""
+                        attn_option: str = "target.attn_implementation", fp8: bool = False) -> nn.Module:
+    """The frozen target sharded over `group` (this rank holds 1/G of each parameter), read shard by
+    shard; `fp8`: its decoder linears float8 (target/fp8.py), each rank quantising only its rows."""
     if is_preset(spec):  # a benchmark's random weights of a real shape: nothing to read
         source, config = None, preset_config(spec)
     else:
@@ -209,6 +234,8 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
     kwargs = {"attn_implementation": attn} if attn else {}
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    if fp8:  # on the meta device: float8 weights and scales laid out by output channel, sharded as such
+        convert_decoder_linears(model, find_decoder_layers(model))
     buffers = {name: b.to(device) for name, b in model.named_buffers()}
     shard_model(model, group_mesh(group, device))
     model.to_empty(device=device)  # allocates the local shards only (and empties the buffers: put back below)
@@ -217,9 +244,9 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
         model.get_submodule(owner)._buffers[leaf] = value
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if source is None:
-        fill_random_shards(model, rank, size)
+        fill_random_shards(model, rank, size, dtype)
     else:
-        load_shards(model, source.directory, rank, size)
+        load_shards(model, source.directory, rank, size, dtype)
     model.eval()
     model.requires_grad_(False)
     return model

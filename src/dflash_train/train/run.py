@@ -62,7 +62,7 @@ def build_target_worker(cfg: TrainConfig, ctx: DistContext, signals: StopSignals
     if ctx.target_group is not None:  # one shard of a target the group holds between them
         model = load_sharded_target(t.path, dtype=resolve_dtype(t.dtype, ctx.device), device=ctx.device,
                                     group=ctx.target_group, trust_remote_code=t.trust_remote_code,
-                                    attn_implementation=t.attn_implementation)
+                                    attn_implementation=t.attn_implementation, fp8=t.fp8)
         return GroupTargetWorker(ctx, setup.build_target_runner(cfg, model, drafter_config), data,
                                  queue_depth=cfg.pipeline.queue_depth, padding=setup.compile_padding(cfg),
                                  load_s=time.perf_counter() - t0, signals=signals)

@@ -189,7 +189,7 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     dtype = resolve_dtype(cfg.target.dtype, device)
     t = cfg.target
     if whole_model and group is not None:  # the drafter's step needs whole copies of the two matrices
-        model = load_sharded_target(t.path, dtype=dtype, device=device, group=group,
+        model = load_sharded_target(t.path, dtype=dtype, device=device, group=group, fp8=t.fp8,
                                     trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation)
         embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
         log.info("loaded this rank's shard of the target in %.1fs", time.perf_counter() - t0)
