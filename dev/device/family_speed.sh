@@ -3,7 +3,9 @@
 # shapes): each PART fits one call of under 10 minutes; the JSON and the log land in $OUT.
 #     PART=defaults  bash dev/device/family_speed.sh   # qwen3-8b: `bench` with no options (auto) and
 #                                                      # the recommended flags, one after the other
-#     PART=gemma     ...   # gemma3-27b: bench (auto = packed compiled bf16), then profile_generate, 64 slots
+#     PART=gemma     ...   # gemma3-27b: bench (auto = packed compiled bf16), then the same with the
+#                            # next batch's target forward overlapped (--overlap, as dense-27b's 8,140 was)
+#     PART=gemma_gen ...   # gemma3-27b: profile_generate, 64 slots
 #     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
 #     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
 # DRY=1: the plumbing on a CPU with the tiny preset.
@@ -34,8 +36,10 @@ case "$PART" in
     stage bench_default 280 "${B[@]}" --preset $P8 --out "$OUT/bench_qwen3_8b_default.json"
     stage bench_recommended 280 "${B[@]}" --preset $P8 "${FAST[@]}" --out "$OUT/bench_qwen3_8b_recommended.json" ;;
   gemma)
-    stage bench_gemma 360 "${B[@]}" --preset $PG --out "$OUT/bench_gemma3_27b.json"
-    stage generate_gemma 200 $PY bench/profile_generate.py preset:$PG --slots 64 --prompt-len 512 $GEN \
+    stage bench_gemma 280 "${B[@]}" --preset $PG --out "$OUT/bench_gemma3_27b.json"
+    stage bench_gemma_overlap 280 "${B[@]}" --preset $PG --overlap --out "$OUT/bench_gemma3_27b_overlap.json" ;;
+  gemma_gen)
+    stage generate_gemma 300 $PY bench/profile_generate.py preset:$PG --slots 64 --prompt-len 512 $GEN \
       --out "$OUT/generate_gemma3_27b.json" ;;
   gpt_oss)
     stage bench_gpt_oss_hf 250 "${B[@]}" --preset $PO --target-forward hf --out "$OUT/bench_gpt_oss_20b_hf.json"
