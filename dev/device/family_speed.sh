@@ -8,6 +8,7 @@
 #     PART=gemma_gen ...   # gemma3-27b: profile_generate, 64 slots
 #     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
 #     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
+#     PART=moe_train ...   # qwen3-30b-a3b: bench (auto), then with --overlap
 # DRY=1: the plumbing on a CPU with the tiny preset.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/family_speed.log; mkdir -p "$OUT"
@@ -44,6 +45,9 @@ case "$PART" in
   gpt_oss)
     stage bench_gpt_oss_hf 250 "${B[@]}" --preset $PO --target-forward hf --out "$OUT/bench_gpt_oss_20b_hf.json"
     stage bench_gpt_oss_packed 300 "${B[@]}" --preset $PO "${FAST[@]}" --out "$OUT/bench_gpt_oss_20b_packed.json" ;;
+  moe_train)
+    stage bench_moe 280 "${B[@]}" --preset $PM --out "$OUT/bench_qwen3_30b_a3b.json"
+    stage bench_moe_overlap 280 "${B[@]}" --preset $PM --overlap --out "$OUT/bench_qwen3_30b_a3b_overlap.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;
