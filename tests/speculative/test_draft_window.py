@@ -11,7 +11,7 @@ import torch
 from dflash_train.drafter.config import FULL, SLIDING, drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.speculative.engine import SpecEngine
-from dflash_train.speculative.evaluate import make_proposer
+from dflash_train.speculative.decoders import make_proposer
 from dflash_train.speculative.loop import SpeculativeDecoder
 from dflash_train.generate.attention import ring_length, ring_rule
 from dflash_train.speculative.static_drafter import StaticDrafter

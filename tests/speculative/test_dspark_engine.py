@@ -10,7 +10,7 @@ import torch
 from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.speculative.engine import SpecEngine
-from dflash_train.speculative.evaluate import make_proposer
+from dflash_train.speculative.decoders import make_proposer
 from dflash_train.speculative.loop import SpeculativeDecoder
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens
 

@@ -11,7 +11,7 @@ from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.layers import q_writing_kv as _q_writing_kv
 from dflash_train.speculative.decoders import HFSpecDecoder, bf16_ulp, first_divergence, make_spec_decoder
 from dflash_train.speculative.engine import SpecEngine
-from dflash_train.speculative.evaluate import make_proposer
+from dflash_train.speculative.decoders import make_proposer
 from dflash_train.speculative.loop import DecodeResult, Round, SpeculativeDecoder
 from dflash_train.speculative.static_drafter import StaticDrafter, _block_q
 from dflash_train.target.chat_template import stop_token_ids as stop_tokens

@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.drafter.masks import build_layer_masks
 from dflash_train.drafter.model import block_input_ids, block_positions
-from dflash_train.speculative.evaluate import make_proposer
+from dflash_train.speculative.decoders import make_proposer
 from dflash_train.speculative.loop import Round, SpeculativeDecoder
 from dflash_train.speculative.metrics import acceptance_stats
 from dflash_train.target.chat_template import stop_token_ids

@@ -29,11 +29,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
 from dflash_train.speculative.engine import SpecEngine
 from dflash_train.speculative.hf_cache import decoding_cache
 from dflash_train.speculative.loop import DecodeResult, DFlashProposer, SpeculativeDecoder
+from dflash_train.utils.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,24 @@ class SpecDecoder(Protocol):
         """Every prompt decoded; results in the prompts' order, each also given to `on_result` when it ends."""
 
 
+def check_compatible(drafter: DFlashDrafter, target: torch.nn.Module) -> None:
+    problems = mismatches_with_target(drafter.config, target.config)
+    if problems:
+        raise ModelError("the drafter does not fit this target: " + "; ".join(problems))
+
+
+def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_drafter: bool = False,
+                  window: int | None = None) -> DFlashProposer:
+    """The generic (Hugging Face path) proposer running `drafter` in the target's dtype and
+    device (a copy if asked, so a training drafter is left untouched); `window`: DFlashProposer's."""
+    check_compatible(drafter, target)
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings()
+    model = copy.deepcopy(drafter) if copy_drafter else drafter
+    model = model.to(embed.device, embed.dtype).eval()
+    return DFlashProposer(model, embed, head.weight if head is not None else embed, window=window)
+
+
 class HFSpecDecoder:
     """The generic Hugging Face path (`SpeculativeDecoder` + `DFlashProposer`, batch 1) behind
     the engine's interface, for targets the static engine does not support."""
@@ -64,13 +84,8 @@ class HFSpecDecoder:
         self.decoder = SpeculativeDecoder(target, drafter.config.target_layer_ids if drafter else [0], stop_ids)
         self.proposer = None
         self.block_size = 1
-        if drafter is not None:
-            embed = target.get_input_embeddings().weight
-            head = target.get_output_embeddings()
-            # a copy: DFlashProposer switches its module to eval mode, and the caller's stays as it is
-            drafter = copy.deepcopy(drafter).to(device=embed.device, dtype=embed.dtype)
-            self.proposer = DFlashProposer(drafter, embed, head.weight if head is not None else embed,
-                                           window=draft_window)
+        if drafter is not None:  # a copy: the proposer switches its module to eval mode, the caller's stays as it is
+            self.proposer = make_proposer(drafter, target, copy_drafter=True, window=draft_window)
             self.block_size = drafter.config.block_size
 
     def warm_up(self, max_kv: int | None = None) -> None:

@@ -14,7 +14,6 @@ the target, else the generic Hugging Face path.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,12 +22,12 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash_train.data.prompts import Prompt, encode_prompt
-from dflash_train.drafter.config import mismatches_with_target
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported
-from dflash_train.speculative.decoders import NEAR_TIE_ULPS, HFSpecDecoder, first_divergence, make_spec_decoder
+from dflash_train.speculative.decoders import (NEAR_TIE_ULPS, HFSpecDecoder, check_compatible, first_divergence,
+                                               make_spec_decoder)
 from dflash_train.speculative.engine import SpecEngine
-from dflash_train.speculative.loop import DecodeResult, DFlashProposer
+from dflash_train.speculative.loop import DecodeResult
 from dflash_train.speculative.metrics import (
     PromptResult,
     acceptance_stats,
@@ -40,25 +39,7 @@ from dflash_train.speculative.metrics import (
     tau_of,
 )
 from dflash_train.target.chat_template import stop_token_ids
-from dflash_train.utils.errors import EvalError, ModelError
-
-
-def check_compatible(drafter: DFlashDrafter, target: torch.nn.Module) -> None:
-    problems = mismatches_with_target(drafter.config, target.config)
-    if problems:
-        raise ModelError("the drafter does not fit this target: " + "; ".join(problems))
-
-
-def make_proposer(drafter: DFlashDrafter, target: torch.nn.Module, *, copy_drafter: bool = False,
-                  window: int | None = None) -> DFlashProposer:
-    """The generic (Hugging Face path) proposer running `drafter` in the target's dtype and
-    device (a copy if asked, so a training drafter is left untouched); `window`: DFlashProposer's."""
-    check_compatible(drafter, target)
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings()
-    model = copy.deepcopy(drafter) if copy_drafter else drafter
-    model = model.to(embed.device, embed.dtype).eval()
-    return DFlashProposer(model, embed, head.weight if head is not None else embed, window=window)
+from dflash_train.utils.errors import EvalError
 
 
 def _cache_positions(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:

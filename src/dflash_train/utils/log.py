@@ -23,10 +23,6 @@ def set_main_process(is_main: bool) -> None:
     _state["main"] = bool(is_main)
 
 
-def is_main_process() -> bool:
-    return _state["main"]
-
-
 class _TqdmHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
