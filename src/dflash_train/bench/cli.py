@@ -143,10 +143,8 @@ LEVERS: dict[str, tuple[str, dict]] = {
     "hf-flash": ("Hugging Face forward, SDPA forced to flash", {**HF, "sdpa_backend": "flash"}),
     "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {**HF, "sdpa_backend": "cudnn"}),
     "packed": ("packed forward, eager, PyTorch's SDPA choice", PACKED_EAGER),
-    "packed-flash": ("packed forward, eager, SDPA forced to flash",
-                     {**PACKED_EAGER, "sdpa_backend": "flash"}),
-    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN",
-                     {**PACKED_EAGER, "sdpa_backend": "cudnn"}),
+    "packed-flash": ("packed forward, eager, SDPA forced to flash", {**PACKED_EAGER, "sdpa_backend": "flash"}),
+    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN", {**PACKED_EAGER, "sdpa_backend": "cudnn"}),
     "packed-compiled": ("packed forward, compiled, one fixed shape",
                         {"target_forward": "packed", "target_compile": True}),
     "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {**HF, "fp8_target": True}),
@@ -169,8 +167,6 @@ def lever_names(levers: str) -> list[str]:
 
 
 CONFIG = BenchConfig
-
-
 PROFILED_STEPS = 3
 
 
