@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_train.bench.cli import LEVERS, BenchConfig, build_config, decide_auto_settings
+from dflash_train.bench.cli import BenchConfig, build_config, decide_auto_settings
+from dflash_train.bench.levers import LEVERS
 
 
 def _decided(tmp_path, device: str, **fields):

@@ -12,7 +12,7 @@ split (data, queue wait, target, drafter forward, backward, optimizer).
     torchrun --nproc-per-node 2 -m dflash_train bench --preset qwen3-8b --layout split \\
         --target-ranks 1 --drafter-ranks 1
 
-`--levers all` (or a comma-separated list of names from LEVERS) measures the levers of
+`--levers all` (or a comma-separated list of names from levers.py) measures the levers of
 the target forward (docs/performance.md, "The target forward") one row each, in one process,
 and prints one table (target ms, drafter ms, tok/s, peak memory); the JSON, rewritten after
 every row, holds them all.
@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 
 from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisation, step_flops
+from dflash_train.bench.levers import LEVERS, lever_names
 from dflash_train.pipeline.context import exit_finished_rank, one_of_several_processes
 from dflash_train.pipeline.report import targets_tokens_per_s
 from dflash_train.target.presets import preset_config
@@ -97,7 +98,7 @@ class BenchConfig:
     overlap: bool = False
     """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
     levers: str = ""
-    """measure a lever table instead of one setting: 'all' or comma-separated names of LEVERS"""
+    """measure a lever table instead of one setting: 'all' or comma-separated lever names (dflash_train/bench/levers.py)"""
     append: bool = False
     """a lever table: add its rows to the table already in --out (one table from several processes)"""
     like: str | None = None
@@ -131,39 +132,6 @@ class BenchConfig:
         unknown = [n for n in lever_names(self.levers) if n not in LEVERS]
         if unknown:
             raise ValueError(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
-
-
-# The levers of the target forward (docs/performance.md, "The target forward"): name -> (what, BenchConfig fields).
-# Each is measured alone against `baseline`, then together. Every row names its target forward: the
-# defaults (auto) would otherwise give the baseline the fast path.
-HF = {"target_forward": "hf", "target_compile": False}
-PACKED_EAGER = {"target_forward": "packed", "target_compile": False}
-LEVERS: dict[str, tuple[str, dict]] = {
-    "baseline": ("Hugging Face forward, PyTorch's SDPA choice", HF),
-    "hf-flash": ("Hugging Face forward, SDPA forced to flash", {**HF, "sdpa_backend": "flash"}),
-    "hf-cudnn": ("Hugging Face forward, SDPA forced to cuDNN", {**HF, "sdpa_backend": "cudnn"}),
-    "packed": ("packed forward, eager, PyTorch's SDPA choice", PACKED_EAGER),
-    "packed-flash": ("packed forward, eager, SDPA forced to flash", {**PACKED_EAGER, "sdpa_backend": "flash"}),
-    "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN", {**PACKED_EAGER, "sdpa_backend": "cudnn"}),
-    "packed-compiled": ("packed forward, compiled, one fixed shape",
-                        {"target_forward": "packed", "target_compile": True}),
-    "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {**HF, "fp8_target": True}),
-    "fp8-compiled": ("packed compiled + FP8 (quantisation fused)",
-                     {"target_forward": "packed", "target_compile": True, "fp8_target": True}),
-    "overlap": ("baseline + next batch's target forward on a second stream", {**HF, "overlap": True}),
-    "data-labels": ("baseline with data labels: the target stops after its last tapped layer",
-                    {**HF, "labels": "data"}),
-    "all-bf16": ("packed compiled + the fastest SDPA kernel of the packed rows + overlap",
-                 {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best", "overlap": True}),
-    "all-fp8": ("all-bf16 + FP8", {"target_forward": "packed", "target_compile": True, "sdpa_backend": "best",
-                                   "overlap": True, "fp8_target": True}),
-}
-
-
-def lever_names(levers: str) -> list[str]:
-    if levers.strip() == "all":
-        return list(LEVERS)
-    return [n.strip() for n in levers.split(",") if n.strip()]
 
 
 CONFIG = BenchConfig
