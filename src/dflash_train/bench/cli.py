@@ -98,7 +98,8 @@ class BenchConfig:
     overlap: bool = False
     """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
     levers: str = ""
-    """measure a lever table instead of one setting: 'all' or comma-separated lever names (dflash_train/bench/levers.py)"""
+    """measure a lever table instead of one setting: 'all' or comma-separated lever names
+    (dflash_train/bench/levers.py)"""
     append: bool = False
     """a lever table: add its rows to the table already in --out (one table from several processes)"""
     like: str | None = None
