@@ -162,9 +162,10 @@ def _fill_local(model: nn.Module, name: str, local: torch.Tensor, rows: torch.Te
         local.copy_(rows)
 
 
-def _local_shards(model: nn.Module, rank: int, size: int) -> Iterator[tuple[str, str, torch.Tensor, tuple[int, int]]]:
-    """(parameter name, its checkpoint tensor's name, the local shard, its rows) of every parameter
-    filled from a checkpoint tensor, in `named_parameters()` order."""
+def _local_shards(model: nn.Module, rank: int, size: int
+                  ) -> Iterator[tuple[str, str, torch.Size, torch.Tensor, tuple[int, int]]]:
+    """(parameter name, its checkpoint tensor's name, its whole shape, the local shard, its rows) of
+    every parameter filled from a checkpoint tensor, in `named_parameters()` order."""
     for name, param in model.named_parameters():
         source = _checkpoint_name(name)
         if source is None:
@@ -172,7 +173,7 @@ def _local_shards(model: nn.Module, rank: int, size: int) -> Iterator[tuple[str,
         local, rows = param.to_local(), shard_rows(param.shape[0], rank, size)
         if local.shape[0] != rows[1] - rows[0]:
             raise RuntimeError(f"{name}: local shard of {tuple(local.shape)} rows, expected rows {rows}")
-        yield name, source, local, rows
+        yield name, source, param.shape, local, rows
 
 
 @torch.no_grad()
@@ -180,7 +181,7 @@ def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: 
     """Fill every parameter's local shard (a DTensor sharded on dim 0) from the checkpoint."""
     reader = ShardReader(directory)
     try:
-        for name, source, local, rows in _local_shards(model, rank, size):
+        for name, source, _, local, rows in _local_shards(model, rank, size):
             if local.shape[0]:
                 _fill_local(model, name, local, _read_shard(reader, source, rows), dtype)
     finally:
@@ -194,8 +195,7 @@ def fill_random_shards(model: nn.Module, rank: int, size: int, dtype: torch.dtyp
     drawn whole, on this rank's device, so a sharded preset holds the unsharded one's values."""
     device = next(p.to_local().device for p in model.parameters())
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, source, local, (start, stop) in _local_shards(model, rank, size):
-        shape = model.get_parameter(name).shape
+    for name, source, shape, local, (start, stop) in _local_shards(model, rank, size):
         whole = initialise_(torch.empty(shape, dtype=dtype if source != name else local.dtype, device=device),
                             source, gen)
         _fill_local(model, name, local, whole[start:stop], dtype)
