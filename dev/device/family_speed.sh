@@ -9,6 +9,9 @@
 #     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
 #     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
 #     PART=moe_train ...   # qwen3-30b-a3b: bench (auto), then with --overlap
+#     PART=moe_tuned ...   # qwen3-30b-a3b: --overlap with run.compile_autotune (the recommended
+#                            # configuration of docs/performance.md), then auto with the same
+#     PART=gemma_tuned ... # gemma3-27b: the same two
 # DRY=1: the plumbing on a CPU with the tiny preset.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/family_speed.log; mkdir -p "$OUT"
@@ -48,6 +51,11 @@ case "$PART" in
   moe_train)
     stage bench_moe 280 "${B[@]}" --preset $PM --out "$OUT/bench_qwen3_30b_a3b.json"
     stage bench_moe_overlap 280 "${B[@]}" --preset $PM --overlap --out "$OUT/bench_qwen3_30b_a3b_overlap.json" ;;
+  moe_tuned|gemma_tuned)
+    P=$([ "$PART" = moe_tuned ] && echo $PM || echo $PG); TUNE=(--set run.compile_autotune=true)
+    [ "${DRY:-0}" = 1 ] && TUNE=()  # autotuning needs a GPU compile
+    stage bench_${PART}_overlap 330 "${B[@]}" --preset $P --overlap "${TUNE[@]}" --out "$OUT/bench_${PART}_overlap.json"
+    stage bench_${PART} 250 "${B[@]}" --preset $P "${TUNE[@]}" --out "$OUT/bench_${PART}.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;

@@ -36,7 +36,7 @@ def test_eval_cli_writes_report_and_figure(tiny_targets, loaded_targets, tmp_pat
     out = tmp_path / "report"
     rc = cli_main(["eval", "--target", str(tiny_targets["llama"]), "--drafter", str(drafter_dir),
                    "--prompts", str(_write_prompts(tmp_path / "p.jsonl")), "--max-new-tokens", "20",
-                   "--output", str(out), "--no-progress", "--strict"])
+                   "--output", str(out), "--no-progress", "--strict", "--device", "cpu"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     o = report["overall"]

@@ -221,3 +221,16 @@ def test_head_dim_of_reads_the_decoders_attention_heads():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     assert head_dim_of(qwen3) == 8  # an explicit width, not hidden / heads
     assert head_dim_of(torch.nn.Linear(2, 2)) is None  # not a decoder this engine runs
+
+
+def test_the_compiled_flex_kernel_raises_dynamos_recompile_limit_and_never_lowers_it():
+    """An engine's flex entries (rules x query shapes x lse) pass Dynamo's default of 8."""
+    from dflash_train.generate import attention
+
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=8):
+        attention._flex_kernel()
+        assert config.recompile_limit == attention.FLEX_RECOMPILE_LIMIT
+    with config.patch(recompile_limit=500):
+        attention._flex_kernel()
+        assert config.recompile_limit == 500

@@ -73,8 +73,12 @@ def test_partial_acceptance_is_lossless_and_rolls_the_cache_back_exactly(models,
     positions = torch.cat([p for _, p in proposer.extended])
     assert positions.tolist() == list(range(len(taps)))
     full = _full_forward_taps(model, PROMPT + spec.tokens, layers)
-    torch.testing.assert_close(taps, full[: len(taps)], rtol=1e-4, atol=1e-4)
     family = FAMILIES[name]
+    # recurrent layers: the full forward runs the chunked scan, decoding the step-by-step one, so
+    # float32 sums come in another order (1.8e-4 apart seen on a 16-core host); a state rolled
+    # back wrongly is off by orders of magnitude more
+    tol = 1e-3 if family.recurrent else 1e-4
+    torch.testing.assert_close(taps, full[: len(taps)], rtol=tol, atol=tol)
     replays = spec.replay.replays if spec.replay else 0
     # only recurrent layers pay a replay forward; windows decode with a plain full-length cache
     assert (replays > 0) == family.recurrent

@@ -32,12 +32,32 @@ def test_moe_mlp_equals_each_token_through_its_top_k_experts(top_k, renormalise)
                                atol=1e-5, rtol=1e-5)
 
 
-def test_grouped_offsets_sort_pairs_by_expert_and_end_each_group():
+@pytest.mark.parametrize("counting", [True, False])
+def test_grouped_offsets_sort_pairs_by_expert_and_end_each_group(monkeypatch, counting):
+    from dflash_train.target import moe
+
+    monkeypatch.setattr(moe, "COUNTING_LIMIT", 1 << 30 if counting else 0)
     experts = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5: experts 2 0 2 3 0 2
-    order, ends = grouped_offsets(experts, 5)
+    order, inverse, ends = grouped_offsets(experts, 5)
     assert experts.reshape(-1)[order].tolist() == [0, 0, 2, 2, 2, 3]
     assert order.tolist() == [1, 4, 0, 2, 5, 3]  # stable: a token's pairs keep their order
+    assert inverse.tolist() == [2, 0, 3, 5, 1, 4]
     assert ends.tolist() == [2, 2, 5, 6, 6] and ends.dtype == torch.int32  # expert 1 and 4 get no rows
+
+
+@pytest.mark.parametrize("n, k, num_experts", [(1, 1, 4), (37, 8, 128), (300, 2, 7), (64, 4, 64)])
+def test_counting_and_sorting_group_the_pairs_alike(monkeypatch, n, k, num_experts):
+    """Both ways to group, against a stable sort, on random experts (distinct per token as top-k gives)."""
+    from dflash_train.target import moe
+
+    g = torch.Generator().manual_seed(n)
+    experts = torch.rand(n, num_experts, generator=g).topk(k, dim=-1).indices
+    want = experts.reshape(-1).argsort(stable=True)
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(moe, "COUNTING_LIMIT", limit)
+        order, inverse, ends = grouped_offsets(experts, num_experts)
+        assert torch.equal(order, want) and torch.equal(inverse, want.argsort())
+        assert torch.equal(ends, torch.bincount(experts.reshape(-1), minlength=num_experts).cumsum(0).int())
 
 
 def test_the_per_expert_loop_equals_the_grouped_gemm():
@@ -80,3 +100,35 @@ def test_a_decoder_with_experts_is_capturable_only_where_the_grouped_gemm_keeps_
     assert not decoder_mod.StaticDecoder(moe_model, 1, 32).capturable  # CPU: the expert loop
     monkeypatch.setattr(decoder_mod, "grouped_mm_syncs", lambda dtype, device: False)
     assert decoder_mod.StaticDecoder(moe_model, 1, 32).capturable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_compiles_as_one_graph_and_equals_the_loop(dtype):
+    """Compiled (fullgraph, a backend that runs the traced graph as is): float32 goes through the
+    opaque op, bfloat16 through the native kernel or the loop, one graph each, the loop's values."""
+    from dflash_train.target.moe import expert_loop_mm, grouped_mm
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(11, 8, generator=g).to(dtype), torch.randn(4, 8, 16, generator=g).to(dtype)
+    offs = torch.tensor([3, 3, 9, 11], dtype=torch.int32)
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, o: grouped_mm(a, b, offs=o) * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, offs), expert_loop_mm(x, w, offs) * 2)
+    assert len(graphs) == 1
+    opaque = [n for n in graphs[0].graph.nodes if "grouped_mm_opaque" in str(n.target)]
+    assert len(opaque) == (1 if dtype == torch.float32 else 0)
+
+
+def test_inverse_permutation_undoes_the_order():
+    from dflash_train.target.moe import inverse_permutation
+
+    order = torch.randperm(97, generator=torch.Generator().manual_seed(3))
+    inverse = inverse_permutation(order)
+    assert torch.equal(inverse, order.argsort())
+    assert torch.equal(order[inverse], torch.arange(97)) and torch.equal(inverse[order], torch.arange(97))

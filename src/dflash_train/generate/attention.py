@@ -55,8 +55,17 @@ Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, bro
 AttentionKind = Literal["dense", "flex"]
 FLEX_BLOCK = TILE  # keys per FlexAttention block; `max_len` must be a multiple of it
 
+# Each mask rule (causal, windowed, ring), query shape (decode, every prefill chunk shape) and
+# output kind (with the log-sum-exp for sinks) is one more compiled entry of flex_attention's
+# code, shared with the drafter's: a windowed target past Dynamo's default of 8 entries failed
+# mid-run ("recompile limit exceeded": gpt-oss, sliding and full layers, a few prefill shapes)
+FLEX_RECOMPILE_LIMIT = 64
+
+
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return compiled_once(flex_attention)
 
 
