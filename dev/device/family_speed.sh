@@ -12,6 +12,9 @@
 #     PART=moe_tuned ...   # qwen3-30b-a3b: --overlap with run.compile_autotune (the recommended
 #                            # configuration of docs/performance.md), then auto with the same
 #     PART=gemma_tuned ... # gemma3-27b: the same two
+#     PART=fla       ...   # qwen3.5-27b on the Hugging Face forward: transformers' pure-PyTorch gated
+#                            # delta net, then with flash-linear-attention's kernels (carried wheels:
+#                            # .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
 # DRY=1: the plumbing on a CPU with the tiny preset.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/family_speed.log; mkdir -p "$OUT"
@@ -56,6 +59,14 @@ case "$PART" in
     [ "${DRY:-0}" = 1 ] && TUNE=()  # autotuning needs a GPU compile
     stage bench_${PART}_overlap 330 "${B[@]}" --preset $P --overlap "${TUNE[@]}" --out "$OUT/bench_${PART}_overlap.json"
     stage bench_${PART} 250 "${B[@]}" --preset $P "${TUNE[@]}" --out "$OUT/bench_${PART}.json" ;;
+  fla)
+    PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo qwen3.5-27b)
+    FEW=(--warmup 2 --measure 4)
+    stage bench_fla_fallback 280 "${B[@]}" "${FEW[@]}" --preset $PQ --out "$OUT/bench_qwen3_5_27b_fallback.json"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla-site .whl/flash_linear_attention-*.whl \
+      .whl/fla_core-*.whl >> "$LOG" 2>&1 || echo "the fla wheels did not install (dev/fetch_wheels.sh)" | tee -a "$LOG"
+    stage bench_fla_kernels 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
+      --out "$OUT/bench_qwen3_5_27b_fla.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;

@@ -201,3 +201,24 @@ def test_generate_loads_with_the_option_and_names_it_when_the_load_is_refused(op
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and err[0].startswith("dflash-train generate: error: ") and \
         err[0].endswith("; use --attn-implementation eager"), err
+
+
+@pytest.mark.parametrize("fla_installed", [True, False])
+def test_a_hybrid_target_says_once_which_kernels_its_linear_attention_runs(monkeypatch, caplog, fla_installed):
+    import importlib.util
+    import logging
+
+    from dflash_train.target import attn_impl
+
+    monkeypatch.setattr(attn_impl, "_announced_linear", set())
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if fla_installed else None) if name == "fla" else real_find_spec(name, *a))
+    with caplog.at_level(logging.INFO, logger=attn_impl.__name__):
+        for _ in range(2):
+            resolve_attn_implementation(FAMILIES["qwen3_5"].config(VOCAB), "auto")
+        resolve_attn_implementation(FAMILIES["llama"].config(VOCAB), "auto")
+    lines = [r.getMessage() for r in caplog.records if "linear-attention" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("target qwen3_5_text: ")
+    assert ("layers run flash-linear-attention's kernels" in lines[0]) is fla_installed
+    assert ("pip install -e '.[fla]'" in lines[0]) is not fla_installed

@@ -15,6 +15,7 @@ its attention (flash-attn not installed, ...) becomes one as well (`attention_lo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any, Literal
 
@@ -73,6 +74,7 @@ def resolve_attn_implementation(config: Any, requested: str | None, *, trust_rem
     if requested not in ATTN_IMPLEMENTATIONS:
         raise ModelError(f"unknown attention implementation {requested!r}: use --{option} with one of "
                          f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+    announce_linear_attention(config)
     cls = causal_lm_class(config, trust_remote_code=trust_remote_code)
     if cls is None:
         return None if requested == "auto" else requested
@@ -95,6 +97,25 @@ def announce(model_type: str | None, class_name: str, choice: str, why: str) -> 
     if choice != "sdpa" and (class_name, choice) not in _announced:
         _announced.add((class_name, choice))
         log.info("target %s (%s): %s attention%s", model_type, class_name, choice, why)
+
+
+def announce_linear_attention(config: Any) -> None:
+    """Say, once per process and model type, which kernels a hybrid target's linear-attention
+    layers (Qwen3.5 and Qwen3-Next's gated delta nets) run: transformers takes
+    flash-linear-attention's Triton kernels when `fla` is importable, else a PyTorch recurrence."""
+    model_type = getattr(config, "model_type", None)
+    layer_types = getattr(text_config(config), "layer_types", None) or []
+    if "linear_attention" not in layer_types or (model_type, "linear") in _announced_linear:
+        return
+    _announced_linear.add((model_type, "linear"))
+    if importlib.util.find_spec("fla") is not None:
+        log.info("target %s: its linear-attention layers run flash-linear-attention's kernels", model_type)
+    else:
+        log.info("target %s: its linear-attention layers run transformers' PyTorch recurrence; on a GPU, "
+                 "flash-linear-attention's kernels are faster: pip install -e '.[fla]'", model_type)
+
+
+_announced_linear: set[tuple[str | None, str]] = set()
 
 
 def _why_not_sdpa(config: Any) -> str:
