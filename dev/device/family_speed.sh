@@ -10,7 +10,8 @@
 #     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
 #     PART=moe_train ...   # qwen3-30b-a3b: bench (auto), then with --overlap
 #     PART=moe_tuned ...   # qwen3-30b-a3b: --overlap with run.compile_autotune (the recommended
-#                            # configuration of docs/performance.md), then auto with the same
+#                            # configuration of docs/performance.md), then auto with the same and
+#                            # --profile (the kernel table of 3 steps after the measured ones)
 #     PART=gemma_tuned ... # gemma3-27b: the same two
 #     PART=fla       ...   # qwen3.5-27b on the Hugging Face forward: transformers' pure-PyTorch gated
 #                            # delta net, then with flash-linear-attention's kernels (carried wheels:
@@ -58,7 +59,7 @@ case "$PART" in
     P=$([ "$PART" = moe_tuned ] && echo $PM || echo $PG); TUNE=(--set run.compile_autotune=true)
     [ "${DRY:-0}" = 1 ] && TUNE=()  # autotuning needs a GPU compile
     stage bench_${PART}_overlap 330 "${B[@]}" --preset $P --overlap "${TUNE[@]}" --out "$OUT/bench_${PART}_overlap.json"
-    stage bench_${PART} 250 "${B[@]}" --preset $P "${TUNE[@]}" --out "$OUT/bench_${PART}.json" ;;
+    stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;;
   fla)
     PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo qwen3.5-27b)
     FEW=(--warmup 2 --measure 4)
