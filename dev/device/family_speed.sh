@@ -12,7 +12,7 @@
 #     PART=moe_tuned ...   # qwen3-30b-a3b: --overlap with run.compile_autotune (the recommended
 #                            # configuration of docs/performance.md), then auto with the same and
 #                            # --profile (the kernel table of 3 steps after the measured ones)
-#     PART=gemma_tuned ... # gemma3-27b: the same two
+#     PART=gemma_tuned ... # gemma3-27b: the same two (TUNED_RUNS="overlap" or "plain": one of them)
 #     PART=fla       ...   # qwen3.5-27b on the Hugging Face forward: transformers' pure-PyTorch gated
 #                            # delta net, then with flash-linear-attention's kernels (carried wheels:
 #                            # .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
@@ -58,8 +58,10 @@ case "$PART" in
   moe_tuned|gemma_tuned)
     P=$([ "$PART" = moe_tuned ] && echo $PM || echo $PG); TUNE=(--set run.compile_autotune=true)
     [ "${DRY:-0}" = 1 ] && TUNE=()  # autotuning needs a GPU compile
-    stage bench_${PART}_overlap 330 "${B[@]}" --preset $P --overlap "${TUNE[@]}" --out "$OUT/bench_${PART}_overlap.json"
-    stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;;
+    case " ${TUNED_RUNS:-overlap plain} " in *" overlap "*)
+      stage bench_${PART}_overlap 330 "${B[@]}" --preset $P --overlap "${TUNE[@]}" --out "$OUT/bench_${PART}_overlap.json" ;; esac
+    case " ${TUNED_RUNS:-overlap plain} " in *" plain "*)
+      stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;; esac ;;
   fla)
     PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo qwen3.5-27b)
     FEW=(--warmup 2 --measure 4)
