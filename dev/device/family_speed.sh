@@ -64,8 +64,8 @@ case "$PART" in
       stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;; esac ;;
   fla)
     PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo qwen3.5-27b)
-    FEW=(--warmup 2 --measure 4)
-    stage bench_fla_fallback 280 "${B[@]}" "${FEW[@]}" --preset $PQ --out "$OUT/bench_qwen3_5_27b_fallback.json"
+    FEW=(--warmup 2 --measure 4)  # (bench takes the last --warmup/--measure given)
+    stage bench_fla_fallback 280 "${B[@]}" --warmup 1 --measure 2 --preset $PQ --out "$OUT/bench_qwen3_5_27b_fallback.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla-site .whl/flash_linear_attention-*.whl \
       .whl/fla_core-*.whl >> "$LOG" 2>&1 || echo "the fla wheels did not install (dev/fetch_wheels.sh)" | tee -a "$LOG"
     stage bench_fla_kernels 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
