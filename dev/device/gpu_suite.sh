@@ -9,7 +9,8 @@
 # $OUT/gpu_suite_tests.log: each test's seconds and outcome as it ends, with a failure's traceback
 # (tests/conftest.py, DFLASH_TEST_LOG), complete up to the last test even when a call is cut off.
 # SHARD=i/n takes every n-th test file from the i-th (sorted paths); SHARD=1/1 (default) all.
-# DRY=1: one test file on CPU.
+# DRY=1: one test file on CPU. ONLY="tests/a.py::test_x tests/b.py": just those, PYTEST_EXTRA
+# added to pytest's options (e.g. "-W error::UserWarning", to make a fallback's warning fail).
 # WORKERS=N: N pytest processes side by side, tests handed out as workers free up (DIST, default
 # worksteal; DIST=loadfile keeps each file on one worker) (pytest-xdist: the lent
 # H200s have it; elsewhere carry .whl/pytest_xdist-*.whl and .whl/execnet-*.whl, from
@@ -23,7 +24,9 @@ source dev/device/lib.sh
 python3 -c "import os, torch, triton, transformers, numpy; print('versions torch', torch.__version__, 'triton',
   triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'cores', os.cpu_count())" | tee -a $LOG
 SHARD=${SHARD:-1/1}; i=${SHARD%/*}; n=${SHARD#*/}
-if [ "${DRY:-0}" = 1 ]; then
+if [ -n "${ONLY:-}" ]; then  # ONLY="path::test ...": just these (with PYTEST_EXTRA, e.g. "-W error::UserWarning")
+  read -r -a TESTS <<< "$ONLY"
+elif [ "${DRY:-0}" = 1 ]; then
   TESTS=(tests/drafter/test_row_stats.py)
 else
   mapfile -t TESTS < <(find tests -name 'test_*.py' | sort | awk -v i="$i" -v n="$n" '(NR - i) % n == 0')
@@ -44,6 +47,6 @@ fi
 echo "workers ${WORKERS:-0}, threads ${THREADS:-default}" | tee -a $LOG
 export DFLASH_TEST_LOG=$OUT/gpu_suite_tests.log  # each test's seconds as it ends, failures' tracebacks
 stage "suite $SHARD" ${SUITE_LIMIT:-540} python3 -m pytest -v -p no:cacheprovider -rfEs --durations=25 \
-  -o faulthandler_timeout=${FAULT_S:-240} "${XDIST[@]}" "${TESTS[@]}"
+  -o faulthandler_timeout=${FAULT_S:-240} ${PYTEST_EXTRA:-} "${XDIST[@]}" "${TESTS[@]}"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|Timeout|Thread 0x" $LOG | cut -c1-300 | tail -60
 stages_status
