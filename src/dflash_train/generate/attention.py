@@ -65,7 +65,8 @@ FLEX_RECOMPILE_LIMIT = 64
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.7)
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
     return compiled_once(flex_attention)
 
 
