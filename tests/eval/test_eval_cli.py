@@ -228,7 +228,8 @@ def test_trainer_reports_speculative_tau_next_to_its_estimate(tiny_targets, tiny
     spec = summary["spec_eval"]
     assert spec["prompts"] == 3 and spec["tau"] >= 1.0 and len(spec["accept_rate"]) == 3 and "estimate_rel_error" in spec
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r["kind"] == "heldout" and r["measured_tau"] == spec["tau"] for r in rows)
+    assert any(r["kind"] == "heldout" and r["measured_tau"] == spec["tau"] and r["tokens_seen"] == summary["tokens"]
+               for r in rows)
     print_summary(summary)
     out = capsys.readouterr().out
     assert "tau by speculative decoding (3 held-out prompts)" in out and "relative gap" in out

@@ -141,7 +141,7 @@ def evaluator(monkeypatch, *, every: int, **target) -> tuple[Evaluator, list[int
     cfg = TrainConfig(run=RunConfig(eval_every=every))
     measured: list[int] = []
     monkeypatch.setattr(Evaluator, "measure",
-                        lambda self, drafter, step, metrics: measured.append(step) or {"at": step})
+                        lambda self, drafter, step, metrics, tokens_seen=None: measured.append(step) or {"at": step})
     target = SimpleNamespace(**{"runner": object(), "sharded": False, **target})
     return Evaluator(cfg, None, target, None, None, CPU, padding=None, num_drafters=1), measured
 

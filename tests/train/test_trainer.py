@@ -53,6 +53,9 @@ def test_loss_goes_down(kind, tiny_targets, tiny_datasets, tmp_path):
     assert summary["eval"]["tau"] >= 1.0 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
     for k in ("acc_1", "acc_2", "acc_3", "tok_per_s", "lr", "time_target_s", "time_backward_s"):
         assert k in m[40]
+    # the end's evaluation row says how many training tokens its drafter had seen: a learning curve's x
+    evaluated = read_metrics(tmp_path / "run", "eval")
+    assert evaluated[40]["tokens_seen"] == summary["tokens"] == sum(r["window_tokens"] for r in m.values()) > 0
 
 
 def _train_cmd(cfg_path: Path, *extra: str) -> list[str]:

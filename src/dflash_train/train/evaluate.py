@@ -160,23 +160,29 @@ class Evaluator:
         self.probe: HeldOutProbe | None = None
         self.probe_tried = False
 
-    def maybe_evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None) -> dict | None:
+    def maybe_evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None,
+                       tokens_seen: int | None = None) -> dict | None:
         """At every run.eval_every-th step, the evaluation; None at the other steps."""
         if not self.every or step % self.every:
             return None
-        return self.evaluate(drafter, step, metrics)
+        return self.evaluate(drafter, step, metrics, tokens_seen)
 
-    def evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None = None) -> dict:
+    def evaluate(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None = None,
+                 tokens_seen: int | None = None) -> dict:
         """The evaluation at `step`, measured once however often asked (the end of a run right after an
-        eval_every step); {} where this process does not evaluate."""
+        eval_every step); {} where this process does not evaluate. `tokens_seen` (the run's training
+        tokens so far, all drafters) goes into the recorded rows: held-out tau against it is the
+        run's learning curve."""
         if not self.enabled:
             return {}
         if self.last[0] != step:
-            self.last = (step, self.measure(drafter, step, metrics))
+            self.last = (step, self.measure(drafter, step, metrics, tokens_seen))
         return self.last[1]
 
-    def measure(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None) -> dict:
+    def measure(self, drafter: DFlashDrafter, step: int, metrics: MetricsLogger | None,
+                tokens_seen: int | None = None) -> dict:
         e = self.cfg.eval
+        seen = {} if tokens_seen is None else {"tokens_seen": tokens_seen}
         if metrics is not None and self.data.eval is not None:  # a minute or so, the GPU busy: say so first
             batches = f"its first {self.cfg.data.eval_batches}" if self.cfg.data.eval_batches else "every"
             metrics.line(f"evaluating @ step {step}: the estimate on {batches} batch(es) of the eval split"
@@ -186,7 +192,7 @@ class Evaluator:
                               max_batches=self.cfg.data.eval_batches, limit=e.spec_max_new_tokens,
                               num_drafters=self.num_drafters, pad=lambda b: pad_batch(b, self.padding))
         if m and metrics is not None:
-            metrics.record(step, {k: v for k, v in m.items() if k != "tau_by_position"}, kind="eval")
+            metrics.record(step, {**{k: v for k, v in m.items() if k != "tau_by_position"}, **seen}, kind="eval")
             metrics.line(f"eval @ step {step}: tau {m['tau']:.3f} (walk over answers' first {e.spec_max_new_tokens} "
                          f"tokens; mean over anchors {m['tau_all_anchors']:.3f}) | ce {m['ce']:.3f} | "
                          f"acc_1 {m.get('acc_1', float('nan')):.3f}")
@@ -196,7 +202,7 @@ class Evaluator:
         measured = probe.measure(drafter)
         c = compare(m, measured) if m else {"measured_tau": measured["tau"]}
         if metrics is not None:
-            metrics.record(step, c, kind="heldout")
+            metrics.record(step, {**c, **seen}, kind="heldout")
             metrics.line(describe(step, c) if m else f"held-out @ step {step}: tau measured {measured['tau']:.3f}")
         return {"estimate": m, "measured": measured, "comparison": c}
 

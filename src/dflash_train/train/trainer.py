@@ -199,7 +199,7 @@ class Trainer:
             if steps.maybe_log(state.step, total=self.total_steps, lr=self.scheduler.get_last_lr()[0],
                                grad_norm=done.grad_norm):
                 self._window_logged(control, metrics)
-            self.evaluator.maybe_evaluate(self.drafter, state.step, metrics)
+            self.evaluator.maybe_evaluate(self.drafter, state.step, metrics, state.tokens * self.ctx.num_drafters)
             state.elapsed_s = control.elapsed_s()
             if done.shared.stop:
                 break
@@ -280,7 +280,7 @@ class Trainer:
     # ------------------------------------------------------------------ the end
     def evaluate(self, metrics: MetricsLogger | None = None) -> dict:
         """Estimate and held-out measurement of tau at the current step (main drafter with a target only)."""
-        return self.evaluator.evaluate(self.drafter, self.state.step, metrics)
+        return self.evaluator.evaluate(self.drafter, self.state.step, metrics, self.state.tokens * self.ctx.num_drafters)
 
     def _finish(self, metrics: MetricsLogger, interrupted_by: str | None, path: Path | None, last: dict,
                 transport: dict) -> dict:
