@@ -15,7 +15,7 @@
 #               ended with its exit status), last step line, first-step memory line, and the
 #               GPU's memory; an arm whose log holds a traceback sends the whole log back to $OUT;
 #               exit 0 either way, call again. THEN_EVAL=1: once every arm has ended, STEP=eval
-#               at once in the same call (a machine goes back 30 s after a call: trained arms
+#               at once in the same call (the GPU host goes back 30 s after a call: trained arms
 #               left waiting for the next call are lost with it)
 #   STEP=eval   once every arm has ended: each arm's tau-only evals (EVAL_SLOTS, default 16:
 #               HumanEval, chat, held-out and training source prompts) at once, one process an

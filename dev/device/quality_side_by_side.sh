@@ -53,7 +53,7 @@
 #                                       "humaneval chat"), e.g. for LONG=1 alone        (~3 min)
 # A run longer than one call (10 minutes): the first call trains with a fixed schedule that spans
 # the calls and EVAL=0 (`--run.fit_schedule false --run.max_steps N`); it stops at its box with a
-# checkpoint. The next call on the same machine continues it with RESUME=1 (and fit_schedule true:
+# checkpoint. The next call on the same GPU host continues it with RESUME=1 (and fit_schedule true:
 # the rest of the schedule fitted to this call's box), then evaluates. A machine not called again
 # within seconds goes back with its /tmp, so give the first call SHIP_DRAFTER=1 too: if the
 # resume finds a fresh machine, the shipped drafter starts a new run instead. SHIP_DRAFTER=1 brings the
@@ -106,7 +106,7 @@ install_wheels() {
     --target /tmp/site .whl/${1:-*}.whl >> "$LOG" 2>&1
 }
 need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
-# keep_carried: the exports (and a shipped drafter) this call carries, kept on the machine for later parts
+# keep_carried: the exports (and a shipped drafter) this call carries, kept on the GPU host for later parts
 KEPT=/tmp/recipe-kept
 keep_carried() {
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then

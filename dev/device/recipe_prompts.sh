@@ -6,7 +6,7 @@
 # recipe's steps: recipe_prompts.sh, recipe_generate.sh, recipe_train.sh, recipe_resume.sh,
 # recipe_eval.sh (recipe_full.sh and recipe_levers.sh build on them). One or two H200s, ~3 min:
 #     ENGINE=0 bash dev/device/recipe_prompts.sh     # prompts in /tmp/recipe/prompts, log in $OUT/recipe_prompts.log
-# Carried files, where the machine cannot download: .smol1/part_aa (part one of the SmolLM2 GGUF,
+# Carried files, where the GPU host cannot download: .smol1/part_aa (part one of the SmolLM2 GGUF,
 # copied to /tmp/smol for lib.sh smol_hf), .whl/ (wheels installed into /tmp/site).
 # RECIPE_FROM=.recipe: unpack conversations exported by an earlier recipe_generate.sh, so the next
 # generation adds to them (cat .recipe/recipe.tar.xz.part_* | xz -d | tar -C /tmp/recipe -xf -).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe, step 4 (optional): resume recipe_train.sh's run for TRAIN_MINUTES more
-# (default 8). On the same machine after recipe_train.sh; ~9 min:
+# (default 8). On the same GPU host after recipe_train.sh; ~9 min:
 #     TRAIN_MINUTES=8 bash dev/device/recipe_resume.sh     # results in $OUT: recipe_resume.log, metrics.jsonl
 set -u
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
