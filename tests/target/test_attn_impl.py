@@ -210,7 +210,7 @@ def test_a_hybrid_target_says_once_which_kernels_its_linear_attention_runs(monke
 
     from dflash_train.target import attn_impl
 
-    monkeypatch.setattr(attn_impl, "_announced_linear", set())
+    monkeypatch.setattr(attn_impl, "_announced", set())
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (object() if fla_installed else None) if name == "fla" else real_find_spec(name, *a))

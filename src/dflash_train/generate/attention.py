@@ -64,10 +64,7 @@ FLEX_RECOMPILE_LIMIT = 64
 
 def _flex_kernel() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (each distinct shape compiles once)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.7)
-    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
-    return compiled_once(flex_attention)
+    return compiled_once(flex_attention, entries=FLEX_RECOMPILE_LIMIT)
 
 
 def folds_gqa(kind: AttentionKind, slots: int, n_kv: int, device: torch.device) -> bool:

@@ -30,7 +30,7 @@ AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flex
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 AUTO_ORDER = ("sdpa", "eager")  # what `auto` takes, the first the class supports
 
-_announced: set[tuple[str, str]] = set()  # (class, choice) already logged by this process
+_announced: set[tuple[str | None, str]] = set()  # (class or model type, what) already logged by this process
 
 
 def causal_lm_class(config: Any, *, trust_remote_code: bool = False) -> type | None:
@@ -105,17 +105,15 @@ def announce_linear_attention(config: Any) -> None:
     flash-linear-attention's Triton kernels when `fla` is importable, else a PyTorch recurrence."""
     model_type = getattr(config, "model_type", None)
     layer_types = getattr(text_config(config), "layer_types", None) or []
-    if "linear_attention" not in layer_types or (model_type, "linear") in _announced_linear:
+    if "linear_attention" not in layer_types or (model_type, "linear_attention") in _announced:
         return
-    _announced_linear.add((model_type, "linear"))
+    _announced.add((model_type, "linear_attention"))
     if importlib.util.find_spec("fla") is not None:
         log.info("target %s: its linear-attention layers run flash-linear-attention's kernels", model_type)
     else:
         log.info("target %s: its linear-attention layers run transformers' PyTorch recurrence; on a GPU, "
                  "flash-linear-attention's kernels are faster: pip install -e '.[fla]'", model_type)
 
-
-_announced_linear: set[tuple[str | None, str]] = set()
 
 
 def _why_not_sdpa(config: Any) -> str:

@@ -199,7 +199,7 @@ class Trainer:
             if steps.maybe_log(state.step, total=self.total_steps, lr=self.scheduler.get_last_lr()[0],
                                grad_norm=done.grad_norm):
                 self._window_logged(control, metrics)
-            self.evaluator.maybe_evaluate(self.drafter, state.step, metrics, state.tokens * self.ctx.num_drafters)
+            self.evaluator.maybe_evaluate(self.drafter, state.step, metrics, self.tokens_seen)
             state.elapsed_s = control.elapsed_s()
             if done.shared.stop:
                 break
@@ -278,18 +278,23 @@ class Trainer:
                                 f"{self.cfg.run.max_bad_steps}): lower optim.lr or check the data")
 
     # ------------------------------------------------------------------ the end
+    @property
+    def tokens_seen(self) -> int:
+        """The run's training tokens so far, all drafters together."""
+        return self.state.tokens * self.ctx.num_drafters
+
     def evaluate(self, metrics: MetricsLogger | None = None) -> dict:
         """Estimate and held-out measurement of tau at the current step (main drafter with a target only)."""
-        return self.evaluator.evaluate(self.drafter, self.state.step, metrics, self.state.tokens * self.ctx.num_drafters)
+        return self.evaluator.evaluate(self.drafter, self.state.step, metrics, self.tokens_seen)
 
     def _finish(self, metrics: MetricsLogger, interrupted_by: str | None, path: Path | None, last: dict,
                 transport: dict) -> dict:
-        state, D = self.state, self.ctx.num_drafters
+        state = self.state
         # `last` (the last log window's metrics) carries its own tok_per_s: kept apart from the
         # run's average, which the summary line prints beside the run's tokens and seconds
         summary = {**last, "last_window_tok_per_s": last.get("tok_per_s"),
-                   "steps": state.step, "tokens": state.tokens * D, "elapsed_s": state.elapsed_s,
-                   "tok_per_s": state.tokens * D / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
+                   "steps": state.step, "tokens": self.tokens_seen, "elapsed_s": state.elapsed_s,
+                   "tok_per_s": self.tokens_seen / max(state.elapsed_s, 1e-9), "checkpoint": str(path),
                    "interrupted_by": interrupted_by, "bad_steps": state.bad_steps_total,
                    "transport": transport, "consumed": self.consumed.as_dict()}
         if interrupted_by is None and state.step < self.total_steps:

@@ -20,8 +20,12 @@ from dflash_train.utils.device import sync
 _COMPILED: dict[tuple[str, bool | None, bool], Callable] = {}
 
 
-def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool = True) -> Callable:
+def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool = True,
+                  entries: int | None = None) -> Callable:
     """The process's one torch.compile'd wrapper of `fn` (by default fixed shapes, one graph).
+    `entries`: how many compiled variants (shapes, closures) `fn` may need; Dynamo's recompile
+    limit (default 8, process-wide) is raised to it, never lowered, since a fullgraph function
+    past the limit fails rather than running uncompiled.
 
     Called while a graph is being traced, `fn` itself, and nothing is kept: the enclosing
     graph compiles it, and torch.compile called during tracing hands back `fn` unchanged. Kept,
@@ -30,10 +34,19 @@ def compiled_once(fn: Callable, *, dynamic: bool | None = False, fullgraph: bool
     """
     if torch.compiler.is_compiling():
         return fn
+    if entries is not None:
+        raise_recompile_limit(entries)
     key = (f"{fn.__module__}.{fn.__qualname__}", dynamic, fullgraph)
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, dynamic=dynamic, fullgraph=fullgraph)
     return _COMPILED[key]
+
+
+def raise_recompile_limit(entries: int) -> None:
+    """Dynamo's recompile limit at least `entries` (its name before torch 2.7: cache_size_limit)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), entries))
 
 
 def compile_in_place(swaps: Sequence[tuple[object, str]], trace: Callable[[], object], device: torch.device, *,
