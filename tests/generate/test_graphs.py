@@ -1,12 +1,17 @@
-"""generate/graphs.py: bucket sizes and the padded prefill chunk rule, against brute force."""
+"""generate/graphs.py: bucket sizes and the padded prefill chunk rule, against brute force; what a
+failed capture leads to (emulated on the CPU: the capture itself needs CUDA)."""
 
 from __future__ import annotations
 
+import gc
 import random
+import warnings
+import weakref
 
 import pytest
+import torch
 
-from dflash_train.generate.graphs import PrefillShapes, bucket_of, kv_buckets
+from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of, kv_buckets, quiet_collector
 
 
 def test_buckets_are_powers_of_two_up_to_the_cap():
@@ -41,3 +46,92 @@ def test_chunks_are_the_longest_runs_that_fit_the_budget_padded(seed):
         if end < len(lengths):  # one prompt more would not have fitted
             more_rows, more_width = padded(rows + 1, lengths[end]) if rows + 1 <= shapes.rows[-1] else (None, None)
             assert more_rows is None or more_rows * more_width > shapes.budget
+
+
+class _Replay:
+    def __init__(self, fn, key):
+        self.fn, self.key = fn, key
+
+    def replay(self):
+        self.fn(self.key)
+
+
+def _counting_step(monkeypatch, failures: int):
+    """A step whose state counts its runs, and a capture (emulated: warm-ups, then a graph that
+    replays the step) that raises the first `failures` times it is tried."""
+    state = torch.zeros(1, dtype=torch.long)
+    step = GraphedStep(lambda key: state.add_(key), [state], use_graphs=True, name="decode")
+    attempts = []
+
+    def capture(self, key):
+        attempts.append(key)
+        self.warm_up(key)
+        if len(attempts) <= failures:
+            raise RuntimeError(f"operation failed due to a previous error during capture ({len(attempts)})\nmore")
+        return _Replay(self.fn, key), state
+
+    monkeypatch.setattr(GraphedStep, "_capture", capture)
+    return step, state, attempts
+
+
+def test_a_failed_capture_is_tried_once_more_then_replayed(monkeypatch):
+    step, state, attempts = _counting_step(monkeypatch, failures=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        step(3)
+        step(3)
+    assert attempts == [3, 3] and step.use_graphs and step.captured == 1
+    assert int(state) == 6  # the warm-ups of both attempts left no trace: two steps of 3
+
+
+def test_two_failed_captures_run_the_step_eagerly_for_good(monkeypatch):
+    step, state, attempts = _counting_step(monkeypatch, failures=2)
+    with pytest.warns(UserWarning) as caught:
+        step(3)
+    message = str(caught[0].message)
+    assert "decode step for 3 cache positions failed 2 times, running it eagerly" in message
+    assert "RuntimeError: operation failed due to a previous error during capture (1); then: " \
+           "RuntimeError: operation failed due to a previous error during capture (2)" in message
+    assert "more" not in message  # first lines only
+    assert not step.use_graphs and int(state) == 3  # the step ran once, eagerly
+    step(5)
+    assert attempts == [3, 3] and int(state) == 8  # no capture tried again
+
+
+def test_a_warm_up_that_raises_leaves_the_state_as_it_was():
+    state = torch.tensor([7])
+
+    def fn(key):
+        state.add_(key)
+        if key == 2:
+            raise RuntimeError("a warm-up failed after stepping the state")
+
+    step = GraphedStep(fn, [state], use_graphs=True, name="verify")
+    with pytest.raises(RuntimeError, match="a warm-up failed"):
+        step.warm_up(2)
+    assert int(state) == 7
+    step.warm_up(1)
+    assert int(state) == 7
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_runs_before_a_capture_and_is_held_off_during_it(enabled):
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        dead = _Cycle()
+        alive = weakref.ref(dead)
+        del dead
+        with pytest.raises(ValueError):
+            with quiet_collector():
+                assert alive() is None  # collected on the way in
+                assert not gc.isenabled()
+                raise ValueError
+        assert gc.isenabled() == enabled  # as it was, after an error too
+    finally:
+        gc.enable() if was else gc.disable()

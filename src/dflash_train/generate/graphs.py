@@ -9,15 +9,19 @@ and replayed afterwards: one launch instead of ~1,000 small kernels per step. Ea
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
 import warnings
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+# a failed capture is tried once more before the step runs eagerly for good
+CAPTURE_ATTEMPTS = 2
 
 
 def kv_buckets(max_len: int, smallest: int = 128) -> list[int]:
@@ -100,9 +104,10 @@ class PrefillShapes:
 
 class GraphedStep:
     """`fn(key)` on static buffers, captured per key (a kv bucket, a prefill shape) on CUDA
-    (eager elsewhere or when a capture fails: slower but correct beats a dead run). Returns what
+    (eager elsewhere or when capturing fails: slower but correct beats a dead run). Returns what
     `fn` returns: on replay, the tensors the capture produced, which every replay overwrites in
-    place.
+    place. A failed capture is tried once more (something outside the step can invalidate one)
+    before the step runs eagerly for good.
 
     Warm-up runs (on a side stream, as the CUDA-graph docs require: lazy init, cuBLAS handles,
     autotuning and torch.compile all happen there, never inside the capture) execute the
@@ -111,6 +116,10 @@ class GraphedStep:
     the capture performs the step exactly once. Everything else a step writes (caches,
     outputs) is a function of that state, so writing it again is harmless: capturing
     mid-run is safe.
+
+    The capture is thread-local, as Inductor's CUDA graph trees capture: another thread's CUDA
+    calls (the training loader pinning the next batch) cannot invalidate it. Python's cycle
+    collector runs before it and is held off during it (`quiet_collector`).
 
     `shared_pool`: every key's graph allocates from one memory pool, for a step captured at
     many keys (each graph's intermediates would otherwise keep their own memory). Then a
@@ -131,40 +140,83 @@ class GraphedStep:
     def __call__(self, key: Hashable) -> Any:
         if not self.use_graphs:
             return self.fn(key)
-        if key not in self._graphs:
-            t0 = time.perf_counter()
-            try:
-                self._graphs[key] = self._capture(key)
-                self.capture_seconds += time.perf_counter() - t0
-            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
-                warnings.warn(f"CUDA graph capture of the {self.name} step failed, running eagerly: {exc}",
-                              stacklevel=2)
-                self.use_graphs = False
-                return self.fn(key)
+        if key not in self._graphs and not self._capture_or_give_up(key):
+            return self.fn(key)
         graph, out = self._graphs[key]
         graph.replay()
         return out
+
+    def _capture_or_give_up(self, key: Hashable) -> bool:
+        """Capture `key`'s step, a second time if the first capture fails (a capture can be
+        invalidated by something outside the step); after two failures, run eagerly from now on."""
+        errors: list[Exception] = []
+        for _ in range(CAPTURE_ATTEMPTS):
+            t0 = time.perf_counter()
+            try:
+                self._graphs[key] = self._capture(key)
+            except Exception as exc:  # noqa: BLE001 - slower but correct beats a dead run
+                errors.append(exc)
+                continue
+            self.capture_seconds += time.perf_counter() - t0
+            if errors:
+                log.info("captured the %s step for %s at attempt %d (the first failed: %s)", self.name,
+                         self.describe(key), len(errors) + 1, _first_line(errors[0]))
+            return True
+        warnings.warn(f"CUDA graph capture of the {self.name} step for {self.describe(key)} failed "
+                      f"{len(errors)} times, running it eagerly from now on (slower, the same tokens): "
+                      + "; then: ".join(_first_line(e) for e in errors), stacklevel=3)
+        self.use_graphs = False
+        return False
 
     @property
     def captured(self) -> int:
         return len(self._graphs)
 
-    def _capture(self, key: Hashable) -> tuple[Any, Any]:  # pragma: no cover - CUDA only
+    def warm_up(self, key: Hashable) -> None:
+        """The step run twice before its capture, the state restored after each run (after one
+        that raised too: the step then runs eagerly, from the state it had)."""
         saved = [t.clone() for t in self.state]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        for _ in range(2):
+            try:
                 self.fn(key)
+            finally:
                 for t, s in zip(self.state, saved):
                     t.copy_(s)
-        torch.cuda.current_stream().wait_stream(side)
+
+    def _capture(self, key: Hashable) -> tuple[Any, Any]:  # pragma: no cover - CUDA only
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                self.warm_up(key)
+        finally:  # what runs next (the replay, or the step run eagerly) follows the warm-ups
+            torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if self.shared_pool and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with quiet_collector(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.fn(key)  # recorded, not run: the state is untouched until the replay
         log.log(logging.DEBUG if self.shared_pool else logging.INFO, "captured the %s step for %s in a CUDA graph",
                 self.name, self.describe(key))
         return graph, out
+
+
+@contextlib.contextmanager
+def quiet_collector() -> Iterator[None]:
+    """Python's cycle collector run before a capture and held off during it. Collected mid-capture,
+    a dead engine's pinned buffers, events and graphs free themselves through CUDA calls that
+    invalidate the capture."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
