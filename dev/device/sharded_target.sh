@@ -2,7 +2,9 @@
 # Targets bigger than one GPU, sharded over a group of GPUs (pipeline.target_group_size, FSDP2;
 # docs/sharded-targets.md), on random weights at real shapes. Each PART fits one call (< 10 min):
 #     PART=x2    bash dev/device/sharded_target.sh   # 2 GPUs: the Llama-3.3-70B shape shared by both,
-#                                                    # colocated (bench_llama70b_x2.json)
+#                                                    # colocated (bench_llama70b_x2.json; auto: the packed
+#                                                    # compiled forward, gathering each layer itself)
+#     PART=x2hf  ...   # the same on the Hugging Face forward (FSDP2's hooks gather): bench_llama70b_x2_hf.json
 #     PART=kill  ...   # 2 GPUs: a shard rank SIGKILLed mid-run (Qwen3-8B shape, G = 2): every rank gone
 #                      # within 60 s, the survivor naming it, then --resume (faults.json)
 #     PART=moe   ...   # 8 GPUs: the Qwen3-235B-A22B shape over all eight, colocated (bench_qwen3_235b_x8.json);
@@ -30,6 +32,9 @@ case "$PART" in
   x2)
     stage bench_llama70b_x2 540 "${TRUN[@]}" 2 -m dflash_train bench --preset $P70 --layout colocated --target-group-size 2 \
       $SHAPE --out "$OUT/bench_llama70b_x2.json" ;;
+  x2hf)
+    stage bench_llama70b_x2_hf 540 "${TRUN[@]}" 2 -m dflash_train bench --preset $P70 --layout colocated \
+      --target-group-size 2 --target-forward hf $SHAPE --out "$OUT/bench_llama70b_x2_hf.json" ;;
   kill)
     FAULT=(-m dflash_train train --target.path preset:$PKILL --data.path synthetic:4096:512 --data.plan.token_budget 2048
       --drafter.num_layers 2 --step.num_anchors 64 --run.max_steps 100000 --run.log_every 1 --run.save_every 3

@@ -28,13 +28,15 @@ def test_a_target_the_packed_forward_does_not_take_gets_the_hugging_face_forward
     assert _decided(tmp_path, "cuda", preset="qwen3.5-27b") == ("hf", False, True, "bfloat16")
 
 
-def test_a_target_sharded_over_a_group_gets_the_hugging_face_forward(tmp_path):
+def test_a_target_sharded_over_a_group_gets_the_packed_compiled_forward(tmp_path):
     """--target-group-size reaches pipeline.target_group_size, and the 70B preset sharded over two
-    GPUs runs the forward FSDP2 gathers weights for (the packed one reads whole weights)."""
+    GPUs runs the packed compiled forward, which gathers each layer's weights itself."""
     cfg = build_config(BenchConfig(preset="llama3.3-70b", layout="colocated", target_group_size=2), tmp_path)
     assert cfg.pipeline.target_group_size == 2
     assert _decided(tmp_path, "cuda", preset="llama3.3-70b", layout="colocated",
-                    target_group_size=2) == ("hf", False, True, "bfloat16")
+                    target_group_size=2) == ("packed", True, True, "bfloat16")
+    assert _decided(tmp_path, "cuda", preset="llama3.3-70b", layout="colocated", target_group_size=2,
+                    target_forward="hf") == ("hf", False, True, "bfloat16")
 
 
 def test_explicit_settings_are_kept(tmp_path):

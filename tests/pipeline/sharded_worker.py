@@ -1,8 +1,10 @@
 """One rank of tests/pipeline/test_sharded_target.py (run by torchrun, gloo): for each target
 directory given, the target sharded over every rank against the whole model loaded by
 transformers, on batches of documents of this rank's own lengths. Writes OUT/rank-N.json:
-each tapped layer's largest difference, the parameter bytes this rank holds before and after
-the forwards, and how many bytes of weights it read from the files. A `preset:NAME` target is
+each tapped layer's largest difference (the Hugging Face forward; the packed forward, which
+gathers each layer's weights itself, against the packed forward of the whole model), the
+parameter bytes this rank holds before and after the forwards, and how many bytes of weights it
+read from the files. A `preset:NAME` target is
 drawn at random on each rank and compared with the same preset built whole; an `fp8:` prefix loads
 the target with FP8 decoder linears, compared with the whole model converted alike."""
 
@@ -51,6 +53,71 @@ def checkpoint_bytes(path: str) -> int:
     return total
 
 
+def packed_rows(lengths_per_row: list[list[int]], width: int, vocab: int, gen: torch.Generator):
+    """Packed [R, S] rows of documents of the given lengths, right padded: (ids, positions, documents)."""
+    R = len(lengths_per_row)
+    ids = torch.randint(0, vocab, (R, width), generator=gen)
+    positions = torch.zeros(R, width, dtype=torch.long)
+    documents = torch.full((R, width), -1, dtype=torch.long)
+    for r, lengths in enumerate(lengths_per_row):
+        start = 0
+        for d, length in enumerate(lengths):
+            positions[r, start:start + length] = torch.arange(length)
+            documents[r, start:start + length] = d
+            start += length
+    return ids, positions, documents
+
+
+def packed_against_whole(model, whole, n: int, rank: int) -> dict | None:
+    """The packed forward (target/packed.py) on the sharded target against the same forward on the
+    whole model: rows of several documents on one rank, one document a row on another (another
+    attention path, the same gathers), need_final on and off, after a forward that raised inside a
+    layer; and the bytes held right after that error. None for a family the packed forward does not
+    take."""
+    from dflash_train.target.packed import UnsupportedTarget
+
+    try:
+        ours = TargetRunner(model, list(range(n)), need_final=True, forward="packed")
+    except UnsupportedTarget:
+        return None
+    ref = TargetRunner(whole, list(range(n)), need_final=True, forward="packed")
+    gen = torch.Generator().manual_seed(100 + rank)
+    rows = [[20], [14]] if rank % 2 else [[7, 9, 4], [12, 5]]
+    ids, positions, documents = packed_rows(rows, 20, whole.config.vocab_size, gen)
+    raise_in_layer(ours.packed, 1)  # every rank alike: the error ends the forward inside layer 1
+    try:
+        ours(ids, positions, documents)
+    except LayerError:
+        pass
+    after_error = sharded.parameter_bytes(model)  # nothing left gathered
+    del ours.packed.attention
+    diffs = []
+    for need_final in (True, False):
+        a = ours(ids, positions, documents, need_final=need_final)
+        b = ref(ids, positions, documents, need_final=need_final)
+        diffs.append([float((a.taps - b.taps).abs().max())]
+                     + ([float((a.final_hidden - b.final_hidden).abs().max())] if need_final else []))
+    return {"diffs": diffs, "bytes_after_error": after_error}
+
+
+class LayerError(RuntimeError):
+    pass
+
+
+def raise_in_layer(packed, layer: int) -> None:
+    """The packed forward's attention raises in `layer` (an instance attribute over the method)."""
+    calls = [0]
+    attention = packed.attention
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == layer + 1:
+            raise LayerError(f"in layer {layer}")
+        return attention(*args, **kwargs)
+
+    packed.attention = failing
+
+
 def main(out: Path, targets: list[str]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,7 +146,8 @@ def main(out: Path, targets: list[str]) -> None:
             a, fa = ours.run_documents(ids, lengths, need_final=need_final)
             b, fb = ref.run_documents(ids, lengths, need_final=need_final)
             diffs.append([float((x - y).abs().max()) for x, y in zip(a + [fa] * need_final, b + [fb] * need_final)])
-        report[spec] = {"diffs": diffs, "bytes_loaded": loaded, "bytes_after": sharded.parameter_bytes(model),
+        report[spec] = {"diffs": diffs, "packed": packed_against_whole(model, whole, n, rank), "bytes_loaded": loaded,
+                        "bytes_after": sharded.parameter_bytes(model),
                         "read_bytes": read[0], "checkpoint_bytes": checkpoint_bytes(path),
                         "sharded": sharded.is_sharded(model)}
     (out / f"rank-{rank}.json").write_text(json.dumps(report))

@@ -14,10 +14,8 @@ import pytest
 import yaml
 
 from dflash_train.pipeline.config import PipelineConfig
-from dflash_train.target.config import TargetConfig
-from dflash_train.target.sharded import shard_rows, sharded_target_config
+from dflash_train.target.sharded import shard_rows
 from dflash_train.train.checkpoint import latest_checkpoint
-from dflash_train.utils.errors import ConfigError
 
 from ..conftest import prepare_dataset, synthetic_conversations
 from ..families import save_family
@@ -30,20 +28,23 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-families")
-    for name in ("qwen3", "qwen3_moe"):
+    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss"):
         save_family(name, root / name)
     return root
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
-    """Dense and MoE targets sharded over 2 and 4 gloo processes: every layer's output and the
-    final norm's equal transformers' whole model on each rank's own documents (forwards that stop
-    early too); each rank holds and reads 1/G of the parameter bytes, before and after forwards.
-    A preset's random weights, drawn shard by shard, equal the preset built whole; with FP8 decoder
-    linears, each rank quantising its rows, both equal the whole model converted to FP8."""
-    targets = [str(families / "qwen3"), str(families / "qwen3_moe"), "preset:tiny", "fp8:" + str(families / "qwen3"),
-               "fp8:preset:tiny"]
+    """Dense, MoE, tied-embedding, windowed (Gemma 3) and sink (gpt-oss) targets sharded over 2 and
+    4 gloo processes: every layer's output and the final norm's equal transformers' whole model on
+    each rank's own documents (forwards that stop early too), and the packed forward, gathering
+    each layer itself, equals the whole model's packed forward; a packed forward that raised inside
+    a layer leaves nothing gathered. Each rank holds and reads 1/G of the parameter bytes, before
+    and after forwards. A preset's random weights, drawn shard by shard, equal the preset built
+    whole; with FP8 decoder linears, each rank quantising its rows, both equal the whole model
+    converted to FP8."""
+    targets = [str(families / name) for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss")] + \
+        ["preset:tiny", "fp8:" + str(families / "qwen3"), "fp8:preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
            str(WORKER), str(tmp_path), *targets]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -56,8 +57,11 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
             n = 6 if target.endswith("preset:tiny") else 4
             assert [len(d) for d in r["diffs"]] == [n + 1, n, n + 1]  # every layer (+ the final norm when asked)
             assert max(max(d) for d in r["diffs"]) <= 1e-5, (rank, target, r["diffs"])
+            packed = r["packed"]
+            assert [len(d) for d in packed["diffs"]] == [2, 1], target  # taps and final norm, then taps alone
+            assert max(max(d) for d in packed["diffs"]) <= 1e-5, (rank, target, packed["diffs"])
             local, whole = r["bytes_loaded"]
-            assert r["bytes_after"] == r["bytes_loaded"]  # every gathered weight freed again
+            assert r["bytes_after"] == packed["bytes_after_error"] == r["bytes_loaded"]  # gathers all freed
             assert abs(local / whole - 1 / world) < 0.01, (rank, target, local, whole)
             if target.startswith("fp8:"):  # reads its rows in the checkpoint's dtype, holds them in float8
                 assert r["read_bytes"] == 0 if "preset:" in target else \
@@ -83,15 +87,6 @@ def test_group_layouts_that_cannot_work_are_refused(fields, words):
         PipelineConfig(**fields)
 
 
-def test_sharded_target_options_are_refused_or_resolved():
-    assert sharded_target_config(TargetConfig(path="x"), 2).forward == "hf"
-    assert sharded_target_config(TargetConfig(path="preset:llama3.3-70b"), 2).forward == "hf"  # random weights
-    assert sharded_target_config(TargetConfig(path="x", fp8=True), 2).fp8  # each rank quantises its rows
-    for t, words in ((TargetConfig(path="x", forward="packed"), "target.forward packed"),):
-        with pytest.raises(ConfigError, match=words):
-            sharded_target_config(t, 2)
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_targets, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-runs")
@@ -112,7 +107,8 @@ GROUP2 = ("--pipeline.target_group_size", "2")
 def test_training_with_a_sharded_target_equals_the_whole_target(setup):
     """Colocated x2 with one target shared by both ranks trains exactly as with a copy on each;
     split 2 + 1 with the two target ranks sharing one target (5 batches: in the last round one
-    rank has none and joins the other's forward) exactly as one process."""
+    rank has none and joins the other's forward) exactly as one process, on the Hugging Face forward
+    and on the packed one."""
     root, cfg = setup
     run(cfg, root / "colocated", 2)
     run(cfg, root / "colocated-g2", 2, *GROUP2)
@@ -123,6 +119,11 @@ def test_training_with_a_sharded_target_equals_the_whole_target(setup):
     assert losses(root / "split-g2") == losses(root / "single")
     stats = json.loads((root / "split-g2" / "pipeline_stats.json").read_text())
     assert sorted(r["batches"] for r in stats["ranks"] if r["role"] == "target") == [2, 3]
+    # the packed forward, each layer's weights gathered by the forward itself, the one-token join too
+    packed = ("--target.forward", "packed")
+    single(cfg, root / "single-packed", *packed)
+    run(cfg, root / "split-g2-packed", 3, *split, *GROUP2, *packed)
+    assert losses(root / "split-g2-packed") == losses(root / "single-packed")
 
 
 def test_a_killed_shard_rank_is_named_and_the_run_resumes(setup):

@@ -61,17 +61,16 @@ def test_a_family_the_packed_forward_does_not_take_keeps_the_hf_forward_and_says
                               f"target ({why}); set target.compile false")
 
 
-def test_a_target_sharded_over_a_group_keeps_the_hf_forward_on_a_gpu_and_says_why():
-    """FSDP2 gathers each layer's weights as its module runs; the packed forward reads the weights
-    itself, so a sharded target (pipeline.target_group_size > 1) runs the Hugging Face forward."""
+def test_a_target_sharded_over_a_group_gets_the_fast_path_too():
+    """The packed forward gathers each layer's weights itself (target/gathered.py), so a sharded
+    target (pipeline.target_group_size > 1) gets the same choice as a whole one; the Hugging
+    Face forward stays one setting away."""
     group = {"pipeline.layout": "colocated", "pipeline.target_group_size": "2"}
     cfg, line = resolve_fast_path(_cfg(**group), LLAMA, GPU)
+    assert _fast(cfg) == ("packed", True, True, "bfloat16")
+    assert line == resolve_fast_path(_cfg(), LLAMA, GPU)[1]
+    cfg, _ = resolve_fast_path(_cfg(**group, **{"target.forward": "hf"}), LLAMA, GPU)
     assert _fast(cfg) == ("hf", False, True, "bfloat16")
-    assert line == ("auto settings: target.forward hf, target.compile false, run.compile true, run.drafter_dtype "
-                    "bfloat16 (on cuda:0; the Hugging Face target forward, since the target is sharded over 2 ranks; "
-                    "set any of them to choose)")
-    with pytest.raises(ConfigError, match="target.forward packed with pipeline.target_group_size 2"):
-        resolve_fast_path(_cfg(**group, **{"target.forward": "packed"}), LLAMA, GPU)
 
 
 def test_explicit_values_are_kept_and_not_announced():

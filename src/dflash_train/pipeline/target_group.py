@@ -6,8 +6,8 @@ of the whole group: each layer's weights are all-gathered from the G ranks (FSDP
 target/sharded.py). So the group runs in rounds: in round k target t handles batch
 g = t + k T, and before the forward the group agrees, in one all-reduce of two flags on its
 gloo group, whether anyone has a batch this round and whether anyone was asked to stop.
-A rank without a batch (its drafter ended, or the plan has none left for it) runs a one-token
-forward so the others' all-gathers complete; a stop is the group's, so every rank of it
+A rank without a batch (its drafter ended, or the plan has none left for it) runs the same
+forward on one token so the others' all-gathers complete; a stop is the group's, so every rank of it
 sends placeholders in the same round and none is left inside a forward alone.
 
 Deadlock freedom: a rank waits for its drafter's credit before the agreement, so a round
@@ -34,10 +34,15 @@ def agree(group, has_batch: bool, stop: bool) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def idle_forward(runner: TargetRunner, device: torch.device) -> None:
-    """A one-token forward: this rank's part of the all-gathers of a round it has no batch in."""
-    runner.run_documents(torch.zeros(1, 1, dtype=torch.long, device=device),
-                         torch.ones(1, dtype=torch.long, device=device))
+def idle_forward(runner: TargetRunner, device: torch.device, padding: tuple[int, int] | None) -> None:
+    """This rank's part of the all-gathers of a round it has no batch in: the forward its peers run
+    (the Hugging Face or the packed one, the same layers) on one token, in the batches' compiled
+    shape when they are padded to one (`padding`), so that no new shape is compiled."""
+    rows, length = padding or (1, 1)
+    ids = torch.zeros(rows, length, dtype=torch.long, device=device)
+    documents = torch.full_like(ids, -1)
+    documents[0, 0] = 0  # one real token; the rest is padding
+    runner(ids, torch.zeros_like(ids), documents, one_document_rows=True)
 
 
 class GroupTargetWorker(TargetWorker):
@@ -60,7 +65,7 @@ class GroupTargetWorker(TargetWorker):
                 anyone, stop = agree(ctx.target_group_control, job is not None, signals.received is not None)
                 if job is None:
                     if anyone and not stop:
-                        idle_forward(self.runner, ctx.device)
+                        idle_forward(self.runner, ctx.device, self.padding)
                     continue
                 self._serve(loop, g, *job, stop=stop)  # a stop is the group's: placeholders in the same round
             return self._finish(loop, signals)

@@ -30,6 +30,10 @@ gathered or scattered.
 The forward stops after the last tapped layer when the final norm is not needed (`data`
 labels); with `target`/`distill` labels it ends with the final norm (no LM head).
 
+A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G of each weight:
+the forward gathers each module's weights while it reads them, the decoder layers one ahead
+(target/gathered.py), and otherwise runs as on a whole target.
+
 Supported: Llama, Mistral without a sliding window, Qwen2, Qwen3 and Qwen3-MoE decoders:
 pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a
 mixture of SiLU-gated experts (target/moe.py: one grouped GEMM for all experts), static RoPE;
@@ -46,9 +50,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
+from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.language_model import rope_types
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
@@ -121,8 +127,8 @@ def check_packed_support(model: nn.Module) -> None:
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
     scaled = model.config.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
-    if type(inner.embed_tokens) is not nn.Embedding and not scaled:  # an embedding of a kind not reproduced
-        raise UnsupportedTarget(f"embedding {type(inner.embed_tokens).__name__} is not supported{_HINT}")
+    if unsharded_type(inner.embed_tokens) is not nn.Embedding and not scaled:  # a kind not reproduced
+        raise UnsupportedTarget(f"embedding {unsharded_type(inner.embed_tokens).__name__} is not supported{_HINT}")
     laid_out = experts_as_gpt_oss_stores_them if model.config.model_type == "gpt_oss" else experts_as_tensors
     if not all(laid_out(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
@@ -237,13 +243,15 @@ class PackedForward:
         check_packed_support(model)
         cfg, inner = model.config, model.model
         self.gemma = cfg.model_type in _GEMMA_MODEL_TYPES
-        self.embed_w = inner.embed_tokens.weight
+        # a target sharded with FSDP2 (target/sharded.py): each module's weights are gathered while
+        # they are read (target/gathered.py); the references below are then its shards, for shapes
+        self.model, self.inner, self.cfg = model, inner, cfg
         # Gemma scales its embedding by sqrt(hidden), in the weights' dtype
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
-        self.norm_w = inner.norm.weight
         self.norm_eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
         self.layers = [_layer_weights(layer, i, cfg) for i, layer in enumerate(inner.layers)]
+        self.sharded = any(isinstance(m, FSDPModule) for m in (model, *inner.layers))
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
@@ -311,8 +319,14 @@ class PackedForward:
         """Packed [R, S] -> (taps [R, S, n*H] in `layer_ids` order, final [R, S, H] or None);
         padding positions are 0. `layout`: None when `rows_hold_one_document`, else the
         gather maps of `unpack_documents` or the flex BlockMask."""
+        with gathered(self.model):  # the root's own weights (the final norm; a tied embedding)
+            return self._forward(input_ids, position_ids, document_ids, need_final=need_final, layout=layout)
+
+    def _forward(self, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, *, need_final: bool,
+                 layout: DocumentLayout | BlockMask | None) -> tuple[Tensor, Tensor | None]:
         R, S = input_ids.shape
-        x = F.embedding(input_ids, self.embed_w)
+        with gathered(self.inner.embed_tokens) as embed:
+            x = F.embedding(input_ids, embed.weight)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         H = x.shape[-1]
@@ -323,19 +337,20 @@ class PackedForward:
             layout = causal_document_block_mask(document_ids)
         taps = x.new_empty(R, S, len(self.layer_ids) * H)
         slots = {i: [j for j, t in enumerate(self.layer_ids) if t == i] for i in set(self.layer_ids)}
-        for i in range(self.layers_to_run(need_final)):
-            lay = self.layers[i]
-            q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
-                                                n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
-            attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
-            x = getattr(self, lay.post_fn)(x, attn, *lay.post, **lay.post_kwargs)
-            for j in slots.get(i, ()):
-                taps[..., j * H:(j + 1) * H] = x
+        with layers_gathered(self.inner.layers, self.layers_to_run(need_final)) as indices:
+            for i in indices:
+                lay = self.layers[i] if not self.sharded else _layer_weights(self.inner.layers[i], i, self.cfg)
+                q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
+                                                    n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
+                attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
+                x = getattr(self, lay.post_fn)(x, attn, *lay.post, **lay.post_kwargs)
+                for j in slots.get(i, ()):
+                    taps[..., j * H:(j + 1) * H] = x
         pad = (document_ids < 0)[..., None]
         taps.masked_fill_(pad, 0)
         final = None
         if need_final:
-            final = self.final_norm(x, self.norm_w, self.norm_eps).masked_fill_(pad, 0)
+            final = self.final_norm(x, self.inner.norm.weight, self.norm_eps).masked_fill_(pad, 0)
         return taps, final
 
     def _rope_tables(self, x: Tensor, position_ids: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:

@@ -8,7 +8,8 @@ rest (final norm, rotary buffers, a tied embedding). Each rank keeps 1/G of ever
 Every rank of the group runs its own batches; only weights cross the group, never activations.
 Why FSDP2 and not tensor parallelism: it needs no per-family plan of which projection splits
 along which dimension, so the model's own forward runs unchanged for every family the
-Hugging Face path takes (dense, MoE, sliding windows, recurrent layers).
+Hugging Face path takes (dense, MoE, sliding windows, recurrent layers); the packed forward,
+which reads the weights itself, gathers each layer's explicitly (target/gathered.py).
 
 Loading never holds the whole model in one place: the model is built with its parameters on
 the meta device (buffers such as RoPE tables are real: they are computed, not loaded), sharded,
@@ -23,7 +24,6 @@ whole, one at a time, and keeps its rows (`fill_random_shards`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -38,12 +38,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoModelForCausalLM
 
 from dflash_train.target.attn_impl import resolve_attn_implementation
-from dflash_train.target.config import TargetConfig
 from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
 from dflash_train.target.presets import initialise_, is_preset, preset_config
-from dflash_train.utils.errors import ConfigError, ModelError
+from dflash_train.utils.errors import ModelError
 
 
 @contextlib.contextmanager
@@ -199,20 +198,6 @@ def fill_random_shards(model: nn.Module, rank: int, size: int, dtype: torch.dtyp
         whole = initialise_(torch.empty(shape, dtype=dtype if source != name else local.dtype, device=device),
                             source, gen)
         _fill_local(model, name, local, whole[start:stop], dtype)
-
-
-def sharded_target_config(t: TargetConfig, group_size: int) -> TargetConfig:
-    """The `target:` section for a target sharded over `group_size` ranks: the Hugging Face forward
-    (FSDP2 gathers a layer's weights when the module runs; the packed forward reads the weights
-    itself), an explicit choice it cannot honour refused in one line."""
-    option = f"pipeline.target_group_size {group_size}"
-    for name, value, wanted in (("forward", t.forward, ("auto", "hf")), ("compile", t.compile, ("auto", False)),
-                                ("document_attention", t.document_attention, ("gather",))):
-        if value not in wanted:
-            raise ConfigError(f"target.{name} {str(value).lower()} with {option}: a sharded target runs the Hugging "
-                              f"Face forward (FSDP2 gathers each layer's weights as the layer runs); leave target."
-                              f"{name} at its default")
-    return dataclasses.replace(t, forward="hf", compile=False)
 
 
 def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, group,

@@ -38,7 +38,7 @@ from dflash_train.target.loading import (
 )
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
 from dflash_train.target.runner import TargetRunner
-from dflash_train.target.sharded import load_sharded_target, sharded_target_config
+from dflash_train.target.sharded import load_sharded_target
 from dflash_train.train.config import RunConfig, TrainConfig
 from dflash_train.train.loader import PrefetchLoader
 from dflash_train.utils.config import to_dict
@@ -110,9 +110,6 @@ def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> 
     is a ConfigError naming both."""
     run, gpu = cfg.run, device.type == "cuda"
     auto = [k for k in FAST_PATH_FIELDS if config_value(cfg, k) == "auto"]
-    group = cfg.pipeline.target_group_size
-    if group > 1:  # FSDP2 gathers each layer's weights as it runs: the Hugging Face forward, uncompiled
-        cfg = dataclasses.replace(cfg, target=sharded_target_config(cfg.target, group))
     try:
         target, packed_no = decide_forward(cfg.target, target_config, device)
     except ValueError as exc:  # an explicit value that auto's choice makes impossible
@@ -129,8 +126,6 @@ def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> 
     picked = ", ".join(f"{k} {str(config_value(resolved, k)).lower()}" for k in auto)
     if not gpu:
         why = "on a CPU the uncompiled float32 path: compiling pays only on a GPU"
-    elif group > 1:
-        why = f"on {device}; the Hugging Face target forward, since the target is sharded over {group} ranks"
     elif packed_no is None:
         why = f"the fast path on {device}"
     else:
