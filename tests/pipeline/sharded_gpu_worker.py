@@ -15,19 +15,7 @@ import torch.distributed as dist
 from dflash_train.target import sharded
 from dflash_train.target.presets import build_random_target
 from dflash_train.target.runner import TargetRunner
-
-
-def rows(lengths_per_row: list[list[int]], width: int, gen: torch.Generator):
-    ids = torch.randint(0, 512, (len(lengths_per_row), width), generator=gen)
-    positions = torch.zeros_like(ids)
-    documents = torch.full_like(ids, -1)
-    for r, lengths in enumerate(lengths_per_row):
-        start = 0
-        for d, length in enumerate(lengths):
-            positions[r, start:start + length] = torch.arange(length)
-            documents[r, start:start + length] = d
-            start += length
-    return ids.cuda(), positions.cuda(), documents.cuda()
+from sharded_worker import packed_rows  # this script's folder is on the path: the CPU worker's rows
 
 
 def main() -> None:
@@ -44,7 +32,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     diffs = []
     for layout in ([[100, 57, 99], [200, 56]], [[256], [190]]):
-        batch = rows(layout, 256, gen)
+        batch = [t.cuda() for t in packed_rows(layout, 256, 512, gen)]
         for _ in range(2):  # the second call runs the compiled code
             a, b = ours(*batch), ref(*batch)
         diffs.append([float((a.taps - b.taps).abs().max()), float((a.final_hidden - b.final_hidden).abs().max())])
