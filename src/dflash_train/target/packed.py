@@ -34,12 +34,13 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral without a sliding window, Qwen2, Qwen3 and Qwen3-MoE decoders:
-pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a
-mixture of SiLU-gated experts (target/moe.py: one grouped GEMM for all experts), static RoPE;
-Gemma 3 text stacks (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks,
-biased experts), whose sliding-window layers attend through FlexAttention under a windowed
-causal-within-document block mask. Anything else is refused (use `target.forward: hf`).
+Supported: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE decoders: pre-norm RMSNorm blocks, GQA,
+optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated experts
+(target/moe.py: one grouped GEMM for all experts), static RoPE; Gemma 2/3 text stacks
+(target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
+Sliding-window layers (Mistral's window, Qwen2/3's `use_sliding_window`, Gemma's and gpt-oss's
+local layers) attend through FlexAttention under a windowed causal-within-document block mask.
+Anything else is refused (use `target.forward: hf`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,6 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
-# families whose sliding-window layers the packed forward runs (through windowed FlexAttention)
-_WINDOWED_MODEL_TYPES = ("gemma2", "gemma3_text", "gpt_oss")
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -108,10 +107,6 @@ def check_packed_config(cfg) -> None:
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if model_type not in _WINDOWED_MODEL_TYPES and ("sliding_attention" in layer_types or (
-            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral"))):
-        raise UnsupportedTarget(f"sliding-window attention is not supported{_HINT}")
     if gemma and (getattr(cfg, "attention_bias", False) or getattr(cfg, "use_bidirectional_attention", False)
                   or (model_type == "gemma3_text" and getattr(cfg, "attn_logit_softcapping", None))):
         raise UnsupportedTarget(f"Gemma attention with biases, bidirectional masks or (Gemma 3) soft-capped "
@@ -220,20 +215,31 @@ class _LayerWeights:
         self.pre_fn, self.pre_kwargs = "pre_attention", {"eps": self.ln1_eps, "qk_eps": self.qk_eps}
         self.post_fn = "post_attention_moe" if self.moe else "post_attention"
         self.post_kwargs = {"eps": self.ln2_eps, **self.moe_kwargs}
-        self.layer_type, self.window = None, None  # one RoPE table, full attention
+        self.layer_type, self.window = None, None  # one RoPE table; the window set by _layer_weights
         kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *(() if self.moe else self.post[2:]))}
         if len(kinds) != 1:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
+def layer_window(cfg, index: int) -> int | None:
+    """Layer `index`'s sliding window, None for full attention: by the config's `layer_types` where
+    it has them (Gemma, gpt-oss, Qwen2/3 with use_sliding_window), else Mistral's one window for
+    every layer."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return cfg.sliding_window if types[index] == "sliding_attention" else None
+    return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+
+
 def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights:
-    if cfg.model_type not in _WINDOWED_MODEL_TYPES:
-        return _LayerWeights(layer)
-    kind = cfg.layer_types[index]
-    window = cfg.sliding_window if kind == "sliding_attention" else None
+    window = layer_window(cfg, index)
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
-    return GemmaLayerWeights(layer, kind if cfg.model_type == "gemma3_text" else None, window)
+    if cfg.model_type in _GEMMA_MODEL_TYPES:
+        return GemmaLayerWeights(layer, cfg.layer_types[index] if cfg.model_type == "gemma3_text" else None, window)
+    weights = _LayerWeights(layer)
+    weights.window = window
+    return weights
 
 
 class PackedForward:
