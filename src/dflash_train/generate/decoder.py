@@ -33,9 +33,10 @@ from torch import Tensor
 
 from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule, cache_index, causal_rule, flat,
                                              masked_attention, ring_length, ring_rule, windowed_rule)
-from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind, layer_windows,
+from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
-from dflash_train.target.language_model import final_logit_softcap, language_model, rope_types, text_config
+from dflash_train.target.language_model import (final_logit_softcap, language_model, layer_windows, rope_types,
+                                                 text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.utils.errors import ModelError
 

@@ -40,18 +40,6 @@ def layer_kind(model_type: str) -> LayerKind:
     return "gpt_oss" if model_type == "gpt_oss" else "llama"
 
 
-def layer_windows(cfg) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as transformers' masks apply them:
-    by `layer_types` where the config has them, else (Mistral) on every layer when set."""
-    n, window = int(cfg.num_hidden_layers), getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if not window:
-        return [None] * n
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in types[:n]]
-    return [int(window) if getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None] * n
-
-
 def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
     """The family's RMSNorm, as transformers computes it."""
     if kind == "gemma":

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.generate.attention import FLEX_BLOCK, ring_length
-from dflash_train.generate.layers import layer_windows
+from dflash_train.target.language_model import layer_windows
 
 GPU_MAX_SLOTS = 1536
 CPU_MAX_SLOTS = 64

@@ -72,3 +72,15 @@ def rope_types(config: Any) -> set[str]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     tables = [p for p in params.values() if isinstance(p, dict)] or [params]
     return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}
+
+
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' masks apply them:
+    by `layer_types` where the config has them, else (Mistral) on every layer when set."""
+    n, window = int(cfg.num_hidden_layers), getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types[:n]]
+    return [int(window) if getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None] * n

@@ -57,7 +57,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
-from dflash_train.target.language_model import rope_types
+from dflash_train.target.language_model import layer_windows, rope_types
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -221,18 +221,8 @@ class _LayerWeights:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def layer_window(cfg, index: int) -> int | None:
-    """Layer `index`'s sliding window, None for full attention: by the config's `layer_types` where
-    it has them (Gemma, gpt-oss, Qwen2/3 with use_sliding_window), else Mistral's one window for
-    every layer."""
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return cfg.sliding_window if types[index] == "sliding_attention" else None
-    return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
-
-
 def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights:
-    window = layer_window(cfg, index)
+    window = layer_windows(cfg)[index]
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
     if cfg.model_type in _GEMMA_MODEL_TYPES:
