@@ -107,10 +107,10 @@ def _gemma3(vocab):
                         initializer_range=INIT)
 
 
-def _phi3(vocab):
+def _phi3(vocab, window=None):
     from transformers import Phi3Config
 
-    return Phi3Config(**_COMMON, vocab_size=vocab, pad_token_id=0)
+    return Phi3Config(**_COMMON, vocab_size=vocab, pad_token_id=0, sliding_window=window)
 
 
 def _gpt_oss(vocab):
@@ -168,6 +168,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3_text", _gemma3_text, "gemma", windowed=True),
     Family("gemma3", _gemma3, "gemma", windowed=True, multimodal=True),
     Family("phi3", _phi3, "phi3"),
+    Family("phi3_window", lambda v: _phi3(v, WINDOW), "phi3", windowed=True),
     Family("gpt_oss", _gpt_oss, "gpt_oss", windowed=True),
     Family("deepseek_v3", _deepseek_v3, "deepseek_v3"),
     Family("glm4_moe", _glm4_moe, "glm4_moe"),

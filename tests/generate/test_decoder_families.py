@@ -1,7 +1,8 @@
 """The static-KV decoder on the families whose layers differ from a Llama block: Gemma 2 (soft-capped
 scores and logits), Gemma 3 (per-layer-type RoPE, q/k norms; also inside its multimodal wrapper),
-gpt-oss (attention sinks, biased experts, YaRN) and Mistral with a sliding window; every one of
-them with sliding-window layers, filled past the window by the prompts alone.
+gpt-oss (attention sinks, biased experts, YaRN), Mistral with a sliding window and Phi-3 (fused
+q/k/v and gate/up projections) with one; every one of them with sliding-window layers, filled past
+the window by the prompts alone.
 
 Each check is against transformers' own eager forward of the same random fp32 model: prefill
 logits and taps, verify rounds that roll back part of a block (stale cache entries past the
@@ -27,7 +28,7 @@ from tests.families import FAMILIES, WINDOW, build_model
 from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
-NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window"]
+NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window"]
 LAYERS = [0, 2]
 
 

@@ -75,19 +75,27 @@ def _fresh(kind):
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         return model
-    if kind in ("mistral_window", "qwen2_window"):  # windows of 8 in every layer (Mistral), in the upper four (Qwen2)
-        from transformers import AutoModelForCausalLM
-
-        from tests.families import WINDOW, _mistral, _qwen2
-
-        cfg = _mistral(300, WINDOW) if kind == "mistral_window" else _qwen2(300)
-        cfg.num_hidden_layers = 6
-        if kind == "qwen2_window":
-            cfg.use_sliding_window, cfg.sliding_window = True, WINDOW
-            cfg.layer_types = ["full_attention"] * 2 + ["sliding_attention"] * 4
-        torch.manual_seed(8)
-        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    if kind in ("mistral_window", "qwen2_window", "phi3_window"):
+        return _windowed(kind)
     return tiny_target(kind)
+
+
+def _windowed(kind):
+    """Windows of 8 keys: in every layer (Mistral; Phi-3, with fused q/k/v and gate/up projections),
+    in the upper four of six (Qwen2's use_sliding_window)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import WINDOW, _mistral, _phi3, _qwen2
+
+    if kind == "qwen2_window":
+        cfg = _qwen2(300)
+        cfg.use_sliding_window, cfg.sliding_window = True, WINDOW
+        cfg.layer_types = ["full_attention"] * 2 + ["sliding_attention"] * 4
+    else:
+        cfg = (_mistral if kind == "mistral_window" else _phi3)(300, WINDOW)
+    cfg.num_hidden_layers = 6
+    torch.manual_seed(8)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
 def _packed(lengths, rows, vocab, seed=1):
@@ -115,7 +123,7 @@ def _run(model, batch, need_final, **kw):
 
 
 @pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "mistral_window",
-                                  "qwen2_window"])
+                                  "qwen2_window", "phi3_window"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -134,10 +142,11 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # a wrong route or weight moves the states by whole percents
     # (Gemma's states are ~10x larger: its embedding is scaled by sqrt(hidden))
     tol = dict(atol=1e-6, rtol=1e-5)
-    # (the windowed Mistral and Qwen2 models use the families' wide init: states ~18, rounding ~2e-5;
+    # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
-    if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "mistral_window", "qwen2_window"):
-        tol = dict(atol=5e-5 if kind in ("gpt_oss", "mistral_window", "qwen2_window") else 1e-5, rtol=1e-4)
+    wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window")
+    if kind in ("qwen3_moe", "gemma2", "gemma3_text", *wide):
+        tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)
     assert (got.taps[batch.document_ids < 0] == 0).all()
     if need_final:

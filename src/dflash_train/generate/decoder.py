@@ -35,14 +35,15 @@ from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule
                                              masked_attention, ring_length, ring_rule, windowed_rule)
 from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
-from dflash_train.target.language_model import (final_logit_softcap, language_model, layer_windows, rope_types,
+from dflash_train.target.language_model import (attention_projections, final_logit_softcap, language_model,
+                                                 layer_windows, mlp_projections, rope_types, rotates_whole_head,
                                                  text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.utils.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -73,7 +74,7 @@ def check_supported_config(config) -> None:
     dynamic = sorted(rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES))
     if dynamic:
         raise UnsupportedModelError(f"rope type {dynamic[0]!r} depends on the sequence length{_HINT}")
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+    if not rotates_whole_head(cfg):
         raise UnsupportedModelError(f"partial rotary embeddings are not supported{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{_HINT}")
@@ -95,8 +96,8 @@ def check_supported(model) -> None:
     if head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
     mlp = next((layer.mlp for layer in inner.layers if not hasattr(layer.mlp, "experts")), None)
-    dense = [mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else []
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *dense]
+    dense = [*(m for m, _ in mlp_projections(mlp)), mlp.down_proj] if mlp is not None else []
+    linears = [*(m for m, _ in attention_projections(attn)), attn.o_proj, *dense]
     if not all(isinstance(m, torch.nn.Linear) for m in linears):
         # e.g. target.fp8's float8 layers: decoding with them would measure a target nobody serves
         raise UnsupportedModelError("the decoder's linear layers were replaced (target.fp8?): the engine decodes "

@@ -6,7 +6,8 @@ tensor arguments: a torch.compile'd version is traced once per layer kind and se
 `LayerWeights` groups one layer's weights (references, no copies) as those arguments, with the
 options that say which family's op sequence runs:
 
-    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (target/moe.py)
+    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (target/moe.py), Phi-3
+             (fused qkv_proj and gate_up_proj, read as row blocks)
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.generate.attention import write_cache
+from dflash_train.target.language_model import attention_projections, mlp_projections
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
@@ -131,9 +133,7 @@ class LayerWeights:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.pre: tuple[Tensor | None, ...] = (
             layer.input_layernorm.weight,
-            attn.q_proj.weight, attn.q_proj.bias,
-            attn.k_proj.weight, attn.k_proj.bias,
-            attn.v_proj.weight, attn.v_proj.bias,
+            *(t for linear, rows in attention_projections(attn) for t in linear_rows(linear, rows)),  # q, k, v
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
         )  # fmt: skip
@@ -157,5 +157,12 @@ def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | Non
     if experts is not None:  # Qwen3-MoE: the router and the experts' 3D tensors (target/moe.py)
         return (*head, mlp.gate.weight, experts.gate_up_proj, experts.down_proj), \
             {"eps": eps, "top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
-    return (*head, mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-            mlp.down_proj.weight, mlp.down_proj.bias), {"eps": eps}
+    gate_up = (t for linear, rows in mlp_projections(mlp) for t in linear_rows(linear, rows))
+    return (*head, *gate_up, mlp.down_proj.weight, mlp.down_proj.bias), {"eps": eps}
+
+
+def linear_rows(linear: nn.Module, rows: slice | None) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) of a linear, or of a block of its output rows (a fused projection's: views)."""
+    if rows is None:
+        return linear.weight, linear.bias
+    return linear.weight[rows], linear.bias[rows] if linear.bias is not None else None

@@ -74,13 +74,48 @@ def rope_types(config: Any) -> set[str]:
     return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}
 
 
+# families whose `sliding_window`, when set, applies to every layer (their configs have no layer_types)
+_WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
+
+
 def layer_windows(cfg) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers' masks apply them:
-    by `layer_types` where the config has them, else (Mistral) on every layer when set."""
+    by `layer_types` where the config has them, else (Mistral, Phi-3) on every layer when set."""
     n, window = int(cfg.num_hidden_layers), getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if not window:
         return [None] * n
     if types:
         return [int(window) if t == "sliding_attention" else None for t in types[:n]]
-    return [int(window) if getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None] * n
+    every_layer = cfg.model_type in _WINDOW_ON_EVERY_LAYER
+    return [int(window) if getattr(cfg, "use_sliding_window", every_layer) else None] * n
+
+
+def rotates_whole_head(config: Any) -> bool:
+    """Whether RoPE rotates all of head_dim: no `partial_rotary_factor` below 1, as a config
+    attribute or (transformers 5) inside its rope_parameters."""
+    params = getattr(config, "rope_parameters", None) or {}
+    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
+    factors = [getattr(config, "partial_rotary_factor", None)] + [p.get("partial_rotary_factor") for p in tables]
+    return all(f is None or float(f) == 1.0 for f in factors)
+
+
+def attention_projections(attn: nn.Module) -> list[tuple[nn.Module, slice | None]]:
+    """An attention module's q, k and v projections as (linear, its output rows; None: all): its
+    q_proj, k_proj and v_proj, or the row blocks of Phi-3's fused qkv_proj."""
+    fused = getattr(attn, "qkv_proj", None)
+    if fused is None:
+        return [(attn.q_proj, None), (attn.k_proj, None), (attn.v_proj, None)]
+    q = attn.config.num_attention_heads * attn.head_dim
+    kv = attn.config.num_key_value_heads * attn.head_dim
+    return [(fused, slice(0, q)), (fused, slice(q, q + kv)), (fused, slice(q + kv, q + 2 * kv))]
+
+
+def mlp_projections(mlp: nn.Module) -> list[tuple[nn.Module, slice | None]]:
+    """A gated MLP's gate and up projections as (linear, its output rows; None: all): gate_proj and
+    up_proj, or the halves of Phi-3's fused gate_up_proj (the gate first)."""
+    fused = getattr(mlp, "gate_up_proj", None)
+    if not isinstance(fused, nn.Module):  # (an MoE's experts keep a tensor of that name)
+        return [(mlp.gate_proj, None), (mlp.up_proj, None)]
+    half = fused.out_features // 2
+    return [(fused, slice(0, half)), (fused, slice(half, 2 * half))]

@@ -34,9 +34,10 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE decoders: pre-norm RMSNorm blocks, GQA,
-optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated experts
-(target/moe.py: one grouped GEMM for all experts), static RoPE; Gemma 2/3 text stacks
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3 decoders: pre-norm RMSNorm blocks,
+GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated experts
+(target/moe.py: one grouped GEMM for all experts), static RoPE over the whole head; Phi-3's fused
+q/k/v and gate/up projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
 (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
 Sliding-window layers (Mistral's window, Qwen2/3's `use_sliding_window`, Gemma's and gpt-oss's
 local layers) attend through FlexAttention under a windowed causal-within-document block mask.
@@ -57,7 +58,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
-from dflash_train.target.language_model import layer_windows, rope_types
+from dflash_train.target.language_model import (attention_projections, layer_windows, mlp_projections, rope_types,
+                                                 rotates_whole_head)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -78,7 +80,7 @@ from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -105,7 +107,7 @@ def check_packed_config(cfg) -> None:
         raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
     if rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+    if not rotates_whole_head(cfg):
         raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
     if gemma and (getattr(cfg, "attention_bias", False) or getattr(cfg, "use_bidirectional_attention", False)
                   or (model_type == "gemma3_text" and getattr(cfg, "attn_logit_softcapping", None))):
@@ -130,10 +132,16 @@ def check_packed_support(model: nn.Module) -> None:
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
 
 
-def _projection(module: nn.Module) -> Projection:
-    if isinstance(module, FP8Linear):
-        return (module.weight_fp8, module.weight_scale, module.bias)
-    return (module.weight, module.bias)
+def _projection(module: nn.Module, rows: slice | None = None) -> Projection:
+    """A linear's weights as `project` takes them; `rows`: a block of its outputs (of a fused
+    projection: Phi-3's qkv_proj, gate_up_proj), as views."""
+    fp8 = isinstance(module, FP8Linear)
+    if rows is None:
+        return (module.weight_fp8, module.weight_scale, module.bias) if fp8 else (module.weight, module.bias)
+    bias = module.bias[rows] if module.bias is not None else None
+    if fp8:  # one scale per output row
+        return (module.weight_fp8[rows], module.row_scale[rows].t(), bias)
+    return (module.weight[rows], bias)
 
 
 def project(h: Tensor, projections: Sequence[Projection]) -> list[Tensor]:
@@ -195,8 +203,8 @@ class _LayerWeights:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.pre = (layer.input_layernorm.weight, _projection(attn.q_proj), _projection(attn.k_proj),
-                    _projection(attn.v_proj), q_norm.weight if q_norm is not None else None,
+        self.pre = (layer.input_layernorm.weight, *(_projection(*p) for p in attention_projections(attn)),
+                    q_norm.weight if q_norm is not None else None,
                     k_norm.weight if k_norm is not None else None)
         experts = getattr(mlp, "experts", None)
         self.moe = experts is not None  # Qwen3-MoE: router + experts as 3D tensors; else a gated MLP
@@ -205,8 +213,8 @@ class _LayerWeights:
                          experts.gate_up_proj, experts.down_proj)
             self.moe_kwargs = {"top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
         else:
-            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, _projection(mlp.gate_proj),
-                         _projection(mlp.up_proj), _projection(mlp.down_proj))
+            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight,
+                         *(_projection(*p) for p in mlp_projections(mlp)), _projection(mlp.down_proj))
             self.moe_kwargs = {}
         self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
