@@ -216,19 +216,23 @@ def test_compiled_mode_wraps_the_tested_functions():
     assert getattr(compiled.post_attention, "_torchdynamo_orig_callable", None) is post_attention
 
 
-def test_packed_fp8_equals_the_fp8_linear_modules():
+@pytest.mark.parametrize("kind", ["tiny", "phi3_window"])
+def test_packed_fp8_equals_the_fp8_linear_modules(kind):
     """FP8: the packed forward quantises each shared input once; the Hugging Face forward's
-    FP8Linear modules quantise it per projection; the quantised numbers are the same."""
-    model = _fresh("tiny")
-    batch = _packed(*BATCHES["several-documents"], vocab=512)
+    FP8Linear modules quantise it per projection; the quantised numbers are the same (Phi-3: row
+    blocks of its fused projections, each with its rows' scales)."""
+    model = _fresh(kind)
+    batch = _packed(*BATCHES["several-documents"], vocab=model.config.vocab_size)
     bf = _run(model, batch, True)
     convert_decoder_linears(model, find_decoder_layers(model))
     ref = _run(model, batch, True)
     got = _run(model, batch, True, forward="packed")
-    torch.testing.assert_close(got.taps, ref.taps, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got.final_hidden, ref.final_hidden, atol=1e-6, rtol=1e-5)
+    tol = dict(atol=1e-6, rtol=1e-5) if kind == "tiny" else dict(atol=5e-5, rtol=1e-4)  # states ~18, windows
+    torch.testing.assert_close(got.taps, ref.taps, **tol)
+    torch.testing.assert_close(got.final_hidden, ref.final_hidden, **tol)
     assert not torch.allclose(got.taps, bf.taps, atol=1e-6)  # FP8 did change the numbers ...
-    assert float((got.taps - bf.taps).norm() / bf.taps.norm()) < 0.1  # ... by a little
+    # ... by a little (the Phi-3 model's wide init puts more of its weights far from the scale)
+    assert float((got.taps - bf.taps).norm() / bf.taps.norm()) < (0.1 if kind == "tiny" else 0.25)
 
 
 def test_rows_hold_one_document():
