@@ -107,10 +107,12 @@ def _gemma3(vocab):
                         initializer_range=INIT)
 
 
-def _phi3(vocab, window=None):
+def _phi3(vocab, window=None, rotary=1.0):
+    """Phi-3 (fused q/k/v and gate/up projections); `rotary` < 1: RoPE over that share of a head."""
     from transformers import Phi3Config
 
-    return Phi3Config(**_COMMON, vocab_size=vocab, pad_token_id=0, sliding_window=window)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary}
+    return Phi3Config(**_COMMON, vocab_size=vocab, pad_token_id=0, sliding_window=window, rope_parameters=rope)
 
 
 def _gpt_oss(vocab):
@@ -168,7 +170,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3_text", _gemma3_text, "gemma", windowed=True),
     Family("gemma3", _gemma3, "gemma", windowed=True, multimodal=True),
     Family("phi3", _phi3, "phi3"),
-    Family("phi3_window", lambda v: _phi3(v, WINDOW), "phi3", windowed=True),
+    Family("phi3_window", lambda v: _phi3(v, WINDOW, rotary=0.5), "phi3", windowed=True),  # partial RoPE too
     Family("gpt_oss", _gpt_oss, "gpt_oss", windowed=True),
     Family("deepseek_v3", _deepseek_v3, "deepseek_v3"),
     Family("glm4_moe", _glm4_moe, "glm4_moe"),

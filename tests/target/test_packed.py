@@ -81,8 +81,8 @@ def _fresh(kind):
 
 
 def _windowed(kind):
-    """Windows of 8 keys: in every layer (Mistral; Phi-3, with fused q/k/v and gate/up projections),
-    in the upper four of six (Qwen2's use_sliding_window)."""
+    """Windows of 8 keys: in every layer (Mistral; Phi-3, with fused q/k/v and gate/up projections and
+    RoPE over half of each head), in the upper four of six (Qwen2's use_sliding_window)."""
     from transformers import AutoModelForCausalLM
 
     from tests.families import WINDOW, _mistral, _phi3, _qwen2
@@ -92,7 +92,7 @@ def _windowed(kind):
         cfg.use_sliding_window, cfg.sliding_window = True, WINDOW
         cfg.layer_types = ["full_attention"] * 2 + ["sliding_attention"] * 4
     else:
-        cfg = (_mistral if kind == "mistral_window" else _phi3)(300, WINDOW)
+        cfg = _mistral(300, WINDOW) if kind == "mistral_window" else _phi3(300, WINDOW, rotary=0.5)
     cfg.num_hidden_layers = 6
     torch.manual_seed(8)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()

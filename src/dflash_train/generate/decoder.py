@@ -36,8 +36,7 @@ from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule
 from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind,
                                           mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
 from dflash_train.target.language_model import (attention_projections, final_logit_softcap, language_model,
-                                                 layer_windows, mlp_projections, rope_types, rotates_whole_head,
-                                                 text_config)
+                                                 layer_windows, mlp_projections, rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.utils.errors import ModelError
 
@@ -74,8 +73,6 @@ def check_supported_config(config) -> None:
     dynamic = sorted(rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES))
     if dynamic:
         raise UnsupportedModelError(f"rope type {dynamic[0]!r} depends on the sequence length{_HINT}")
-    if not rotates_whole_head(cfg):
-        raise UnsupportedModelError(f"partial rotary embeddings are not supported{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{_HINT}")
     if set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}:
@@ -187,13 +184,13 @@ class StaticDecoder:
         """(cos, sin) [max_len, D] by the layers' table names, from the model's own rotary module, so
         every static RoPE scaling (linear, llama3, yarn, ...) and its attention factor come out exactly
         as in HF (Gemma 3: one table per layer type; gpt-oss's half-width tables repeated twice, the
-        same rotation as rotate_half)."""
+        same rotation as rotate_half; a partial rotary embedding's narrower tables as they are)."""
         positions, x = self.key_positions[None], torch.empty(0, dtype=self.dtype, device=self.device)
         tables = {}
         with torch.no_grad():
             for name in {lay.rope for lay in self.layers}:
                 cos, sin = rotary(x, positions, name) if name else rotary(x, positions)
-                if 2 * cos.shape[-1] == self.head_dim:
+                if self.kind == "gpt_oss":  # half-width tables, each half of a head rotated alike
                     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
                 tables[name] = (cos[0].contiguous(), sin[0].contiguous())
         return tables

@@ -91,15 +91,6 @@ def layer_windows(cfg) -> list[int | None]:
     return [int(window) if getattr(cfg, "use_sliding_window", every_layer) else None] * n
 
 
-def rotates_whole_head(config: Any) -> bool:
-    """Whether RoPE rotates all of head_dim: no `partial_rotary_factor` below 1, as a config
-    attribute or (transformers 5) inside its rope_parameters."""
-    params = getattr(config, "rope_parameters", None) or {}
-    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
-    factors = [getattr(config, "partial_rotary_factor", None)] + [p.get("partial_rotary_factor") for p in tables]
-    return all(f is None or float(f) == 1.0 for f in factors)
-
-
 def attention_projections(attn: nn.Module) -> list[tuple[nn.Module, slice | None]]:
     """An attention module's q, k and v projections as (linear, its output rows; None: all): its
     q_proj, k_proj and v_proj, or the row blocks of Phi-3's fused qkv_proj."""

@@ -32,8 +32,14 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding; `cos`/`sin` broadcast against `x` [..., head_dim]."""
-    return (x * cos) + (rotate_half(x) * sin)
+    """Rotary position embedding; `cos`/`sin` broadcast against `x` [..., head_dim]. Tables narrower
+    than the head (partial rotary embeddings, as GLM's and some Phi models') rotate its first dimensions and pass
+    the rest through, as transformers' apply_rotary_pos_emb does."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    rotated, passed = x[..., :width], x[..., width:]
+    return torch.cat([(rotated * cos) + (rotate_half(rotated) * sin), passed], dim=-1)
 
 
 def repeat_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:

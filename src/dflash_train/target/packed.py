@@ -36,7 +36,7 @@ the forward gathers each module's weights while it reads them, the decoder layer
 
 Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3 decoders: pre-norm RMSNorm blocks,
 GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated experts
-(target/moe.py: one grouped GEMM for all experts), static RoPE over the whole head; Phi-3's fused
+(target/moe.py: one grouped GEMM for all experts), static RoPE (over part of a head too); Phi-3's fused
 q/k/v and gate/up projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
 (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
 Sliding-window layers (Mistral's window, Qwen2/3's `use_sliding_window`, Gemma's and gpt-oss's
@@ -58,8 +58,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
-from dflash_train.target.language_model import (attention_projections, layer_windows, mlp_projections, rope_types,
-                                                 rotates_whole_head)
+from dflash_train.target.language_model import attention_projections, layer_windows, mlp_projections, rope_types
 from dflash_train.target.moe import experts_as_tensors, moe_mlp
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -107,8 +106,6 @@ def check_packed_config(cfg) -> None:
         raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
     if rope_types(cfg) & set(_DYNAMIC_ROPE_TYPES):
         raise UnsupportedTarget(f"RoPE that depends on the sequence length is not supported{_HINT}")
-    if not rotates_whole_head(cfg):
-        raise UnsupportedTarget(f"partial rotary embeddings are not supported{_HINT}")
     if gemma and (getattr(cfg, "attention_bias", False) or getattr(cfg, "use_bidirectional_attention", False)
                   or (model_type == "gemma3_text" and getattr(cfg, "attn_logit_softcapping", None))):
         raise UnsupportedTarget(f"Gemma attention with biases, bidirectional masks or (Gemma 3) soft-capped "
@@ -362,6 +359,6 @@ class PackedForward:
         local and global layers rotate with different bases; other families have one table)."""
         kinds = {lay.layer_type for lay in self.layers}
         tables = {kind: self.rotary(x, position_ids, kind) if kind else self.rotary(x, position_ids) for kind in kinds}
-        if self.head_dim == 2 * next(iter(tables.values()))[0].shape[-1]:  # gpt-oss: half-width tables
+        if self.cfg.model_type == "gpt_oss":  # half-width tables, each half of a head rotated alike
             tables = {kind: (torch.cat([c, c], -1), torch.cat([s, s], -1)) for kind, (c, s) in tables.items()}
         return {kind: (cos[:, :, None, :], sin[:, :, None, :]) for kind, (cos, sin) in tables.items()}
