@@ -7,6 +7,10 @@ layers to tap, the final norm, hidden size, layer count, vocabulary, the logit s
 belongs to the language model, and is found with transformers' own accessors
 (`get_text_config`, `get_decoder`), the same on 5.17 and 5.25: never from shapes alone, as a
 vision tower can have exactly as many layers as the text stack.
+
+Read here too, for every code path that reproduces the target's layers (the packed forward, the
+decoding engines): each layer's sliding window, and the q/k/v and gate/up projections as
+(linear, rows), so that Phi-3's fused projections read as their row blocks.
 """
 
 from __future__ import annotations
