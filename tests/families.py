@@ -138,7 +138,8 @@ def _glm4_moe(vocab):
 
     return Glm4MoeConfig(**_COMMON, vocab_size=vocab, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
                          n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
-                         n_shared_experts=1, partial_rotary_factor=0.5, use_qk_norm=True)
+                         n_shared_experts=1, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                         routed_scaling_factor=2.5)
 
 
 def _olmo2(vocab):
@@ -188,11 +189,21 @@ def build_model(name: str, vocab: int, seed: int = 0):
         model = Gemma3ForConditionalGeneration(cfg)
     else:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():  # transformers initialises some tensors (norms, biases, sinks) at 0/1: perturb all
-        gen = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * INIT * 0.2)
-    return model.eval()
+    return perturbed(model, seed).eval()
+
+
+@torch.no_grad()
+def perturbed(model, seed: int = 0):
+    """`model` with every parameter moved a little: transformers initialises some tensors (norms,
+    biases, sinks) at 0 or 1; and with GLM's router score correction (a buffer saved with the
+    weights, 0 at init) drawn, so that it changes which experts are chosen."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * INIT * 0.2)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    return model
 
 
 def save_family(name: str, directory: str | Path, seed: int = 0):

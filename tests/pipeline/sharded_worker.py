@@ -42,6 +42,12 @@ def count_reads() -> list[int]:
     return seen
 
 
+def saved_buffer_bytes(model, path: str) -> int:
+    """Bytes of the model's buffers that the checkpoint holds (read whole on every rank)."""
+    keys = set() if is_preset(path) else set(sharded.checkpoint_keys(Path(path)))
+    return sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name in keys)
+
+
 def checkpoint_bytes(path: str) -> int:
     """Bytes of every tensor in a model directory's safetensors files (0 for a preset)."""
     total = 0
@@ -149,6 +155,7 @@ def main(out: Path, targets: list[str]) -> None:
         report[spec] = {"diffs": diffs, "packed": packed_against_whole(model, whole, n, rank), "bytes_loaded": loaded,
                         "bytes_after": sharded.parameter_bytes(model),
                         "read_bytes": read[0], "checkpoint_bytes": checkpoint_bytes(path),
+                        "buffer_bytes": saved_buffer_bytes(model, path),
                         "sharded": sharded.is_sharded(model)}
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

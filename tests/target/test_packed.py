@@ -77,6 +77,8 @@ def _fresh(kind):
         return model
     if kind in ("mistral_window", "qwen2_window", "phi3_window"):
         return _windowed(kind)
+    if kind == "glm4_moe":
+        return _glm4_moe()
     return tiny_target(kind)
 
 
@@ -96,6 +98,20 @@ def _windowed(kind):
     cfg.num_hidden_layers = 6
     torch.manual_seed(8)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _glm4_moe():
+    """GLM-4.5's layout at toy size (tests/families.py): a dense first layer, then 8 routed experts (2
+    a token) in two groups of which one is kept, a shared expert, scores corrected by a bias and
+    scaled, q/k norms, biased q/k/v, RoPE over half of each head; six layers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import _glm4_moe as config, perturbed
+
+    cfg = config(300)
+    cfg.num_hidden_layers = 6
+    torch.manual_seed(9)
+    return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=9).eval()
 
 
 def _packed(lengths, rows, vocab, seed=1):
@@ -122,8 +138,8 @@ def _run(model, batch, need_final, **kw):
         runner.close()
 
 
-@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "mistral_window",
-                                  "qwen2_window", "phi3_window"])
+@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "gemma2", "gemma3_text", "gpt_oss",
+                                  "mistral_window", "qwen2_window", "phi3_window"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -144,7 +160,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     tol = dict(atol=1e-6, rtol=1e-5)
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
-    wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window")
+    wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe")
     if kind in ("qwen3_moe", "gemma2", "gemma3_text", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)

@@ -37,6 +37,15 @@ def test_moe_presets_have_the_published_total_and_active_parameters(name, total_
     assert round(total / 1e9, 1) == total_b and abs(active / 1e9 - active_b) < 0.1
 
 
+def test_glm_air_has_the_published_total_and_active_parameters():
+    """GLM-4.5-Air: 106B in all, 12B active (model card; active without the embedding and LM head)."""
+    total, expert = _parameters("glm4.5-air")
+    cfg = preset_config("preset:glm4.5-air")
+    embeddings = 2 * cfg.vocab_size * cfg.hidden_size
+    active = total - expert + expert * cfg.num_experts_per_tok // cfg.n_routed_experts - embeddings
+    assert int(total / 1e9) == 106 and round(active / 1e9) == 12
+
+
 def test_random_weights_are_seeded_norms_one():
     a = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)
     b = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)

@@ -6,8 +6,8 @@ tensor arguments: a torch.compile'd version is traced once per layer kind and se
 `LayerWeights` groups one layer's weights (references, no copies) as those arguments, with the
 options that say which family's op sequence runs:
 
-    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (target/moe.py), Phi-3
-             (fused qkv_proj and gate_up_proj, read as row blocks)
+    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE and GLM-4.5 (target/moe.py;
+             GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks)
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dflash_train.generate.attention import write_cache
 from dflash_train.target.language_model import attention_projections, mlp_projections
-from dflash_train.target.moe import experts_as_tensors, moe_mlp
+from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
@@ -84,13 +84,14 @@ def q_writing_kv(
 
 def post_attention(
     x: Tensor, attn_out: Tensor, *weights: Tensor | None, eps: float, kind: LayerKind = "llama", top_k: int = 0,
-    renormalise: bool = False, alpha: float = 0.0, limit: float = 0.0,
+    alpha: float = 0.0, limit: float = 0.0, **routing,
 ) -> Tensor:  # fmt: skip
     """Output projection, residual adds and the MLP: the rest of one decoder layer. `weights` are
     the layer kind's (LayerWeights.post): a Llama-family gated MLP's (wo, bo, ln2, wg, bg, wu, bu,
-    wd, bd), with `top_k` a Qwen3-MoE's (wo, bo, ln2, router, gate_up, down); Gemma's and
-    gpt-oss's as their packed-forward functions take them. A kind is a fixed argument count,
-    so a compiled version traces each kind once."""
+    wd, bd), with `top_k` a mixture's (wo, bo, ln2, router, router bias, gate_up, down, shared
+    wg, wu, wd: GLM-4.5's bias and shared experts, None for Qwen3-MoE; `routing` the rest of
+    target/moe.py's routing_of); Gemma's and gpt-oss's as their packed-forward functions take
+    them. A kind is a fixed argument count, so a compiled version traces each kind once."""
     if kind == "gemma":
         return post_attention_gemma(x, attn_out, *weights, eps=eps)
     if kind == "gpt_oss":
@@ -99,8 +100,11 @@ def post_attention(
     x = x + F.linear(attn_out, wo, bo)
     h = rms_norm(x, ln2_w, eps)
     if top_k:
-        router_w, gate_up, down = mlp
-        return x + moe_mlp(h, router_w, gate_up, down, top_k=top_k, renormalise=renormalise)
+        router_w, router_b, gate_up, down, shared_g, shared_u, shared_d = mlp
+        out = moe_mlp(h, router_w, gate_up, down, router_b, top_k=top_k, **routing)
+        if shared_g is not None:  # GLM-4.5's shared experts
+            out = out + F.linear(F.silu(F.linear(h, shared_g)) * F.linear(h, shared_u), shared_d)
+        return x + out
     wg, bg, wu, bu, wd, bd = mlp
     return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
@@ -154,9 +158,12 @@ def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | Non
     eps = eps_of(layer.post_attention_layernorm)
     head = (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight)
     experts = getattr(mlp, "experts", None)
-    if experts is not None:  # Qwen3-MoE: the router and the experts' 3D tensors (target/moe.py)
-        return (*head, mlp.gate.weight, experts.gate_up_proj, experts.down_proj), \
-            {"eps": eps, "top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
+    if experts is not None:  # Qwen3-MoE, GLM-4.5: the router and the experts' 3D tensors (target/moe.py)
+        shared = getattr(mlp, "shared_experts", None)
+        shared_w = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared is not None \
+            else (None, None, None)
+        return (*head, mlp.gate.weight, router_bias(mlp), experts.gate_up_proj, experts.down_proj, *shared_w), \
+            {"eps": eps, **routing_of(mlp)}
     gate_up = (t for linear, rows in mlp_projections(mlp) for t in linear_rows(linear, rows))
     return (*head, *gate_up, mlp.down_proj.weight, mlp.down_proj.bias), {"eps": eps}
 

@@ -1,8 +1,9 @@
 """Mixture-of-experts MLPs for the packed target forward and the decoding engines (Qwen3-MoE,
-gpt-oss): route each token to its top-k experts, run every expert on its tokens as one
+GLM-4.5, gpt-oss): route each token to its top-k experts, run every expert on its tokens as one
 grouped matrix multiply, add the results back weighted by the router.
 
-    route           h [N, H] -> weights [N, k], experts [N, k]   (softmax over E, top-k, renormalised)
+    route           h [N, H] -> weights [N, k], experts [N, k]   (softmax over E, top-k, renormalised;
+                    GLM-4.5: sigmoid scores, chosen with a bias among the best groups, route_sigmoid)
     expert_mlps     token-slot pairs sorted by expert (a fixed N*k rows), each expert's rows one group:
                     gate/up = grouped_mm(x, W_gu[e]) ; y = grouped_mm(silu(gate) * up, W_d[e])
                     out[token] = sum over its k rows of weight * y (rows put back in token order)
@@ -81,12 +82,33 @@ def expert_loop_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 def experts_as_tensors(mlp: nn.Module) -> bool:
     """Whether a layer's mixture is laid out as these functions take it (transformers 5's
-    Qwen3-MoE): a router `gate` with top_k and norm_topk_prob, experts as 3D gate_up_proj and
-    down_proj tensors, no shared expert."""
+    Qwen3-MoE and GLM-4.5): a router `gate` with top_k and norm_topk_prob, experts as 3D
+    gate_up_proj and down_proj tensors; GLM's sigmoid router with its score correction bias and
+    groups, and its shared experts, a gated MLP. Qwen2-MoE's gated `shared_expert` is not taken."""
     experts, gate = mlp.experts, getattr(mlp, "gate", None)
     tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    shared = getattr(mlp, "shared_experts", None)
     return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
-            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob")))
+            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob"))
+            and (shared is None or all(isinstance(getattr(shared, n, None), nn.Linear)
+                                       for n in ("gate_proj", "up_proj", "down_proj"))))
+
+
+def routing_of(mlp: nn.Module) -> dict:
+    """The router's options as `moe_mlp` takes them: softmax over the experts (Qwen3-MoE), or
+    sigmoid scores chosen with a correction bias within the best groups (GLM-4.5,
+    `e_score_correction_bias`), the chosen weights then scaled."""
+    gate = mlp.gate
+    options = {"top_k": int(gate.top_k), "renormalise": bool(gate.norm_topk_prob)}
+    if hasattr(gate, "e_score_correction_bias"):
+        options.update(scoring="sigmoid", groups=int(gate.num_group), top_groups=int(gate.topk_group),
+                       scale=float(gate.routed_scaling_factor))
+    return options
+
+
+def router_bias(mlp: nn.Module) -> Tensor | None:
+    """The bias a sigmoid router adds to its scores to choose experts (never to weigh them)."""
+    return getattr(mlp.gate, "e_score_correction_bias", None)
 
 
 def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
@@ -97,6 +119,25 @@ def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool) -> tuple[T
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(h.dtype), experts
+
+
+def route_sigmoid(h: Tensor, router_w: Tensor, bias: Tensor, *, top_k: int, renormalise: bool, groups: int,
+                  top_groups: int, scale: float) -> tuple[Tensor, Tensor]:
+    """GLM-4.5's (and DeepSeek-V3's) router, in float32 as the model computes it: sigmoid scores; the
+    experts chosen by score + bias among the `top_groups` groups whose two best biased scores sum
+    highest; weighed by their unbiased scores (renormalised if asked), times `scale`."""
+    scores = F.linear(h.float(), router_w.float()).sigmoid()  # [N, E]
+    choice = scores + bias
+    if top_groups < groups:
+        N, E = choice.shape
+        best = choice.view(N, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, groups]
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(top_groups, dim=-1)[1], True)
+        choice = choice.masked_fill(~kept.repeat_interleave(E // groups, dim=1), float("-inf"))
+    experts = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 # Up to this many pair x expert entries (decoding: 256 slots x 8 of 128 experts = 262K), the
@@ -175,11 +216,18 @@ def expert_mlps_gpt_oss(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Te
     return weighted_sum_by_token(y, g.inverse, weights)
 
 
-def moe_mlp(h: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor, *, top_k: int, renormalise: bool) -> Tensor:
-    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE)."""
+def moe_mlp(h: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor, bias: Tensor | None = None, *, top_k: int,
+            renormalise: bool, scoring: str = "softmax", groups: int = 1, top_groups: int = 1,
+            scale: float = 1.0) -> Tensor:
+    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE; GLM-4.5's routed experts with
+    `scoring` sigmoid and the router's `bias`, options from `routing_of`)."""
     flat = h.reshape(-1, h.shape[-1])
-    weights, experts = route(flat, router_w, top_k, renormalise)
-    return expert_mlps(flat, weights, experts, gate_up, down).view_as(h)
+    if scoring == "sigmoid":
+        weights, experts = route_sigmoid(flat, router_w, bias, top_k=top_k, renormalise=renormalise, groups=groups,
+                                         top_groups=top_groups, scale=scale)
+    else:
+        weights, experts = route(flat, router_w, top_k, renormalise)
+    return expert_mlps(flat, weights, experts, gate_up, down).to(h.dtype).view_as(h)
 
 
 def moe_mlp_gpt_oss(h: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, gate_up_b: Tensor, down: Tensor,

@@ -34,9 +34,9 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3 decoders: pre-norm RMSNorm blocks,
-GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated experts
-(target/moe.py: one grouped GEMM for all experts), static RoPE (over part of a head too); Phi-3's fused
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5 and Phi-3 decoders: pre-norm RMSNorm
+blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated
+experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and shared experts), static RoPE (over part of a head too); Phi-3's fused
 q/k/v and gate/up projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
 (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
 Sliding-window layers (Mistral's window, Qwen2/3's `use_sliding_window`, Gemma's and gpt-oss's
@@ -59,7 +59,7 @@ from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.language_model import attention_projections, layer_windows, mlp_projections, rope_types
-from dflash_train.target.moe import experts_as_tensors, moe_mlp
+from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
     experts_as_gpt_oss_stores_them,
@@ -79,7 +79,8 @@ from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "gemma2", "gemma3_text",
+                         "gpt_oss")
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -179,12 +180,19 @@ def post_attention(
 
 
 def post_attention_moe(
-    x: Tensor, attn_out: Tensor, o_p: Projection, ln2_w: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor,
-    *, eps: float, top_k: int, renormalise: bool,
+    x: Tensor, attn_out: Tensor, o_p: Projection, ln2_w: Tensor, router_w: Tensor, router_b: Tensor | None,
+    gate_up: Tensor, down: Tensor, shared_gate: Projection | None, shared_up: Projection | None,
+    shared_down: Projection | None, *, eps: float, **routing,
 ) -> Tensor:  # fmt: skip
-    """`post_attention` with a mixture of experts in place of the gated MLP (target/moe.py)."""
+    """`post_attention` with a mixture of experts in place of the gated MLP (target/moe.py; `routing`
+    from `routing_of`), plus GLM-4.5's shared experts, a gated MLP on the same input."""
     x = x + project(attn_out, (o_p,))[0]
-    return x + moe_mlp(rms_norm(x, ln2_w, eps), router_w, gate_up, down, top_k=top_k, renormalise=renormalise)
+    h = rms_norm(x, ln2_w, eps)
+    out = moe_mlp(h, router_w, gate_up, down, router_b, **routing)
+    if shared_gate is not None:
+        gate, up = project(h, (shared_gate, shared_up))
+        out = out + project(F.silu(gate) * up, (shared_down,))[0]
+    return x + out
 
 
 def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
@@ -204,11 +212,14 @@ class _LayerWeights:
                     q_norm.weight if q_norm is not None else None,
                     k_norm.weight if k_norm is not None else None)
         experts = getattr(mlp, "experts", None)
-        self.moe = experts is not None  # Qwen3-MoE: router + experts as 3D tensors; else a gated MLP
+        self.moe = experts is not None  # Qwen3-MoE, GLM-4.5: router + experts as 3D tensors; else a gated MLP
         if self.moe:
+            shared = getattr(mlp, "shared_experts", None)
+            shared_p = (*(_projection(*p) for p in mlp_projections(shared)), _projection(shared.down_proj)) \
+                if shared is not None else (None, None, None)
             self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, mlp.gate.weight,
-                         experts.gate_up_proj, experts.down_proj)
-            self.moe_kwargs = {"top_k": int(mlp.gate.top_k), "renormalise": bool(mlp.gate.norm_topk_prob)}
+                         router_bias(mlp), experts.gate_up_proj, experts.down_proj, *shared_p)
+            self.moe_kwargs = routing_of(mlp)
         else:
             self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight,
                          *(_projection(*p) for p in mlp_projections(mlp)), _projection(mlp.down_proj))
@@ -221,7 +232,8 @@ class _LayerWeights:
         self.post_fn = "post_attention_moe" if self.moe else "post_attention"
         self.post_kwargs = {"eps": self.ln2_eps, **self.moe_kwargs}
         self.layer_type, self.window = None, None  # one RoPE table; the window set by _layer_weights
-        kinds = {len(p) for p in (*self.pre[1:4], self.post[0], *(() if self.moe else self.post[2:]))}
+        projections = (*self.pre[1:4], self.post[0], *(self.post[-3:] if self.moe else self.post[2:]))
+        kinds = {len(p) for p in projections if p is not None}
         if len(kinds) != 1:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 

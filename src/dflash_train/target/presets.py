@@ -47,6 +47,16 @@ PRESETS: dict[str, dict] = {
                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                           vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                           tie_word_embeddings=False),
+    # GLM-4.5-Air: a dense layer, then 45 MoE layers (128 experts, 8 routed per token, a shared one, a
+    # sigmoid router with a score correction bias); biased q/k/v, RoPE over half of each head (212 GB
+    # in bf16: a group of ranks)
+    "glm4.5-air": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                       num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                       n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+                       n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, attention_bias=True,
+                       use_qk_norm=False, vocab_size=151552, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+                       tie_word_embeddings=False),
     # gpt-oss-20b: 24 MoE layers (32 experts, 4 per token), sliding window 128 on every other layer,
     # attention sinks, YaRN RoPE
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

@@ -12,7 +12,8 @@ Hugging Face path takes (dense, MoE, sliding windows, recurrent layers); the pac
 which reads the weights itself, gathers each layer's explicitly (target/gathered.py).
 
 Loading never holds the whole model in one place: the model is built with its parameters on
-the meta device (buffers such as RoPE tables are real: they are computed, not loaded), sharded,
+the meta device (buffers such as RoPE tables are real: they are computed; a buffer the checkpoint
+holds, as GLM-4.5's router bias, is then read from it), sharded,
 given empty local shards, and each rank reads from the safetensors files only the rows of its
 shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...)
 fill the stacked expert tensors transformers builds (`experts.gate_up_proj` [E, 2I, H],
@@ -200,6 +201,20 @@ def fill_random_shards(model: nn.Module, rank: int, size: int, dtype: torch.dtyp
         _fill_local(model, name, local, whole[start:stop], dtype)
 
 
+@torch.no_grad()
+def load_saved_buffers(model: nn.Module, directory: Path) -> None:
+    """Buffers the checkpoint holds (GLM-4.5's router score correction bias), read whole: the model
+    built on the meta device computed its buffers, and a saved one is not computed (FSDP2 shards
+    parameters only, so every rank holds each buffer whole)."""
+    reader = ShardReader(directory)
+    try:
+        for name, buffer in model.named_buffers():
+            if name in reader.where:
+                buffer.copy_(reader.rows(name, 0, None))
+    finally:
+        reader.close()
+
+
 def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, group,
                         trust_remote_code: bool = False, attn_implementation: str = "auto",
                         attn_option: str = "target.attn_implementation", fp8: bool = False) -> nn.Module:
@@ -232,6 +247,7 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
         fill_random_shards(model, rank, size, dtype)
     else:
         load_shards(model, source.directory, rank, size, dtype)
+        load_saved_buffers(model, source.directory)
     model.eval()
     model.requires_grad_(False)
     return model
