@@ -52,6 +52,13 @@ def _qwen3(vocab):
     return Qwen3Config(**_COMMON, vocab_size=vocab, head_dim=16)
 
 
+def _mixtral(vocab):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_COMMON, vocab_size=vocab, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                         sliding_window=WINDOW)
+
+
 def _qwen3_moe(vocab):
     from transformers import Qwen3MoeConfig
 
@@ -165,6 +172,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", _qwen2, "chatml"),
     Family("qwen3", _qwen3, "qwen3"),
     Family("qwen3_moe", _qwen3_moe, "qwen3"),
+    Family("mixtral", _mixtral, "mistral", windowed=True),
     Family("qwen3_next", _qwen3_next, "qwen3", recurrent=True),
     Family("qwen3_5", _qwen3_5, "qwen3_5", recurrent=True),
     Family("gemma2", _gemma2, "gemma", windowed=True),

@@ -1,7 +1,7 @@
 """The static-KV decoder on the families whose layers differ from a Llama block: Gemma 2 (soft-capped
 scores and logits), Gemma 3 (per-layer-type RoPE, q/k norms; also inside its multimodal wrapper),
-gpt-oss (attention sinks, biased experts, YaRN), Mistral with a sliding window and Phi-3 (fused
-q/k/v and gate/up projections) with one; every one of them with sliding-window layers, filled past
+gpt-oss (attention sinks, biased experts, YaRN), Mistral with a sliding window, Mixtral (experts
+with float32 router weights) and Phi-3 (fused q/k/v and gate/up projections) with one; every one of them with sliding-window layers, filled past
 the window by the prompts alone. GLM-4.5's MoE layout (sigmoid router with a score correction and
 groups, shared experts, RoPE over half a head) is checked against the same references.
 
@@ -29,7 +29,7 @@ from tests.families import FAMILIES, WINDOW, build_model
 from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
-NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window"]
+NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
 EXACT = [*NAMES, "glm4_moe"]  # and GLM-4.5's MoE layout (no window): a sigmoid router, shared experts
 LAYERS = [0, 2]
 

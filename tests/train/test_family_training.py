@@ -100,9 +100,9 @@ def test_packed_forward_on_a_family_it_does_not_take_is_one_line_before_it_loads
     assert main(cli_args(demo_overrides(target, data, tmp_path / "run", **{"target.forward": "packed"}))) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train train: error")]
     assert len(err) == 1 and err[0].startswith(
-        "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, qwen2, "
-        "qwen3, qwen3_moe, glm4_moe, phi3, gemma2, gemma3_text, gpt_oss decoders, not 'gemma3'; use target.forward: "
-        "hf for this model"), err
+        "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, "
+        "mixtral, qwen2, qwen3, qwen3_moe, glm4_moe, phi3, gemma2, gemma3_text, gpt_oss decoders, not 'gemma3'; use "
+        "target.forward: hf for this model"), err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -6,7 +6,7 @@ tensor arguments: a torch.compile'd version is traced once per layer kind and se
 `LayerWeights` groups one layer's weights (references, no copies) as those arguments, with the
 options that say which family's op sequence runs:
 
-    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE and GLM-4.5 (target/moe.py;
+    llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE, Mixtral and GLM-4.5 (target/moe.py;
              GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks)
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts

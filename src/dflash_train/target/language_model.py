@@ -79,12 +79,12 @@ def rope_types(config: Any) -> set[str]:
 
 
 # families whose `sliding_window`, when set, applies to every layer (their configs have no layer_types)
-_WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 
 
 def layer_windows(cfg) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers' masks apply them:
-    by `layer_types` where the config has them, else (Mistral, Phi-3) on every layer when set."""
+    by `layer_types` where the config has them, else (Mistral, Mixtral, Phi-3) on every layer when set."""
     n, window = int(cfg.num_hidden_layers), getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if not window:

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLPs for the packed target forward and the decoding engines (Qwen3-MoE,
-GLM-4.5, gpt-oss): route each token to its top-k experts, run every expert on its tokens as one
+Mixtral, GLM-4.5, gpt-oss): route each token to its top-k experts, run every expert on its tokens as one
 grouped matrix multiply, add the results back weighted by the router.
 
     route           h [N, H] -> weights [N, k], experts [N, k]   (softmax over E, top-k, renormalised;
@@ -82,14 +82,14 @@ def expert_loop_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 def experts_as_tensors(mlp: nn.Module) -> bool:
     """Whether a layer's mixture is laid out as these functions take it (transformers 5's
-    Qwen3-MoE and GLM-4.5): a router `gate` with top_k and norm_topk_prob, experts as 3D
-    gate_up_proj and down_proj tensors; GLM's sigmoid router with its score correction bias and
-    groups, and its shared experts, a gated MLP. Qwen2-MoE's gated `shared_expert` is not taken."""
+    Qwen3-MoE, Mixtral and GLM-4.5): a router `gate` with top_k, experts as 3D gate_up_proj and
+    down_proj tensors; GLM's sigmoid router with its score correction bias and groups, and its
+    shared experts, a gated MLP. Qwen2-MoE's gated `shared_expert` is not taken."""
     experts, gate = mlp.experts, getattr(mlp, "gate", None)
     tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
     shared = getattr(mlp, "shared_experts", None)
     return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
-            and all(hasattr(gate, a) for a in ("weight", "top_k", "norm_topk_prob"))
+            and all(hasattr(gate, a) for a in ("weight", "top_k"))
             and (shared is None or all(isinstance(getattr(shared, n, None), nn.Linear)
                                        for n in ("gate_proj", "up_proj", "down_proj"))))
 
@@ -99,6 +99,8 @@ def routing_of(mlp: nn.Module) -> dict:
     sigmoid scores chosen with a correction bias within the best groups (GLM-4.5,
     `e_score_correction_bias`), the chosen weights then scaled."""
     gate = mlp.gate
+    if not hasattr(gate, "norm_topk_prob"):  # Mixtral's router: always renormalised, the weights kept in float32
+        return {"top_k": int(gate.top_k), "renormalise": True, "float32_weights": True}
     options = {"top_k": int(gate.top_k), "renormalise": bool(gate.norm_topk_prob)}
     if hasattr(gate, "e_score_correction_bias"):
         options.update(scoring="sigmoid", groups=int(gate.num_group), top_groups=int(gate.topk_group),
@@ -111,14 +113,16 @@ def router_bias(mlp: nn.Module) -> Tensor | None:
     return getattr(mlp.gate, "e_score_correction_bias", None)
 
 
-def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
-    """h [N, H] -> (weights [N, k] in h's dtype, expert ids [N, k]), as the model's router: a
-    softmax in float32 over all experts, the k largest, renormalised to sum to 1 if asked."""
+def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool,
+          float32_weights: bool = False) -> tuple[Tensor, Tensor]:
+    """h [N, H] -> (weights [N, k] in h's dtype, or float32 as Mixtral keeps them; expert ids [N, k]),
+    as the model's router: a softmax in float32 over all experts, the k largest, renormalised to sum
+    to 1 if asked."""
     probs = torch.softmax(F.linear(h, router_w), dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(h.dtype), experts
+    return (weights if float32_weights else weights.to(h.dtype)), experts
 
 
 def route_sigmoid(h: Tensor, router_w: Tensor, bias: Tensor, *, top_k: int, renormalise: bool, groups: int,
@@ -218,15 +222,15 @@ def expert_mlps_gpt_oss(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Te
 
 def moe_mlp(h: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor, bias: Tensor | None = None, *, top_k: int,
             renormalise: bool, scoring: str = "softmax", groups: int = 1, top_groups: int = 1,
-            scale: float = 1.0) -> Tensor:
-    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE; GLM-4.5's routed experts with
-    `scoring` sigmoid and the router's `bias`, options from `routing_of`)."""
+            scale: float = 1.0, float32_weights: bool = False) -> Tensor:
+    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE, Mixtral; GLM-4.5's routed experts with
+    `scoring` sigmoid and the router's `bias`; options from `routing_of`)."""
     flat = h.reshape(-1, h.shape[-1])
     if scoring == "sigmoid":
         weights, experts = route_sigmoid(flat, router_w, bias, top_k=top_k, renormalise=renormalise, groups=groups,
                                          top_groups=top_groups, scale=scale)
     else:
-        weights, experts = route(flat, router_w, top_k, renormalise)
+        weights, experts = route(flat, router_w, top_k, renormalise, float32_weights)
     return expert_mlps(flat, weights, experts, gate_up, down).to(h.dtype).view_as(h)
 
 

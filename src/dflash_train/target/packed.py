@@ -34,14 +34,15 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5 and Phi-3 decoders: pre-norm RMSNorm
-blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of SiLU-gated
-experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and shared experts), static RoPE (over part of a head too); Phi-3's fused
-q/k/v and gate/up projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5 and Phi-3 decoders: pre-norm
+RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of
+SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
+shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
+projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
 (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
-Sliding-window layers (Mistral's window, Qwen2/3's `use_sliding_window`, Gemma's and gpt-oss's
-local layers) attend through FlexAttention under a windowed causal-within-document block mask.
-Anything else is refused (use `target.forward: hf`).
+Sliding-window layers (Mistral's and Mixtral's window, Qwen2/3's `use_sliding_window`, Gemma's
+and gpt-oss's local layers) attend through FlexAttention under a windowed causal-within-document
+block mask. Anything else is refused (use `target.forward: hf`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "gemma2", "gemma3_text",
-                         "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "gemma2",
+                         "gemma3_text", "gpt_oss")
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 

@@ -47,6 +47,11 @@ PRESETS: dict[str, dict] = {
                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                           vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                           tie_word_embeddings=False),
+    # Mixtral-8x7B: 32 MoE layers, 8 experts, 2 routed per token (93 GB in bf16: one H200 holds it)
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
+                         num_experts_per_tok=2, vocab_size=32000, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                         max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False),
     # GLM-4.5-Air: a dense layer, then 45 MoE layers (128 experts, 8 routed per token, a shared one, a
     # sigmoid router with a score correction bias); biased q/k/v, RoPE over half of each head (212 GB
     # in bf16: a group of ranks)
