@@ -52,13 +52,14 @@ def test_gpu_engine_equals_hf_greedy_with_stops_limits_and_refills(attention, co
 
 @needs_gpu
 @pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "mixtral", "phi3_window"])
 def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compile):
-    """Gemma 2 (capped scores and logits), Gemma 3 and gpt-oss (sinks, experts) on the CUDA path:
+    """Gemma 2 (capped scores and logits), Gemma 3, gpt-oss (sinks, experts), Mixtral (experts) and
+    Phi-3 (fused projections, RoPE over half a head) on the CUDA path:
     prompts past the window, so the sliding-window layers decode from their rings (dense: W + 2
     keys, flex: one 128-key block in a 256-key cache), with flex compiled; CUDA-graphed where the
-    decoder can be captured (gpt-oss's experts in float32 go through PyTorch's host-side grouped
-    GEMM fallback: eager, the test below graphs them in bfloat16)."""
+    decoder can be captured (experts in float32 go through PyTorch's host-side grouped GEMM
+    fallback: eager, the test below graphs them in bfloat16)."""
     model = build_model(name, 300).cuda()
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(5)
@@ -67,19 +68,21 @@ def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compi
     engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
                            attention=attention, compile=compile, cuda_graphs=True)
     assert engine.attention == attention and min(engine.decoder.cache_lens) < engine.decoder.max_len
-    assert engine.step.use_graphs == (name != "gpt_oss")
+    assert engine.step.use_graphs == (name not in ("gpt_oss", "mixtral"))
     results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
     assert [results[i].token_ids for i in range(len(prompts))] == expected
 
 
 @needs_gpu
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_gpu_engine_graphs_the_experts_in_bfloat16_as_eager_runs_them(attention):
-    """gpt-oss in bfloat16 on a Hopper GPU: the experts' grouped GEMM keeps its offsets on the
-    device, so the decode step is captured, and its replays give the eager step's tokens."""
+@pytest.mark.parametrize("name", ["gpt_oss", "glm4_moe", "mixtral"])
+def test_gpu_engine_graphs_the_experts_in_bfloat16_as_eager_runs_them(name, attention):
+    """gpt-oss, GLM-4.5 (a sigmoid router choosing within groups) and Mixtral in bfloat16 on a
+    Hopper GPU: the experts' grouped GEMM keeps its offsets on the device, so the decode step is
+    captured, and its replays give the eager step's tokens."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PyTorch's bfloat16 grouped GEMM kernel needs a Hopper or newer GPU")
-    model = build_model("gpt_oss", 300).cuda().to(torch.bfloat16)
+    model = build_model(name, 300).cuda().to(torch.bfloat16)
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (150, 9, 170, 131)]
