@@ -27,6 +27,7 @@ from dflash_train.generate.attention import write_cache
 from dflash_train.target.language_model import attention_projections, mlp_projections
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
+from dflash_train.target.packed import projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
@@ -137,7 +138,7 @@ class LayerWeights:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.pre: tuple[Tensor | None, ...] = (
             layer.input_layernorm.weight,
-            *(t for linear, rows in attention_projections(attn) for t in linear_rows(linear, rows)),  # q, k, v
+            *(t for linear, rows in attention_projections(attn) for t in projection_of(linear, rows)),  # q, k, v
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
         )  # fmt: skip
@@ -164,12 +165,6 @@ def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | Non
             else (None, None, None)
         return (*head, mlp.gate.weight, router_bias(mlp), experts.gate_up_proj, experts.down_proj, *shared_w), \
             {"eps": eps, **routing_of(mlp)}
-    gate_up = (t for linear, rows in mlp_projections(mlp) for t in linear_rows(linear, rows))
+    gate_up = (t for linear, rows in mlp_projections(mlp) for t in projection_of(linear, rows))
     return (*head, *gate_up, mlp.down_proj.weight, mlp.down_proj.bias), {"eps": eps}
 
-
-def linear_rows(linear: nn.Module, rows: slice | None) -> tuple[Tensor, Tensor | None]:
-    """(weight, bias) of a linear, or of a block of its output rows (a fused projection's: views)."""
-    if rows is None:
-        return linear.weight, linear.bias
-    return linear.weight[rows], linear.bias[rows] if linear.bias is not None else None

@@ -131,7 +131,7 @@ def check_packed_support(model: nn.Module) -> None:
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
 
 
-def _projection(module: nn.Module, rows: slice | None = None) -> Projection:
+def projection_of(module: nn.Module, rows: slice | None = None) -> Projection:
     """A linear's weights as `project` takes them; `rows`: a block of its outputs (of a fused
     projection: Phi-3's qkv_proj, gate_up_proj), as views."""
     fp8 = isinstance(module, FP8Linear)
@@ -209,21 +209,21 @@ class _LayerWeights:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.pre = (layer.input_layernorm.weight, *(_projection(*p) for p in attention_projections(attn)),
+        self.pre = (layer.input_layernorm.weight, *(projection_of(*p) for p in attention_projections(attn)),
                     q_norm.weight if q_norm is not None else None,
                     k_norm.weight if k_norm is not None else None)
         experts = getattr(mlp, "experts", None)
         self.moe = experts is not None  # Qwen3-MoE, GLM-4.5: router + experts as 3D tensors; else a gated MLP
         if self.moe:
             shared = getattr(mlp, "shared_experts", None)
-            shared_p = (*(_projection(*p) for p in mlp_projections(shared)), _projection(shared.down_proj)) \
+            shared_p = (*(projection_of(*p) for p in mlp_projections(shared)), projection_of(shared.down_proj)) \
                 if shared is not None else (None, None, None)
-            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight, mlp.gate.weight,
+            self.post = (projection_of(attn.o_proj), layer.post_attention_layernorm.weight, mlp.gate.weight,
                          router_bias(mlp), experts.gate_up_proj, experts.down_proj, *shared_p)
             self.moe_kwargs = routing_of(mlp)
         else:
-            self.post = (_projection(attn.o_proj), layer.post_attention_layernorm.weight,
-                         *(_projection(*p) for p in mlp_projections(mlp)), _projection(mlp.down_proj))
+            self.post = (projection_of(attn.o_proj), layer.post_attention_layernorm.weight,
+                         *(projection_of(*p) for p in mlp_projections(mlp)), projection_of(mlp.down_proj))
             self.moe_kwargs = {}
         self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
