@@ -129,14 +129,16 @@ def test_training_with_a_sharded_target_equals_the_whole_target(setup):
     assert losses(root / "split-g2-packed") == losses(root / "single-packed")
 
 
-def test_a_killed_shard_rank_is_named_and_the_run_resumes(setup):
+@pytest.mark.parametrize("forward", ["hf", "packed"])
+def test_a_killed_shard_rank_is_named_and_the_run_resumes(setup, forward):
     """Colocated x2 sharing one target, ranks started without torchrun: rank 1 SIGKILLed mid-run;
-    rank 0, blocked in the target's all-gather, names it and exits 3 well within 60 s; the run
-    then continues from its last checkpoint."""
+    rank 0, blocked in the target's all-gather (FSDP2's hooks, or the packed forward's own gathers),
+    names it and exits 3 well within 60 s; the run then continues from its last checkpoint."""
     root, cfg = setup
-    out = root / "killed"
+    out = root / f"killed-{forward}"
     procs = _direct(cfg, out, 2, "--pipeline.layout", "colocated", *GROUP2, "--run.max_steps", "100000",
-                    "--run.log_every", "1", "--pipeline.heartbeat_s", "0.5", "--pipeline.dead_rank_timeout_s", "4")
+                    "--run.log_every", "1", "--pipeline.heartbeat_s", "0.5", "--pipeline.dead_rank_timeout_s", "4",
+                    "--target.forward", forward)
     _wait_for_checkpoint(out)
     os.kill(procs[1].pid, signal.SIGKILL)
     killed = time.time()
@@ -145,6 +147,6 @@ def test_a_killed_shard_rank_is_named_and_the_run_resumes(setup):
     assert "rank 1 sent no heartbeat for 4s" in output, output[-3000:]
     assert time.time() - killed < 60
     step = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
-    resumed = run(cfg, out, 2, *GROUP2, "--run.max_steps", str(step + 2), "--resume")
+    resumed = run(cfg, out, 2, *GROUP2, "--run.max_steps", str(step + 2), "--resume", "--target.forward", forward)
     assert "resumed from" in resumed and f"(step {step}," in resumed
     assert max(losses(out)) == step + 2
