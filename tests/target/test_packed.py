@@ -13,6 +13,7 @@ from dflash_train.data.batch import pack_documents
 import dflash_train.target.packed as packed_module
 from dflash_train.target.config import TargetConfig
 from dflash_train.target.fp8 import convert_decoder_linears
+from dflash_train.target.language_model import text_config
 from dflash_train.target.packed import (
     PackedForward,
     UnsupportedTarget,
@@ -46,17 +47,22 @@ def _fresh(kind):
         cfg.num_hidden_layers, cfg.mlp_only_layers, cfg.initializer_range = 6, [2], 0.05
         torch.manual_seed(5)
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    if kind in ("gemma3_text", "gemma2"):  # windows of 8 (documents run to 40 tokens); Gemma 2's capped scores
-        from transformers import AutoModelForCausalLM
+    if kind in ("gemma3_text", "gemma2", "gemma3"):  # windows of 8 (documents run to 40 tokens); Gemma 2's
+        from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration  # capped scores; Gemma 3's
+                                                                                       # multimodal checkpoint
+        from tests.families import _gemma2, _gemma3, _gemma3_text
 
-        from tests.families import _gemma2, _gemma3_text
-
-        cfg = (_gemma3_text if kind == "gemma3_text" else _gemma2)(300)
+        whole = _gemma3(300) if kind == "gemma3" else None
+        cfg = whole.text_config if whole is not None else (_gemma3_text if kind == "gemma3_text" else _gemma2)(300)
         cfg.num_hidden_layers, cfg.layer_types = 6, ["sliding_attention", "sliding_attention", "full_attention"] * 2
         if kind == "gemma2":
             cfg.attn_logit_softcapping = 2.0  # small enough that uncapped scores would differ
         torch.manual_seed(6)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        if whole is not None:
+            whole._attn_implementation = "eager"
+            model = Gemma3ForConditionalGeneration(whole).eval()
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
         with torch.no_grad():  # Gemma's norms start at 0 (scale 1): perturb them too
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -146,8 +152,8 @@ def _run(model, batch, need_final, **kw):
         runner.close()
 
 
-@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gpt_oss",
-                                  "mistral_window", "qwen2_window", "phi3_window"])
+@pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gemma3",
+                                  "gpt_oss", "mistral_window", "qwen2_window", "phi3_window"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -157,7 +163,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     compiling on a CPU costs tens of seconds; the GPU tests compile it)."""
     monkeypatch.setattr(packed_module, "compiled_once", lambda fn, **options: fn)
     model = _target(kind)
-    batch = _packed(*BATCHES[layout], vocab=model.config.vocab_size)
+    batch = _packed(*BATCHES[layout], vocab=text_config(model.config).vocab_size)
     assert rows_hold_one_document(batch.document_ids, batch.position_ids) == (layout == "one-document-rows")
     ref = _run(model, batch, need_final)
     got = _run(model, batch, need_final, forward="packed", document_attention=documents)
@@ -169,7 +175,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
     wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral")
-    if kind in ("qwen3_moe", "gemma2", "gemma3_text", *wide):
+    if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gemma3", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)
     assert (got.taps[batch.document_ids < 0] == 0).all()

@@ -38,8 +38,8 @@ Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5 and Phi-3 d
 RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
-projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks
-(target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
+projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks, also
+inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
 Sliding-window layers (Mistral's and Mixtral's window, Qwen2/3's `use_sliding_window`, Gemma's
 and gpt-oss's local layers) attend through FlexAttention under a windowed causal-within-document
 block mask. Anything else is refused (use `target.forward: hf`).
@@ -59,7 +59,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
 from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
-from dflash_train.target.language_model import attention_projections, layer_windows, mlp_projections, rope_types
+from dflash_train.target.language_model import (attention_projections, language_model, layer_windows, mlp_projections,
+                                                 rope_types, text_config)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -97,7 +98,9 @@ _HINT = "; use target.forward: hf for this model"
 
 def check_packed_config(cfg) -> None:
     """Raise UnsupportedTarget unless a model of this Hugging Face config is one `PackedForward`
-    reproduces, judged from the config alone (before the model loads)."""
+    reproduces, judged from the config alone (before the model loads); a multimodal checkpoint
+    (Gemma 3) by its text decoder's config: text is all the drafter's data holds."""
+    cfg = text_config(cfg)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
@@ -119,13 +122,13 @@ def check_packed_config(cfg) -> None:
 def check_packed_support(model: nn.Module) -> None:
     """Raise UnsupportedTarget unless `PackedForward` computes exactly the model's own forward."""
     check_packed_config(model.config)
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    cfg, inner = text_config(model.config), language_model(model)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
-    scaled = model.config.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
+    scaled = cfg.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
     if unsharded_type(inner.embed_tokens) is not nn.Embedding and not scaled:  # a kind not reproduced
         raise UnsupportedTarget(f"embedding {unsharded_type(inner.embed_tokens).__name__} is not supported{_HINT}")
-    laid_out = experts_as_gpt_oss_stores_them if model.config.model_type == "gpt_oss" else experts_as_tensors
+    laid_out = experts_as_gpt_oss_stores_them if cfg.model_type == "gpt_oss" else experts_as_tensors
     if not all(laid_out(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
@@ -255,7 +258,7 @@ class PackedForward:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False):
         check_packed_support(model)
-        cfg, inner = model.config, model.model
+        cfg, inner = text_config(model.config), language_model(model)  # a multimodal wrapper: its text stack
         self.gemma = cfg.model_type in _GEMMA_MODEL_TYPES
         # a target sharded with FSDP2 (target/sharded.py): each module's weights are gathered while
         # they are read (target/gathered.py); the references below are then its shards, for shapes
