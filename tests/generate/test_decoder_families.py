@@ -3,7 +3,8 @@ scores and logits), Gemma 3 (per-layer-type RoPE, q/k norms; also inside its mul
 gpt-oss (attention sinks, biased experts, YaRN), Mistral with a sliding window, Mixtral (experts
 with float32 router weights) and Phi-3 (fused q/k/v and gate/up projections) with one; every one of them with sliding-window layers, filled past
 the window by the prompts alone. GLM-4.5's MoE layout (sigmoid router with a score correction and
-groups, shared experts, RoPE over half a head) is checked against the same references.
+groups, shared experts, RoPE over half a head) and OLMo 2's (norms after attention and the MLP, q/k
+normed over their projection) are checked against the same references.
 
 Each check is against transformers' own eager forward of the same random fp32 model: prefill
 logits and taps, verify rounds that roll back part of a block (stale cache entries past the
@@ -30,7 +31,7 @@ from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
 NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
-EXACT = [*NAMES, "glm4_moe"]  # and GLM-4.5's MoE layout (no window): a sigmoid router, shared experts
+EXACT = [*NAMES, "glm4_moe", "olmo2"]  # and, without windows, GLM-4.5's MoE layout and OLMo 2's post-norms
 LAYERS = [0, 2]
 
 

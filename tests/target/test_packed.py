@@ -85,6 +85,14 @@ def _fresh(kind):
         return _windowed(kind)
     if kind == "glm4_moe":
         return _glm4_moe()
+    if kind == "olmo2":  # norms after attention and the MLP; six layers
+        from transformers import AutoModelForCausalLM
+
+        from tests.families import _olmo2, perturbed
+
+        cfg = _olmo2(300)
+        cfg.num_hidden_layers = 6
+        return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=11).eval()
     if kind == "mixtral":  # 8 experts, 2 a token, windows of 8; six layers
         from transformers import AutoModelForCausalLM
 
@@ -153,7 +161,7 @@ def _run(model, batch, need_final, **kw):
 
 
 @pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gemma3",
-                                  "gpt_oss", "mistral_window", "qwen2_window", "phi3_window"])
+                                  "gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "olmo2"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -174,7 +182,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     tol = dict(atol=1e-6, rtol=1e-5)
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
-    wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral")
+    wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral", "olmo2")
     if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gemma3", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)

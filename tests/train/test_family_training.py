@@ -97,14 +97,14 @@ def test_gemma2_heads_carry_the_logit_cap_whole_or_split(family_runs, tmp_path):
 def test_packed_forward_on_a_family_it_does_not_take_is_one_line_before_it_loads(family_runs, tmp_path, capsys,
                                                                                   refuse_models):
     _, data = family_runs["gemma2"]
-    target = tmp_path / "olmo2"
-    save_tiny_family("olmo2", target)  # post-norm layers: the Hugging Face forward only
+    target = tmp_path / "deepseek_v3"
+    save_tiny_family("deepseek_v3", target)  # latent attention: the Hugging Face forward only
     assert main(cli_args(demo_overrides(target, data, tmp_path / "run", **{"target.forward": "packed"}))) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train train: error")]
     assert len(err) == 1 and err[0].startswith(
         "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, "
-        "mixtral, qwen2, qwen3, qwen3_moe, glm4_moe, phi3, gemma2, gemma3_text, gpt_oss decoders, not 'olmo2'; use "
-        "target.forward: hf for this model"), err
+        "mixtral, qwen2, qwen3, qwen3_moe, glm4_moe, phi3, olmo2, gemma2, gemma3_text, gpt_oss decoders, not "
+        "'deepseek_v3'; use target.forward: hf for this model"), err
 
 
 @pytest.mark.parametrize("extra, message", [

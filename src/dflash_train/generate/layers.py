@@ -11,6 +11,8 @@ options that say which family's op sequence runs:
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
+    olmo2    norms after attention and the MLP (scaled in float32), q/k normed over their whole
+             projection (target/packed_olmo2.py)
 
 What differs around the layers (Gemma's scaled embedding, per-layer-type RoPE tables and
 sliding windows, soft-capped scores and logits, gpt-oss's attention sinks) is the decoder's.
@@ -31,8 +33,9 @@ from dflash_train.target.packed import projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
+from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_attention_olmo2
 
-LayerKind = Literal["llama", "gemma", "gpt_oss"]
+LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2"]
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text",)  # a rotary table per layer type (local layers have their own base)
 
@@ -40,14 +43,14 @@ ROPE_PER_LAYER_TYPE = ("gemma3_text",)  # a rotary table per layer type (local l
 def layer_kind(model_type: str) -> LayerKind:
     if model_type in GEMMA_MODEL_TYPES:
         return "gemma"
-    return "gpt_oss" if model_type == "gpt_oss" else "llama"
+    return model_type if model_type in ("gpt_oss", "olmo2") else "llama"
 
 
 def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
     """The family's RMSNorm, as transformers computes it."""
     if kind == "gemma":
         return gemma_rms_norm(x, w, eps)
-    return rms_norm(x, w, eps, scale_in_float32=kind == "gpt_oss")
+    return rms_norm(x, w, eps, scale_in_float32=kind in ("gpt_oss", "olmo2"))
 
 
 def pre_attention(
@@ -59,6 +62,9 @@ def pre_attention(
     """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated.
 
     `cos`/`sin` must broadcast against [..., heads, D] (a heads axis of size 1)."""
+    if kind == "olmo2":  # no norm before attention; q and k normed over their projection
+        return olmo2_qkv(x, cos, sin, wq, bq, wk, bk, wv, bv, qn_w, kn_w, eps=qk_eps, n_heads=n_heads, n_kv=n_kv,
+                         head_dim=head_dim)
     h = norm(x, ln1_w, eps, kind)
     lead = h.shape[:-1]
     q = F.linear(h, wq, bq).view(*lead, n_heads, head_dim)
@@ -97,6 +103,8 @@ def post_attention(
         return post_attention_gemma(x, attn_out, *weights, eps=eps)
     if kind == "gpt_oss":
         return post_attention_gpt_oss(x, attn_out, *weights, eps=eps, top_k=top_k, alpha=alpha, limit=limit)
+    if kind == "olmo2":
+        return post_attention_olmo2(x, attn_out, *weights, eps=eps)
     wo, bo, ln2_w, *mlp = weights
     x = x + F.linear(attn_out, wo, bo)
     h = rms_norm(x, ln2_w, eps)
@@ -136,24 +144,26 @@ class LayerWeights:
     def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        ln1 = getattr(layer, "input_layernorm", None)  # (OLMo 2 has none: it norms after attention)
         self.pre: tuple[Tensor | None, ...] = (
-            layer.input_layernorm.weight,
+            ln1.weight if ln1 is not None else None,
             *(t for linear, rows in attention_projections(attn) for t in projection_of(linear, rows)),  # q, k, v
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
         )  # fmt: skip
         self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
         self.rope = rope
-        self.ln1_eps = eps_of(layer.input_layernorm)
+        self.ln1_eps = eps_of(ln1) if ln1 is not None else 0.0
         self.qk_eps = eps_of(q_norm) if q_norm is not None else 0.0
         self.post, self.post_kw = _post_weights(layer, kind)
 
 
 def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:
-    """The layer's `post_attention` arguments and options: Gemma's and gpt-oss's as the packed forward
-    groups them (target/packed_gemma.py, target/packed_gpt_oss.py)."""
+    """The layer's `post_attention` arguments and options: Gemma's, gpt-oss's and OLMo 2's as the packed
+    forward groups them (target/packed_gemma.py, target/packed_gpt_oss.py, target/packed_olmo2.py)."""
     if kind != "llama":
-        packed = GemmaLayerWeights(layer, None, None) if kind == "gemma" else GptOssLayerWeights(layer, None)
+        packed = GemmaLayerWeights(layer, None, None) if kind == "gemma" else \
+            GptOssLayerWeights(layer, None) if kind == "gpt_oss" else Olmo2LayerWeights(layer)
         return tuple(packed.post), {**packed.post_kwargs, "kind": kind}
     attn, mlp = layer.self_attn, layer.mlp
     eps = eps_of(layer.post_attention_layernorm)

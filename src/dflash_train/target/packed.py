@@ -38,8 +38,10 @@ Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5 and Phi-3 d
 RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
-projections are read as row blocks (target/language_model.py); Gemma 2/3 text stacks, also
-inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py) and gpt-oss (target/packed_gpt_oss.py: sinks, biased experts).
+projections are read as row blocks (target/language_model.py). Gemma 2/3 text stacks, also
+inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py); OLMo 2 (target/packed_olmo2.py:
+norms after attention and the MLP, q/k normed over their projection); gpt-oss
+(target/packed_gpt_oss.py: sinks, biased experts).
 Sliding-window layers (Mistral's and Mixtral's window, Qwen2/3's `use_sliding_window`, Gemma's
 and gpt-oss's local layers) attend through FlexAttention under a windowed causal-within-document
 block mask. Anything else is refused (use `target.forward: hf`).
@@ -77,12 +79,13 @@ from dflash_train.target.packed_gemma import (
     pre_attention_gemma,
 )
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "gemma2",
-                         "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
+                         "gemma2", "gemma3_text", "gpt_oss")
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -242,8 +245,11 @@ class _LayerWeights:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def _layer_weights(layer: nn.Module, index: int, cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights:
+def _layer_weights(layer: nn.Module, index: int,
+                   cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
     window = layer_windows(cfg)[index]
+    if cfg.model_type == "olmo2":
+        return Olmo2LayerWeights(layer, window)
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
     if cfg.model_type in _GEMMA_MODEL_TYPES:
@@ -291,13 +297,17 @@ class PackedForward:
             compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
         self.post_attention_gpt_oss: Callable[..., Tensor] = \
             compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
+        self.pre_attention_olmo2: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
+            compiled_once(pre_attention_olmo2) if compile else pre_attention_olmo2
+        self.post_attention_olmo2: Callable[..., Tensor] = \
+            compiled_once(post_attention_olmo2) if compile else post_attention_olmo2
         # gpt-oss's sinks need FlexAttention's log-sum-exp, Gemma 2's soft-capped scores its
         # score_mod: every layer attends on the packed rows
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
         self.score_mod = soft_capped(float(cap)) if cap else None
         self.flex_every_layer = cfg.model_type == "gpt_oss" or self.score_mod is not None
         self.final_norm = gemma_rms_norm if self.gemma else \
-            functools.partial(rms_norm, scale_in_float32=cfg.model_type == "gpt_oss")
+            functools.partial(rms_norm, scale_in_float32=cfg.model_type in ("gpt_oss", "olmo2"))
 
     def layers_to_run(self, need_final: bool) -> int:
         """All layers with the final norm; otherwise up to the last tapped layer."""
