@@ -14,7 +14,7 @@
 #                            # --profile (the kernel table of 3 steps after the measured ones)
 #     PART=gemma_tuned ... # gemma3-27b: the same two (TUNED_RUNS="overlap" or "plain": one of them)
 #     PART=mixtral   ...   # mixtral-8x7b: bench on the Hugging Face forward, then auto (packed compiled),
-#                            # then profile_generate at 64 slots
+#                            # then profile_generate at 64 slots (PRESET=phi-4: the same for Phi-4)
 #     PART=fla       ...   # qwen3.5-27b on the Hugging Face forward: transformers' pure-PyTorch gated
 #                            # delta net, then with flash-linear-attention's kernels (carried wheels:
 #                            # .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
@@ -73,11 +73,11 @@ case "$PART" in
     stage bench_fla_kernels 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
       --out "$OUT/bench_qwen3_5_27b_fla.json" ;;
   mixtral)
-    PX=$([ "${DRY:-0}" = 1 ] && echo tiny || echo mixtral-8x7b)
-    stage bench_mixtral_hf 250 "${B[@]}" --preset $PX --target-forward hf --out "$OUT/bench_mixtral_8x7b_hf.json"
-    stage bench_mixtral 280 "${B[@]}" --preset $PX --out "$OUT/bench_mixtral_8x7b.json"
-    stage generate_mixtral 250 $PY bench/profile_generate.py preset:$PX --slots 64 --prompt-len 256 $GEN \
-      --out "$OUT/generate_mixtral_8x7b.json" ;;
+    PX=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-mixtral-8x7b}"); N=${PX//[.-]/_}
+    stage bench_${N}_hf 250 "${B[@]}" --preset $PX --target-forward hf --out "$OUT/bench_${N}_hf.json"
+    stage bench_${N} 280 "${B[@]}" --preset $PX --out "$OUT/bench_${N}.json"
+    stage generate_${N} 250 $PY bench/profile_generate.py preset:$PX --slots 64 --prompt-len 256 $GEN \
+      --out "$OUT/generate_${N}.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;

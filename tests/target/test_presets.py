@@ -38,6 +38,12 @@ def test_moe_presets_have_the_published_total_and_active_parameters(name, total_
     assert round(total / 1e9, 1) == total_b and abs(active / 1e9 - active_b) < 0.1
 
 
+def test_phi_4_has_the_published_parameters():
+    """Phi-4: 14.7B parameters (its model card says 14B)."""
+    total, _ = _parameters("phi-4")
+    assert round(total / 1e9, 1) == 14.7
+
+
 def test_glm_air_has_the_published_total_and_active_parameters():
     """GLM-4.5-Air: 106B in all, 12B active (model card; active without the embedding and LM head)."""
     total, expert = _parameters("glm4.5-air")

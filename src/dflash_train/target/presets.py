@@ -22,6 +22,10 @@ PRESETS: dict[str, dict] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                      tie_word_embeddings=False),
+    # Phi-4 (14B): fused q/k/v and gate/up projections
+    "phi-4": dict(model_type="phi3", hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=10, vocab_size=100352, rms_norm_eps=1e-5,
+                  rope_theta=250000.0, max_position_embeddings=16384, sliding_window=None, tie_word_embeddings=False),
     # A 27B-class dense target (Gemma-3-27B dimensions, Qwen3 blocks)
     "dense-27b": dict(model_type="qwen3", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
                       num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262144,
