@@ -219,7 +219,7 @@ class _LayerWeights:
                     q_norm.weight if q_norm is not None else None,
                     k_norm.weight if k_norm is not None else None)
         experts = getattr(mlp, "experts", None)
-        self.moe = experts is not None  # Qwen3-MoE, GLM-4.5: router + experts as 3D tensors; else a gated MLP
+        self.moe = experts is not None  # Qwen3-MoE, Mixtral, GLM-4.5: router + 3D experts; else a gated MLP
         if self.moe:
             shared = getattr(mlp, "shared_experts", None)
             shared_p = (*(projection_of(*p) for p in mlp_projections(shared)), projection_of(shared.down_proj)) \
