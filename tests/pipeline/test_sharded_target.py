@@ -28,15 +28,16 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-families")
-    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe"):
+    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral"):
         save_family(name, root / name)
     return root
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
-    """Dense, MoE (GLM-4.5's router bias is a buffer read whole from the files), tied-embedding,
-    windowed (Gemma 3) and sink (gpt-oss) targets sharded over 2 and
+    """Dense, MoE (GLM-4.5's router bias is a buffer read whole from the files; Mixtral's experts
+    saved one tensor each under its original module names), tied-embedding, windowed (Gemma 3) and
+    sink (gpt-oss) targets sharded over 2 and
     4 gloo processes: every layer's output and the final norm's equal transformers' whole model on
     each rank's own documents (forwards that stop early too), and the packed forward, gathering
     each layer itself, equals the whole model's packed forward; a packed forward that raised inside
@@ -44,7 +45,8 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
     and after forwards. A preset's random weights, drawn shard by shard, equal the preset built
     whole; with FP8 decoder linears, each rank quantising its rows, both equal the whole model
     converted to FP8."""
-    targets = [str(families / name) for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe")] + \
+    names = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral")
+    targets = [str(families / name) for name in names] + \
         ["preset:tiny", "fp8:" + str(families / "qwen3"), "fp8:preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
            str(WORKER), str(tmp_path), *targets]

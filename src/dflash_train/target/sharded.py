@@ -15,10 +15,11 @@ Loading never holds the whole model in one place: the model is built with its pa
 the meta device (buffers such as RoPE tables are real: they are computed; a buffer the checkpoint
 holds, as GLM-4.5's router bias, is then read from it), sharded,
 given empty local shards, and each rank reads from the safetensors files only the rows of its
-shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...)
-fill the stacked expert tensors transformers builds (`experts.gate_up_proj` [E, 2I, H],
-`experts.down_proj` [E, H, I]): a rank's dim-0 shard is a range of experts, and it reads only
-those experts' tensors. A `preset:` target (a benchmark's random weights) draws each parameter
+shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...;
+Mixtral's `block_sparse_moe.experts.{e}.w1`) fill the stacked expert tensors transformers builds
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), by transformers' own
+conversion mapping read backwards (target/checkpoint_names.py): a rank's dim-0 shard is a range of
+experts, and it reads only those experts' tensors. A `preset:` target (a benchmark's random weights) draws each parameter
 whole, one at a time, and keeps its rows (`fill_random_shards`).
 """
 
@@ -39,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoModelForCausalLM
 
 from dflash_train.target.attn_impl import resolve_attn_implementation
+from dflash_train.target.checkpoint_names import CheckpointNames
 from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
@@ -123,19 +125,18 @@ def shard_rows(n: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + chunk, n)
 
 
-def _read_shard(reader: ShardReader, name: str, rows: tuple[int, int]) -> torch.Tensor:
-    """The rows of model parameter `name`: the checkpoint tensor of that name, or for the stacked
-    experts of a per-expert MoE checkpoint, those experts' tensors stacked (gate and up
-    concatenated along the intermediate dimension, as transformers fuses them)."""
-    if name in reader.where:
-        return reader.rows(name, *rows)
-    base, _, kind = name.rpartition(".")
-    experts = range(*rows)
-    if kind == "gate_up_proj" and f"{base}.0.gate_proj.weight" in reader.where:
-        return torch.stack([torch.cat([reader.rows(f"{base}.{e}.{p}.weight", 0, None)
-                                       for p in ("gate_proj", "up_proj")]) for e in experts])
-    if kind == "down_proj" and f"{base}.0.down_proj.weight" in reader.where:
-        return torch.stack([reader.rows(f"{base}.{e}.down_proj.weight", 0, None) for e in experts])
+def _read_shard(reader: ShardReader, names: CheckpointNames, name: str,
+                rows: tuple[int, int]) -> torch.Tensor:
+    """The rows of model parameter `name`: of the checkpoint tensor of that name (or of the name the
+    model type's conversion mapping gives it), or for experts the checkpoint stores one tensor each,
+    those experts' tensors stacked (target/checkpoint_names.py)."""
+    for key in names.names(name):
+        if key in reader.where:
+            return reader.rows(key, *rows)
+    stacked = names.stacked_rows(name, range(*rows), lambda key: reader.rows(key, 0, None) if key in reader.where
+                                 else None)
+    if stacked is not None:
+        return stacked
     raise ModelError(f"sharded target: the checkpoint has no tensor for the model's {name} (its tensors are named "
                      f"differently from the model's): load this target whole, pipeline.target_group_size 1")
 
@@ -179,11 +180,11 @@ def _local_shards(model: nn.Module, rank: int, size: int
 @torch.no_grad()
 def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: torch.dtype) -> None:
     """Fill every parameter's local shard (a DTensor sharded on dim 0) from the checkpoint."""
-    reader = ShardReader(directory)
+    reader, names = ShardReader(directory), CheckpointNames.of(getattr(model.config, "model_type", None))
     try:
         for name, source, _, local, rows in _local_shards(model, rank, size):
             if local.shape[0]:
-                _fill_local(model, name, local, _read_shard(reader, source, rows), dtype)
+                _fill_local(model, name, local, _read_shard(reader, names, source, rows), dtype)
     finally:
         reader.close()
 
@@ -206,11 +207,12 @@ def load_saved_buffers(model: nn.Module, directory: Path) -> None:
     """Buffers the checkpoint holds (GLM-4.5's router score correction bias), read whole: the model
     built on the meta device computed its buffers, and a saved one is not computed (FSDP2 shards
     parameters only, so every rank holds each buffer whole)."""
-    reader = ShardReader(directory)
+    reader, names = ShardReader(directory), CheckpointNames.of(getattr(model.config, "model_type", None))
     try:
         for name, buffer in model.named_buffers():
-            if name in reader.where:
-                buffer.copy_(reader.rows(name, 0, None))
+            key = next((k for k in names.names(name) if k in reader.where), None)
+            if key is not None:
+                buffer.copy_(reader.rows(key, 0, None))
     finally:
         reader.close()
 
