@@ -41,7 +41,7 @@ from dflash_train.bench.flops import matmul_peaks_tflops, model_flops_utilisatio
 from dflash_train.bench.levers import LEVERS, lever_names
 from dflash_train.pipeline.context import exit_finished_rank, one_of_several_processes
 from dflash_train.pipeline.report import targets_tokens_per_s
-from dflash_train.target.presets import preset_config
+from dflash_train.target.presets import PresetName, preset_config
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.run import run_rank
 from dflash_train.train.setup import resolve_fast_path
@@ -55,10 +55,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BenchConfig:
-    preset: Literal["smollm2-135m", "qwen3-8b", "dense-27b", "qwen3-30b-a3b", "gpt-oss-20b", "gemma3-27b",
-                    "qwen3.5-27b", "llama3.3-70b", "qwen3-235b-a22b", "tiny"] = "qwen3-8b"
-    """target shape (random weights); llama3.3-70b and qwen3-235b-a22b need a group of ranks
-    (--target-group-size)"""
+    preset: PresetName = "qwen3-8b"
+    """target shape (random weights; target/presets.py); llama3.3-70b, qwen3-235b-a22b and glm4.5-air
+    need a group of ranks (--target-group-size)"""
     layout: Literal["single", "colocated", "split"] = "single"
     """rank layout (colocated and split under torchrun)"""
     target_ranks: int = 0

@@ -6,6 +6,8 @@ target without the 16 GB checkpoint. Weights are created directly on the device.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,6 +99,8 @@ PRESETS: dict[str, dict] = {
 }
 
 PREFIX = "preset:"
+# the preset names as a choice type (bench's --preset)
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 
 def is_preset(spec) -> bool:
