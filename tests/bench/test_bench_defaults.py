@@ -8,6 +8,8 @@ import torch
 
 from dflash_train.bench.cli import BenchConfig, build_config, decide_auto_settings
 from dflash_train.bench.levers import LEVERS
+from dflash_train.target.presets import PRESETS
+from dflash_train.utils.config import load_config
 
 
 def _decided(tmp_path, device: str, **fields):
@@ -50,3 +52,8 @@ def test_every_lever_names_its_target_forward(name):
     assert variant.target_forward in ("hf", "packed") and isinstance(variant.target_compile, bool)
     if name == "baseline" or name.startswith("hf-") or name in ("overlap", "data-labels", "fp8-unfused"):
         assert (variant.target_forward, variant.target_compile) == ("hf", False)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_is_a_bench_choice(name):
+    assert load_config(BenchConfig, None, {"preset": name}).preset == name
