@@ -29,7 +29,7 @@ from dflash_train.generate.attention import write_cache
 from dflash_train.target.language_model import attention_projections, mlp_projections
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
-from dflash_train.target.packed import projection_of
+from dflash_train.target.projections import gated_mlp, projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
@@ -112,10 +112,10 @@ def post_attention(
         router_w, router_b, gate_up, down, shared_g, shared_u, shared_d = mlp
         out = moe_mlp(h, router_w, gate_up, down, router_b, top_k=top_k, **routing)
         if shared_g is not None:  # GLM-4.5's shared experts
-            out = out + F.linear(F.silu(F.linear(h, shared_g)) * F.linear(h, shared_u), shared_d)
+            out = out + gated_mlp(h, (shared_g, None), (shared_u, None), (shared_d, None))
         return x + out
     wg, bg, wu, bu, wd, bd = mlp
-    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+    return x + gated_mlp(h, (wg, bg), (wu, bu), (wd, bd))
 
 
 def final_logits(h: Tensor, norm_w: Tensor, lm_head_w: Tensor, lm_head_b: Tensor | None, *, eps: float,

@@ -60,7 +60,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
-from dflash_train.target.fp8 import FP8Linear, fp8_matmul, quantize_rows
 from dflash_train.target.language_model import (attention_projections, language_model, layer_windows, mlp_projections,
                                                  rope_types, text_config)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
@@ -80,6 +79,7 @@ from dflash_train.target.packed_gemma import (
 )
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
+from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
@@ -89,7 +89,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
-Projection = tuple  # (weight, bias) in the model's dtype, or (weight_fp8, weight_scale, bias)
 
 
 class UnsupportedTarget(ValueError):
@@ -137,28 +136,6 @@ def check_packed_support(model: nn.Module) -> None:
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
 
 
-def projection_of(module: nn.Module, rows: slice | None = None) -> Projection:
-    """A linear's weights as `project` takes them; `rows`: a block of its outputs (of a fused
-    projection: Phi-3's qkv_proj, gate_up_proj), as views."""
-    fp8 = isinstance(module, FP8Linear)
-    if rows is None:
-        return (module.weight_fp8, module.weight_scale, module.bias) if fp8 else (module.weight, module.bias)
-    bias = module.bias[rows] if module.bias is not None else None
-    if fp8:  # one scale per output row
-        return (module.weight_fp8[rows], module.row_scale[rows].t(), bias)
-    return (module.weight[rows], bias)
-
-
-def project(h: Tensor, projections: Sequence[Projection]) -> list[Tensor]:
-    """F.linear of one input with several projections of one kind: bf16 (weight, bias), or
-    float8 (weight_fp8, weight_scale, bias), which quantises `h` once per token for all."""
-    if len(projections[0]) == 2:
-        return [F.linear(h, w, b) for w, b in projections]
-    lead = h.shape[:-1]
-    h8, sh = quantize_rows(h.reshape(-1, h.shape[-1]))
-    return [fp8_matmul(h8, sh, w8, ws, b, h.dtype).reshape(*lead, w8.shape[0]) for w8, ws, b in projections]
-
-
 def pre_attention(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection, v_p: Projection,
     qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
@@ -181,9 +158,7 @@ def post_attention(
 ) -> Tensor:  # fmt: skip
     """Output projection, residual, norm, gated MLP, residual: the rest of one decoder layer."""
     x = x + project(attn_out, (o_p,))[0]
-    h = rms_norm(x, ln2_w, eps)
-    gate, up = project(h, (gate_p, up_p))
-    return x + project(F.silu(gate) * up, (down_p,))[0]
+    return x + gated_mlp(rms_norm(x, ln2_w, eps), gate_p, up_p, down_p)
 
 
 def post_attention_moe(
@@ -197,8 +172,7 @@ def post_attention_moe(
     h = rms_norm(x, ln2_w, eps)
     out = moe_mlp(h, router_w, gate_up, down, router_b, **routing)
     if shared_gate is not None:
-        gate, up = project(h, (shared_gate, shared_up))
-        out = out + project(F.silu(gate) * up, (shared_down,))[0]
+        out = out + gated_mlp(h, shared_gate, shared_up, shared_down)
     return x + out
 
 
@@ -245,9 +219,8 @@ class _LayerWeights:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def _layer_weights(layer: nn.Module, index: int,
-                   cfg) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
-    window = layer_windows(cfg)[index]
+def _layer_weights(layer: nn.Module, index: int, cfg,
+                   window: int | None) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
     if cfg.model_type == "olmo2":
         return Olmo2LayerWeights(layer, window)
     if cfg.model_type == "gpt_oss":
@@ -273,7 +246,8 @@ class PackedForward:
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
         self.norm_eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
-        self.layers = [_layer_weights(layer, i, cfg) for i, layer in enumerate(inner.layers)]
+        self.windows = layer_windows(cfg)
+        self.layers = [_layer_weights(layer, i, cfg, self.windows[i]) for i, layer in enumerate(inner.layers)]
         self.sharded = any(isinstance(m, FSDPModule) for m in (model, *inner.layers))
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -366,7 +340,8 @@ class PackedForward:
         slots = {i: [j for j, t in enumerate(self.layer_ids) if t == i] for i in set(self.layer_ids)}
         with layers_gathered(self.inner.layers, self.layers_to_run(need_final)) as indices:
             for i in indices:
-                lay = self.layers[i] if not self.sharded else _layer_weights(self.inner.layers[i], i, self.cfg)
+                lay = self.layers[i] if not self.sharded else \
+                    _layer_weights(self.inner.layers[i], i, self.cfg, self.windows[i])
                 q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
                                                     n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
                 attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))

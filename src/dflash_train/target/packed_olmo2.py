@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.projections import gated_mlp
 
 
 def olmo2_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -47,7 +48,7 @@ def post_attention_olmo2(
 ) -> Tensor:  # fmt: skip
     """Output projection, its norm, residual; the gated MLP, its norm, residual."""
     x = x + olmo2_rms_norm(F.linear(attn_out, o_w, o_b), post_attn_w, eps)
-    h = F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+    h = gated_mlp(x, (gate_w, None), (up_w, None), (down_w, None))
     return x + olmo2_rms_norm(h, post_ff_w, eps)
 
 

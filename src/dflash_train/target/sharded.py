@@ -13,14 +13,14 @@ which reads the weights itself, gathers each layer's explicitly (target/gathered
 
 Loading never holds the whole model in one place: the model is built with its parameters on
 the meta device (buffers such as RoPE tables are real: they are computed; a buffer the checkpoint
-holds, as GLM-4.5's router bias, is then read from it), sharded,
-given empty local shards, and each rank reads from the safetensors files only the rows of its
-shards (`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...;
-Mixtral's `block_sparse_moe.experts.{e}.w1`) fill the stacked expert tensors transformers builds
+holds, as GLM-4.5's router bias, is then read from it), sharded, given empty local shards, and
+each rank reads from the safetensors files only the rows of its shards
+(`safe_open(...).get_slice`). Per-expert MoE checkpoints (`experts.{e}.gate_proj`, ...; Mixtral's
+`block_sparse_moe.experts.{e}.w1`) fill the stacked expert tensors transformers builds
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), by transformers' own
-conversion mapping read backwards (target/checkpoint_names.py): a rank's dim-0 shard is a range of
-experts, and it reads only those experts' tensors. A `preset:` target (a benchmark's random weights) draws each parameter
-whole, one at a time, and keeps its rows (`fill_random_shards`).
+conversion mapping read backwards (target/checkpoint_names.py): a rank's dim-0 shard is a range
+of experts, and it reads only those experts' tensors. A `preset:` target (a benchmark's random
+weights) draws each parameter whole, one at a time, and keeps its rows (`fill_random_shards`).
 """
 
 from __future__ import annotations
@@ -179,12 +179,20 @@ def _local_shards(model: nn.Module, rank: int, size: int
 
 @torch.no_grad()
 def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: torch.dtype) -> None:
-    """Fill every parameter's local shard (a DTensor sharded on dim 0) from the checkpoint."""
+    """Fill every parameter's local shard (a DTensor sharded on dim 0), and every buffer the checkpoint
+    holds, from the checkpoint."""
     reader, names = ShardReader(directory), CheckpointNames.of(getattr(model.config, "model_type", None))
     try:
         for name, source, _, local, rows in _local_shards(model, rank, size):
             if local.shape[0]:
                 _fill_local(model, name, local, _read_shard(reader, names, source, rows), dtype)
+        # buffers the checkpoint holds (GLM-4.5's router score correction): the model built on the meta
+        # device computed its buffers, and a saved one is not computed; FSDP2 shards parameters only,
+        # so every rank reads each whole
+        for name, buffer in model.named_buffers():
+            key = next((k for k in names.names(name) if k in reader.where), None)
+            if key is not None:
+                buffer.copy_(reader.rows(key, 0, None))
     finally:
         reader.close()
 
@@ -200,21 +208,6 @@ def fill_random_shards(model: nn.Module, rank: int, size: int, dtype: torch.dtyp
         whole = initialise_(torch.empty(shape, dtype=dtype if source != name else local.dtype, device=device),
                             source, gen)
         _fill_local(model, name, local, whole[start:stop], dtype)
-
-
-@torch.no_grad()
-def load_saved_buffers(model: nn.Module, directory: Path) -> None:
-    """Buffers the checkpoint holds (GLM-4.5's router score correction bias), read whole: the model
-    built on the meta device computed its buffers, and a saved one is not computed (FSDP2 shards
-    parameters only, so every rank holds each buffer whole)."""
-    reader, names = ShardReader(directory), CheckpointNames.of(getattr(model.config, "model_type", None))
-    try:
-        for name, buffer in model.named_buffers():
-            key = next((k for k in names.names(name) if k in reader.where), None)
-            if key is not None:
-                buffer.copy_(reader.rows(key, 0, None))
-    finally:
-        reader.close()
 
 
 def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, group,
@@ -249,7 +242,6 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
         fill_random_shards(model, rank, size, dtype)
     else:
         load_shards(model, source.directory, rank, size, dtype)
-        load_saved_buffers(model, source.directory)
     model.eval()
     model.requires_grad_(False)
     return model
