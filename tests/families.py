@@ -155,6 +155,113 @@ def _olmo2(vocab):
     return Olmo2Config(**_COMMON, vocab_size=vocab, pad_token_id=0)
 
 
+# --- families whose layers the fast paths do not reproduce (hybrids, latent attention, other MoE
+# routers, other norms): every job must still run on them through the Hugging Face forward ---
+
+def _qwen3_5_moe(vocab):
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**_COMMON, **_LINEAR, vocab_size=vocab, head_dim=16, layer_types=_HYBRID,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32)
+
+
+def _glm4_moe_lite(vocab):
+    """GLM-4.7-Flash: DeepSeek's latent attention with GLM's router."""
+    from transformers import Glm4MoeLiteConfig
+
+    return Glm4MoeLiteConfig(**{**_COMMON, "num_key_value_heads": 4}, vocab_size=vocab, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                             qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1)
+
+
+def _minimax_m2(vocab):
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(**_COMMON, vocab_size=vocab, head_dim=16, num_local_experts=8, num_experts_per_tok=2)
+
+
+def _lfm2(vocab):
+    """LFM2: short gated convolutions (a rolling state) between attention layers."""
+    from transformers import Lfm2Config
+
+    return Lfm2Config(**_COMMON, vocab_size=vocab, layer_types=["conv", "full_attention"] * (LAYERS // 2))
+
+
+def _nemotron_h(vocab):
+    """Nemotron-H: Mamba-2, attention, MoE and MLP blocks, one kind a layer."""
+    from transformers import NemotronHConfig
+
+    common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}  # the block list sets the depth
+    return NemotronHConfig(**common, vocab_size=vocab, head_dim=16, layers_block_type=["mamba", "attention", "moe",
+                           "mlp"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=32)
+
+
+def _granitemoehybrid(vocab):
+    """Granite 4: Mamba-2 and attention layers; its head divides the logits by `logits_scaling`."""
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(**_COMMON, vocab_size=vocab, layer_types=["mamba", "attention"] * (LAYERS // 2),
+                                  num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+                                  mamba_d_state=16, mamba_chunk_size=16, logits_scaling=4.0)
+
+
+def _falcon_h1(vocab):
+    """Falcon-H1: attention and Mamba-2 side by side in every layer; a multiplier on the logits."""
+    from transformers import FalconH1Config
+
+    return FalconH1Config(**_COMMON, vocab_size=vocab, head_dim=16, mamba_n_heads=4, mamba_d_head=16,
+                          mamba_d_ssm=64, mamba_d_state=16, mamba_chunk_size=16, lm_head_multiplier=0.5)
+
+
+def _kimi_linear(vocab):
+    """Kimi Linear: delta-rule linear attention with latent attention every fourth layer."""
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(**{**_COMMON, "num_key_value_heads": 4}, vocab_size=vocab, pad_token_id=0,
+                            num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, kv_lora_rank=16,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                            linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16,
+                                                "num_heads": 4, "short_conv_kernel_size": 4})
+
+
+def _smollm3(vocab):
+    """SmolLM3: every fourth layer without RoPE."""
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**_COMMON, vocab_size=vocab, pad_token_id=0, no_rope_layer_interval=2)
+
+
+def _seed_oss(vocab):
+    from transformers import SeedOssConfig
+
+    return SeedOssConfig(**_COMMON, vocab_size=vocab, head_dim=16, attention_bias=True)
+
+
+def _exaone4(vocab):
+    """EXAONE 4: norms after attention and MLP, local layers with RoPE, global ones without."""
+    from transformers import Exaone4Config
+
+    return Exaone4Config(**_COMMON, vocab_size=vocab, sliding_window=WINDOW, sliding_window_pattern=2)
+
+
+def _ernie4_5_moe(vocab):
+    from transformers import Ernie4_5_MoeConfig
+
+    return Ernie4_5_MoeConfig(**_COMMON, vocab_size=vocab, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                              moe_num_shared_experts=1, moe_layer_start_index=1)
+
+
+def _apertus(vocab):
+    """Apertus: xIELU activation, q/k norms, Llama 3 RoPE."""
+    from transformers import ApertusConfig
+
+    return ApertusConfig(**_COMMON, vocab_size=vocab)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -184,6 +291,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek_v3", _deepseek_v3, "deepseek_v3"),
     Family("glm4_moe", _glm4_moe, "glm4_moe"),
     Family("olmo2", _olmo2, "olmo2"),
+    # the template stands in where the family's own is not in tests/family_templates.py: the
+    # layers, not the template, are what these entries test
+    Family("qwen3_5_moe", _qwen3_5_moe, "qwen3_5", recurrent=True),
+    Family("glm4_moe_lite", _glm4_moe_lite, "glm4_moe"),
+    Family("minimax_m2", _minimax_m2, "chatml"),
+    Family("lfm2", _lfm2, "chatml", recurrent=True),
+    Family("nemotron_h", _nemotron_h, "chatml", recurrent=True),
+    Family("granitemoehybrid", _granitemoehybrid, "chatml", recurrent=True),
+    Family("falcon_h1", _falcon_h1, "chatml", recurrent=True),
+    Family("kimi_linear", _kimi_linear, "chatml", recurrent=True),
+    Family("smollm3", _smollm3, "chatml"),
+    Family("seed_oss", _seed_oss, "chatml"),
+    Family("exaone4", _exaone4, "chatml", windowed=True),
+    Family("ernie4_5_moe", _ernie4_5_moe, "chatml"),
+    Family("apertus", _apertus, "llama3"),
 )}
 
 

@@ -1,6 +1,7 @@
-"""Targets that soft-cap their logits (Gemma 2's final_logit_softcapping): `distill` and `target`
-labels recomputed from the final states and the LM head equal the distribution and greedy token of
-the target's own `model(...).logits` (which transformers caps), brute force, gradient included."""
+"""Targets whose head does more than h W^T: soft-capped logits (Gemma 2's final_logit_softcapping)
+and scaled ones (Granite's logits_scaling): `distill` and `target` labels recomputed from the final
+states and the LM head equal the distribution and greedy token of the target's own
+`model(...).logits`, brute force, gradient included."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dflash_train.drafter.config import drafter_config_from_target
 from dflash_train.drafter.loss import LossConfig, drafter_loss, head_cross_entropy
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.drafter.step import FrozenHeads, StepConfig, drafter_forward, drafter_step
-from dflash_train.target.language_model import final_logit_softcap
 from dflash_train.target.runner import TargetRunner
+from dflash_train.train.setup import frozen_heads
 from tests.families import build_model
 
 from .test_model import packed
@@ -40,9 +41,13 @@ def target_batch(model):
     return batch, out, logits
 
 
+def granite():
+    """Granite 4 (tests/families.py), whose head divides its logits by logits_scaling = 4."""
+    return build_model("granitemoehybrid", VOCAB)
+
+
 def heads_of(model) -> FrozenHeads:
-    return FrozenHeads(model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                       logit_softcap=final_logit_softcap(model.config))
+    return frozen_heads(model.get_input_embeddings().weight, model.get_output_embeddings().weight, model.config)
 
 
 def drafter_for(model) -> DFlashDrafter:
@@ -69,12 +74,14 @@ def brute_force_distill(hidden, w, anchors, label_valid, ref_logits):
     return total
 
 
-@pytest.mark.parametrize("cap", [30.0, 3.0])  # the family's own cap, and one that changes the numbers a lot
-def test_distill_loss_equals_the_brute_force_of_the_models_own_logits(cap):
-    model = gemma2(cap)
+# Gemma 2's own cap, one that changes the numbers a lot, and Granite's scaled logits
+@pytest.mark.parametrize("target", ["gemma2-cap30", "gemma2-cap3", "granite"])
+def test_distill_loss_equals_the_brute_force_of_the_models_own_logits(target):
+    model = granite() if target == "granite" else gemma2(float(target.removeprefix("gemma2-cap")))
     batch, out, ref_logits = target_batch(model)
     heads = heads_of(model)
-    assert heads.logit_softcap == cap
+    assert (heads.logit_softcap, heads.logit_scale) == \
+        ((None, 0.25) if target == "granite" else (float(target.removeprefix("gemma2-cap")), 1.0))
     drafter = drafter_for(model)
     step_cfg = StepConfig(num_anchors=6, label_source="distill")
     fwd = drafter_forward(drafter, heads, taps=out.taps, final_hidden=out.final_hidden, step_cfg=step_cfg,
@@ -93,12 +100,15 @@ def test_distill_loss_equals_the_brute_force_of_the_models_own_logits(cap):
     torch.testing.assert_close(stats.ce_sum, ref.detach(), rtol=0, atol=1e-4)
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-4, atol=1e-6)
 
-    # the whole step (FrozenHeads -> the loss) carries the cap: the same sum from the same anchors
+    # the whole step (FrozenHeads -> the loss) carries the cap and scale: the same sum from the same anchors
     step = drafter_step(drafter, heads, packed(**batch), out, step_cfg=step_cfg, loss_cfg=loss_cfg,
                         generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(step.loss_sum.detach(), ref.detach(), rtol=0, atol=1e-4)
 
-    # and the reference can tell: without the cap the sum is off by far more than the tolerance
+    # and the reference can tell: with plain h W^T logits the sum is off by far more than the tolerance
+    plain = FrozenHeads(heads.embed_weight, heads.lm_head_weight)
+    fwd = drafter_forward(drafter, plain, taps=out.taps, final_hidden=out.final_hidden, step_cfg=step_cfg,
+                          generator=torch.Generator().manual_seed(1), **batch)
     uncapped = drafter_loss(fwd.hidden.detach(), heads.lm_head_weight, fwd.labels, fwd.label_valid, loss_cfg,
                             target_states=fwd.target_states)
     assert abs(float(uncapped.loss_sum) - float(ref.detach())) > 0.02

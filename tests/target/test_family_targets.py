@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dflash_train.drafter.config import DrafterSpec, build_drafter_config, mismatches_with_target
-from dflash_train.target.language_model import (final_logit_softcap, find_decoder_layers, find_final_norm,
-                                                language_model, text_config)
+from dflash_train.target.language_model import (final_logit_scale, final_logit_softcap, find_decoder_layers,
+                                                find_final_norm,                                                language_model, text_config)
 from dflash_train.target.loading import load_decoder_layer_tensors, load_frozen_head_weights, text_tensor_key
 from dflash_train.target.runner import TargetRunner
 from tests.families import FAMILIES, LAYERS, build_model
@@ -42,8 +42,18 @@ def test_layers_and_final_norm_are_the_language_models(name):
     model = build_model(name, VOCAB)
     text_model = model.model.language_model if FAMILIES[name].multimodal else model.model  # written out by hand
     assert find_decoder_layers(model) is text_model.layers
-    assert find_final_norm(model) is text_model.norm
     assert language_model(model) is text_model
+    # the final norm is the one whose output gives the logits through the LM head (whatever its name)
+    norm, seen = find_final_norm(model), []
+    handle = norm.register_forward_hook(lambda module, args, output: seen.append(output))
+    with torch.no_grad():
+        logits = model(torch.arange(3, 15)[None]).logits
+    handle.remove()
+    assert norm in list(text_model.children()) and len(seen) == 1
+    cap, scale = final_logit_softcap(model.config), final_logit_scale(model.config)
+    scaled = model.get_output_embeddings()(seen[0]) * scale
+    expected = scaled if cap is None else cap * torch.tanh(scaled / cap)
+    torch.testing.assert_close(expected, logits, rtol=0, atol=1e-5)
 
 
 def test_a_vision_tower_as_deep_as_the_text_stack_is_never_taken(gemma3):

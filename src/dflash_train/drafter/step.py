@@ -33,6 +33,7 @@ class FrozenHeads:
     embed_weight: torch.Tensor  # [V, H]
     lm_head_weight: torch.Tensor  # [V, H] (may be the same storage when tied)
     logit_softcap: float | None = None  # the target's final_logit_softcapping: its logits are cap * tanh(h W^T / cap)
+    logit_scale: float = 1.0  # the factor its head multiplies h W^T by before the cap (Granite, Falcon-H1, Cohere)
 
     def __post_init__(self) -> None:
         self.embed_weight.requires_grad_(False)
@@ -119,6 +120,8 @@ def drafter_forward(
         pending = PendingTargetLabels(document_ids, loss_mask, anchors, valid, B)  # finished after the drafter is queued
         if step_cfg.label_source == "distill":
             target_states = gather_target_states(final_hidden, anchors, B)
+            if heads.logit_scale != 1.0:  # (s h) W^T = s (h W^T): the target's scaled logits
+                target_states = target_states * heads.logit_scale
 
     backend = mask_backend(step_cfg.attention, taps.device, cfg.head_dim)
     masks = build_layer_masks(cfg, document_ids, position_ids, anchors, valid, backend=backend)

@@ -19,8 +19,10 @@ from typing import Any
 
 from torch import nn
 
-# names of the final norm in the decoders transformers ships (Llama-style, Phi/Falcon, GPT-2, OPT)
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "final_norm")
+# names of the final norm in the decoders transformers ships, in the order they are tried (Llama-style,
+# Phi/Falcon, GPT-2, OPT, Mamba/Nemotron-H; LFM2 calls its final norm `embedding_norm`: tried last,
+# since a model that norms its embeddings under that name has a final norm of an earlier name)
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "final_norm", "norm_f", "embedding_norm")
 
 
 def text_config(config: Any) -> Any:
@@ -69,6 +71,25 @@ def final_logit_softcap(config: Any) -> float | None:
     """The cap of the target's logit soft-capping (Gemma 2: logits = cap * tanh(h W^T / cap)), or None."""
     cap = getattr(text_config(config), "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+# families whose causal-LM head scales the logits, and how the factor is read from the (text) config
+_LOGIT_SCALES = {
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+                     "granitemoe_swa", "minicpm3"), lambda c: 1.0 / float(c.logits_scaling)),
+    "hyperclovax": lambda c: float(c.logits_scaling),
+    "falcon_h1": lambda c: float(c.lm_head_multiplier),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda c: float(c.logit_scale)),
+}
+
+
+def final_logit_scale(config: Any) -> float:
+    """The factor the target's LM head multiplies its logits by (Granite divides them by
+    `logits_scaling`, Falcon-H1 multiplies by `lm_head_multiplier`, Cohere by `logit_scale`); 1.0
+    for every other family. Greedy tokens do not depend on it, the distribution distilled does."""
+    cfg = text_config(config)
+    read = _LOGIT_SCALES.get(getattr(cfg, "model_type", None))
+    return read(cfg) if read is not None else 1.0
 
 
 def rope_types(config: Any) -> set[str]:

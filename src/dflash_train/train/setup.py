@@ -28,7 +28,7 @@ from dflash_train.pipeline.context import DistContext
 from dflash_train.pipeline.sources import BatchSource, LocalTargetSource, RemoteTargetSource
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.config import decide_forward
-from dflash_train.target.language_model import final_logit_softcap, text_config
+from dflash_train.target.language_model import final_logit_scale, final_logit_softcap, text_config
 from dflash_train.target.loading import (
     choose_mask_token_id,
     load_decoder_layer_tensors,
@@ -188,12 +188,11 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
                                     trust_remote_code=t.trust_remote_code, attn_implementation=t.attn_implementation)
         embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
         log.info("loaded this rank's shard of the target in %.1fs", time.perf_counter() - t0)
-        heads = FrozenHeads(embed, head, logit_softcap=final_logit_softcap(model.config))
+        heads = frozen_heads(embed, head, model.config)
         return FrozenTarget(heads, model, build_target_runner(cfg, model, drafter_config), sharded=True)
     if not whole_model:
         embed, head = load_target_heads(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code)
-        cap = final_logit_softcap(read_target_config(t.path, trust_remote_code=t.trust_remote_code))
-        heads = FrozenHeads(embed, head, logit_softcap=cap)
+        heads = frozen_heads(embed, head, read_target_config(t.path, trust_remote_code=t.trust_remote_code))
         log.info("loaded the target's embedding and LM head in %.1fs", time.perf_counter() - t0)
         return FrozenTarget(heads)
     model = load_target_model(t.path, dtype=dtype, device=device, trust_remote_code=t.trust_remote_code,
@@ -202,9 +201,12 @@ def load_frozen_target(cfg: TrainConfig, drafter_config: DrafterConfig, device: 
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     log.info("loaded the target in %.1fs", time.perf_counter() - t0)
-    heads = FrozenHeads(embed, head.weight if head is not None else embed,
-                        logit_softcap=final_logit_softcap(model.config))
-    return FrozenTarget(heads, model, runner)
+    return FrozenTarget(frozen_heads(embed, head.weight if head is not None else embed, model.config), model, runner)
+
+
+def frozen_heads(embed: torch.Tensor, head: torch.Tensor, config) -> FrozenHeads:
+    """The target's embedding and LM head, with how its forward turns h W^T into logits."""
+    return FrozenHeads(embed, head, logit_softcap=final_logit_softcap(config), logit_scale=final_logit_scale(config))
 
 
 # what a checkpoint's data position (epoch, batch index) means: the batch plan, the split, the shuffle
