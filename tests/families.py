@@ -155,8 +155,8 @@ def _olmo2(vocab):
     return Olmo2Config(**_COMMON, vocab_size=vocab, pad_token_id=0)
 
 
-# --- families whose layers the fast paths do not reproduce (hybrids, latent attention, other MoE
-# routers, other norms): every job must still run on them through the Hugging Face forward ---
+# --- families of 2025-26 releases: most run every job on the model's own forward (hybrids, latent
+# attention, other routers and norms); SmolLM3 and Seed-OSS also on the fast paths ---
 
 def _qwen3_5_moe(vocab):
     from transformers import Qwen3_5MoeTextConfig
@@ -238,7 +238,7 @@ def _smollm3(vocab):
 def _seed_oss(vocab):
     from transformers import SeedOssConfig
 
-    return SeedOssConfig(**_COMMON, vocab_size=vocab, head_dim=16, attention_bias=True)
+    return SeedOssConfig(**_COMMON, vocab_size=vocab, head_dim=16, attention_bias=True, attention_out_bias=True)
 
 
 def _exaone4(vocab):

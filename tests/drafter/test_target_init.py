@@ -112,6 +112,22 @@ def test_qwen2_biases_are_reported_not_copied():
     assert report.left_out == ["self_attn.k_proj.bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"]
 
 
+@pytest.mark.parametrize("name", ["smollm3", "seed_oss"])
+def test_smollm3_and_seed_oss_layers_copy_their_weights_and_report_biases(name):
+    from tests.families import build_model
+
+    target = build_model(name, 64)
+    check_target_layers_copyable(target.config)
+    drafter = _drafter_for(target.config, layers=1)
+    report = copy_target_layers(drafter, [1], {1: _layer_state(target, 1)})
+    theirs = target.model.layers[1]
+    for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+        assert torch.equal(drafter.layers[0].get_submodule(module).weight, theirs.get_submodule(module).weight)
+    biases = ["self_attn.k_proj.bias", "self_attn.o_proj.bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"]
+    assert report.left_out == (biases if name == "seed_oss" else [])
+
+
 def test_shape_mismatch_names_the_tensor_and_writes_nothing():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

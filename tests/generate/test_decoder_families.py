@@ -31,7 +31,9 @@ from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
 NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
-EXACT = [*NAMES, "glm4_moe", "olmo2"]  # and, without windows, GLM-4.5's MoE layout and OLMo 2's post-norms
+# and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE and
+# Seed-OSS's biased output projection
+EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss"]
 LAYERS = [0, 2]
 
 

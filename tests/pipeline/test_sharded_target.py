@@ -28,15 +28,16 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-families")
-    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral"):
+    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3"):
         save_family(name, root / name)
     return root
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
-    """Dense, MoE (GLM-4.5's router bias is a buffer read whole from the files; Mixtral's experts
-    saved one tensor each under its original module names), tied-embedding, windowed (Gemma 3) and
+    """Dense, MoE (GLM-4.5's and DeepSeek-V3's router bias is a buffer read whole from the files;
+    Mixtral's experts saved one tensor each under its original module names), latent attention
+    (DeepSeek-V3), tied-embedding, windowed (Gemma 3) and
     sink (gpt-oss) targets sharded over 2 and
     4 gloo processes: every layer's output and the final norm's equal transformers' whole model on
     each rank's own documents (forwards that stop early too), and the packed forward, gathering
@@ -45,7 +46,7 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
     and after forwards. A preset's random weights, drawn shard by shard, equal the preset built
     whole; with FP8 decoder linears, each rank quantising its rows, both equal the whole model
     converted to FP8."""
-    names = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral")
+    names = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3")
     targets = [str(families / name) for name in names] + \
         ["preset:tiny", "fp8:" + str(families / "qwen3"), "fp8:preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
@@ -72,7 +73,7 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
             else:
                 # this rank's rows and no more, and the saved buffers whole (GLM's router bias)
                 assert r["read_bytes"] == (0 if target == "preset:tiny" else local + r["buffer_bytes"])
-                assert (r["buffer_bytes"] > 0) == target.endswith("glm4_moe")
+                assert (r["buffer_bytes"] > 0) == target.endswith(("glm4_moe", "deepseek_v3"))
 
 
 def test_shard_rows_are_fsdp_chunks():

@@ -49,3 +49,23 @@ def test_a_batch_already_on_the_gpu_gives_the_taps_of_one_moved_there(forward):
         runner.close()
     torch.testing.assert_close(direct.taps, ahead.taps, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(direct.final_hidden, ahead.final_hidden, atol=1e-6, rtol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("documents", ["gather", "flex"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe_lite"])
+def test_compiled_latent_attention_equals_the_hugging_face_forward_on_gpu(kind, documents):
+    """DeepSeek-V3's and GLM-4.7-Flash's latent attention (keys wider than values, padded for the
+    kernels) and GLM's router, compiled, in float32: the taps and final states of transformers'
+    own forward, on documents that cross FlexAttention's 128-token tiles."""
+    model = _fresh(kind).cuda()
+    batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=300)
+    out = {}
+    for forward, extra in (("hf", {}), ("packed", {"compile": True, "document_attention": documents})):
+        runner = TargetRunner(model, TAPS, need_final=True, forward=forward, **extra)
+        try:
+            out[forward] = runner.run_batch(batch, torch.device("cuda"))
+        finally:
+            runner.close()
+    torch.testing.assert_close(out["packed"].taps, out["hf"].taps, atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(out["packed"].final_hidden, out["hf"].final_hidden, atol=2e-4, rtol=1e-3)

@@ -53,6 +53,15 @@ def test_glm_air_has_the_published_total_and_active_parameters():
     assert int(total / 1e9) == 106 and round(active / 1e9) == 12
 
 
+def test_glm_flash_has_the_published_total_and_active_parameters():
+    """GLM-4.7-Flash: 30B in all, 3B active (its name; active without the embedding and LM head)."""
+    total, expert = _parameters("glm4.7-flash")
+    cfg = preset_config("preset:glm4.7-flash")
+    embeddings = 2 * cfg.vocab_size * cfg.hidden_size
+    active = total - expert + expert * cfg.num_experts_per_tok // cfg.n_routed_experts - embeddings
+    assert round(total / 1e9) == 30 and round(active / 1e9) == 3
+
+
 def test_random_weights_are_seeded_norms_one():
     a = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)
     b = build_random_target("preset:tiny", dtype=torch.float32, device="cpu", seed=5)

@@ -16,6 +16,7 @@ import dflash_train.train.setup as setup_mod
 from dflash_train.cli import main
 from dflash_train.data.prompts import asset_path
 from dflash_train.target.language_model import find_decoder_layers
+from dflash_train.target.packed import SUPPORTED_MODEL_TYPES as PACKED_MODEL_TYPES
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.trainer import Trainer
 from dflash_train.utils.config import load_config
@@ -97,14 +98,13 @@ def test_gemma2_heads_carry_the_logit_cap_whole_or_split(family_runs, tmp_path):
 def test_packed_forward_on_a_family_it_does_not_take_is_one_line_before_it_loads(family_runs, tmp_path, capsys,
                                                                                   refuse_models):
     _, data = family_runs["gemma2"]
-    target = tmp_path / "deepseek_v3"
-    save_tiny_family("deepseek_v3", target)  # latent attention: the Hugging Face forward only
+    target = tmp_path / "minimax_m2"
+    save_tiny_family("minimax_m2", target)  # its router and q/k norms: the Hugging Face forward only
     assert main(cli_args(demo_overrides(target, data, tmp_path / "run", **{"target.forward": "packed"}))) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train train: error")]
     assert len(err) == 1 and err[0].startswith(
-        "dflash-train train: error: target.forward=packed: the packed target forward supports llama, mistral, "
-        "mixtral, qwen2, qwen3, qwen3_moe, glm4_moe, phi3, olmo2, gemma2, gemma3_text, gpt_oss decoders, not "
-        "'deepseek_v3'; use target.forward: hf for this model"), err
+        f"dflash-train train: error: target.forward=packed: the packed target forward supports "
+        f"{', '.join(PACKED_MODEL_TYPES)} decoders, not 'minimax_m2'; use target.forward: hf for this model"), err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -36,7 +36,7 @@ from dflash_train.drafter.model import DFlashDrafter
 
 # Model families whose decoder layers are the drafter's up to naming: pre-norm, RMSNorm scaling
 # by its weight (not Gemma's 1 + weight), SiLU-gated MLP, no extra norms around attention/MLP.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "seed_oss")
 
 LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")

@@ -13,9 +13,9 @@ by `prefill` while the others keep decoding. `decode` has a fixed shape for a gi
 capture it in a CUDA graph.
 
 Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, whose experts run as
-one grouped GEMM: target/moe.py), Gemma 2 and Gemma 3 (text, or the text decoder of the
+one grouped GEMM: target/moe.py; SmolLM3, some layers without RoPE; Seed-OSS), Gemma 2 and Gemma 3 (text, or the text decoder of the
 multimodal model) and gpt-oss; any static RoPE variant transformers provides (default, linear,
-llama3, yarn, ...), Gemma 3's table per layer type, tied or untied lm_head. A sliding-window
+llama3, yarn, ...), Gemma 3's table per layer type (`layer_rope_tables`), tied or untied lm_head. A sliding-window
 layer keeps a ring of its last W + 2B positions (W its window, B the widest block `verify` takes;
 generate/attention.py `ring_rule`) where that is shorter than the cache, so a rejected draft is
 still rolled back by position alone, as in full layers, and the mask applies the window. Gemma 2's
@@ -33,17 +33,18 @@ from torch import Tensor
 
 from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule, cache_index, causal_rule, flat,
                                              masked_attention, ring_length, ring_rule, windowed_rule)
-from dflash_train.generate.layers import (ROPE_PER_LAYER_TYPE, LayerWeights, eps_of, final_logits, layer_kind,
-                                          mlp_laid_out_as_expected, post_attention, pre_attention, q_writing_kv)
+from dflash_train.generate.layers import (LayerWeights, eps_of, final_logits, layer_kind, mlp_laid_out_as_expected,
+                                          post_attention, pre_attention, q_writing_kv)
 from dflash_train.target.language_model import (attention_projections, final_logit_softcap, language_model,
-                                                 layer_windows, mlp_projections, rope_types, text_config)
+                                                 layer_rope_tables, layer_windows, mlp_projections, rope_table,
+                                                 rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.utils.errors import ModelError
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "gemma2", "gemma3_text", "gpt_oss")
+                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss")
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -127,8 +128,7 @@ class StaticDecoder:
         self.norm_w, self.norm_eps = inner.norm.weight, eps_of(inner.norm)
         self.lm_head_w = model.get_output_embeddings().weight  # the embedding itself when tied
         self.lm_head_b = getattr(model.get_output_embeddings(), "bias", None)
-        windows, types = layer_windows(cfg), getattr(cfg, "layer_types", None)
-        ropes = types if cfg.model_type in ROPE_PER_LAYER_TYPE else [None] * len(inner.layers)
+        windows, ropes = layer_windows(cfg), layer_rope_tables(cfg)
         self.layers = [LayerWeights(layer, self.kind, ropes[i], windows[i]) for i, layer in enumerate(inner.layers)]
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = head_dim_of(model)
@@ -191,7 +191,7 @@ class StaticDecoder:
         tables = {}
         with torch.no_grad():
             for name in {lay.rope for lay in self.layers}:
-                cos, sin = rotary(x, positions, name) if name else rotary(x, positions)
+                cos, sin = rope_table(rotary, x, positions, name)
                 if self.kind == "gpt_oss":  # half-width tables, each half of a head rotated alike
                     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
                 tables[name] = (cos[0].contiguous(), sin[0].contiguous())

@@ -7,7 +7,8 @@ tensor arguments: a torch.compile'd version is traced once per layer kind and se
 options that say which family's op sequence runs:
 
     llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE, Mixtral and GLM-4.5 (target/moe.py;
-             GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks)
+             GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks),
+             SmolLM3, Seed-OSS
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
@@ -37,7 +38,6 @@ from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_
 
 LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2"]
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-ROPE_PER_LAYER_TYPE = ("gemma3_text",)  # a rotary table per layer type (local layers have their own base)
 
 
 def layer_kind(model_type: str) -> LayerKind:
@@ -137,8 +137,8 @@ def mlp_laid_out_as_expected(mlp: nn.Module, kind: LayerKind) -> bool:
 
 class LayerWeights:
     """References to one decoder layer's weights (no copies), grouped as the arguments of
-    `pre_attention` / `post_attention`, with its RoPE table's name (`rope`: Gemma 3's layer type,
-    ROPE_PER_LAYER_TYPE; None: the model's one table), its sliding window (None: full attention) and its attention
+    `pre_attention` / `post_attention`, with its RoPE table's name (`rope`: target/language_model.py
+    `layer_rope_tables`; None: the model's one table), its sliding window (None: full attention) and its attention
     sinks (gpt-oss) beside them."""
 
     def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:

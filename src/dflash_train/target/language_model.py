@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 # names of the final norm in the decoders transformers ships, in the order they are tried (Llama-style,
 # Phi/Falcon, GPT-2, OPT, Mamba/Nemotron-H; LFM2 calls its final norm `embedding_norm`: tried last,
@@ -97,6 +98,30 @@ def rope_types(config: Any) -> set[str]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     tables = [p for p in params.values() if isinstance(p, dict)] or [params]
     return {str(p.get("rope_type", p.get("type", "default"))) for p in tables}
+
+
+NO_ROPE = "no_rope"  # the table of a layer that rotates nothing: cos 1, sin 0 (SmolLM3's NoPE layers)
+
+
+def layer_rope_tables(cfg) -> list[str | None]:
+    """The RoPE table each layer rotates q and k with: its layer type where the family keeps one
+    table per type (Gemma 3's local layers have a base of their own), NO_ROPE for SmolLM3's
+    layers without positions, else None (the model's one table)."""
+    n = int(cfg.num_hidden_layers)
+    if cfg.model_type == "gemma3_text":
+        return list(cfg.layer_types[:n])
+    if cfg.model_type == "smollm3":
+        return [None if uses_rope else NO_ROPE for uses_rope in cfg.no_rope_layers[:n]]
+    return [None] * n
+
+
+def rope_table(rotary: nn.Module, x: Tensor, positions: Tensor, name: str | None) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [.., positions, D] of table `name` (`layer_rope_tables`) from the model's own
+    rotary module; NO_ROPE: ones and zeros of the same shape, so that rotating is the identity."""
+    if name == NO_ROPE:
+        cos, sin = rotary(x, positions)
+        return torch.ones_like(cos), torch.zeros_like(sin)
+    return rotary(x, positions, name) if name else rotary(x, positions)
 
 
 # families whose `sliding_window`, when set, applies to every layer (their configs have no layer_types)

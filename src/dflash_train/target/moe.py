@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_train.target.fp8 import FP8Linear
+
 _NATIVE_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # PyTorch's CPU grouped GEMM exists from 2.9 and wants 16-byte aligned inputs before 2.11
 _CPU_GROUPED_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
@@ -84,13 +86,13 @@ def experts_as_tensors(mlp: nn.Module) -> bool:
     """Whether a layer's mixture is laid out as these functions take it (transformers 5's
     Qwen3-MoE, Mixtral and GLM-4.5): a router `gate` with top_k, experts as 3D gate_up_proj and
     down_proj tensors; GLM's sigmoid router with its score correction bias and groups, and its
-    shared experts, a gated MLP. Qwen2-MoE's gated `shared_expert` is not taken."""
+    shared experts, a gated MLP (of plain or FP8 linears). Qwen2-MoE's gated `shared_expert` is not taken."""
     experts, gate = mlp.experts, getattr(mlp, "gate", None)
     tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
     shared = getattr(mlp, "shared_experts", None)
     return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in tensors) and not hasattr(mlp, "shared_expert")
             and all(hasattr(gate, a) for a in ("weight", "top_k"))
-            and (shared is None or all(isinstance(getattr(shared, n, None), nn.Linear)
+            and (shared is None or all(isinstance(getattr(shared, n, None), (nn.Linear, FP8Linear))
                                        for n in ("gate_proj", "up_proj", "down_proj"))))
 
 

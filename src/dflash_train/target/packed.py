@@ -34,14 +34,16 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5 and Phi-3 decoders: pre-norm
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, Phi-3, SmolLM3 (every fourth layer
+without RoPE) and Seed-OSS decoders: pre-norm
 RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
 projections are read as row blocks (target/language_model.py). Gemma 2/3 text stacks, also
 inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py); OLMo 2 (target/packed_olmo2.py:
 norms after attention and the MLP, q/k normed over their projection); gpt-oss
-(target/packed_gpt_oss.py: sinks, biased experts).
+(target/packed_gpt_oss.py: sinks, biased experts); DeepSeek-V3 and GLM-4.7-Flash (target/packed_mla.py:
+latent attention, GLM's router).
 Sliding-window layers (Mistral's and Mixtral's window, Qwen2/3's `use_sliding_window`, Gemma's
 and gpt-oss's local layers) attend through FlexAttention under a windowed causal-within-document
 block mask. Anything else is refused (use `target.forward: hf`).
@@ -60,8 +62,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
-from dflash_train.target.language_model import (attention_projections, language_model, layer_windows, mlp_projections,
-                                                 rope_types, text_config)
+from dflash_train.target.language_model import (attention_projections, language_model, layer_rope_tables, layer_windows,
+                                                 mlp_projections, rope_table, rope_types, text_config)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -78,6 +80,7 @@ from dflash_train.target.packed_gemma import (
     pre_attention_gemma,
 )
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.packed_mla import MLA_MODEL_TYPES, mla_attention_weights, pre_attention_mla, values_only
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
 from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
 from dflash_train.target.sdpa import sdpa_backend
@@ -85,7 +88,7 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "gemma2", "gemma3_text", "gpt_oss")
+                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES)
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -176,6 +179,14 @@ def post_attention_moe(
     return x + out
 
 
+def post_attention_mla(x: Tensor, attn_out: Tensor, *post: Tensor | Projection | None, n_heads: int, v_dim: int,
+                       moe: bool, **options) -> Tensor:
+    """`post_attention` (or `post_attention_moe`) of a latent-attention layer, the values' zero
+    padding cut off the attention output first (target/packed_mla.py)."""
+    rest = post_attention_moe if moe else post_attention
+    return rest(x, values_only(attn_out, n_heads, v_dim), *post, **options)
+
+
 def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
     """True when every real token's position is its column index: each row is one document
     starting at column 0 (padding after it), so causal attention over the row is exact."""
@@ -186,12 +197,19 @@ def rows_hold_one_document(document_ids: Tensor, position_ids: Tensor) -> bool:
 class _LayerWeights:
     """References to one decoder layer's weights, grouped as the arguments of the two functions."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, latent: bool = False) -> None:
+        """`latent`: the layer's attention is DeepSeek's latent attention (target/packed_mla.py)."""
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.pre = (layer.input_layernorm.weight, *(projection_of(*p) for p in attention_projections(attn)),
-                    q_norm.weight if q_norm is not None else None,
-                    k_norm.weight if k_norm is not None else None)
+        self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
+        if latent:
+            self.pre, self.pre_kwargs = mla_attention_weights(layer, self.ln1_eps)
+        else:
+            self.pre = (layer.input_layernorm.weight, *(projection_of(*p) for p in attention_projections(attn)),
+                        q_norm.weight if q_norm is not None else None,
+                        k_norm.weight if k_norm is not None else None)
+            qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+            self.pre_kwargs = {"eps": self.ln1_eps, "qk_eps": qk_eps}
         experts = getattr(mlp, "experts", None)
         self.moe = experts is not None  # Qwen3-MoE, Mixtral, GLM-4.5: router + 3D experts; else a gated MLP
         if self.moe:
@@ -205,30 +223,32 @@ class _LayerWeights:
             self.post = (projection_of(attn.o_proj), layer.post_attention_layernorm.weight,
                          *(projection_of(*p) for p in mlp_projections(mlp)), projection_of(mlp.down_proj))
             self.moe_kwargs = {}
-        self.ln1_eps = float(layer.input_layernorm.variance_epsilon)
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
-        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
         # how PackedForward calls this layer: which of its functions, with which options
-        self.pre_fn, self.pre_kwargs = "pre_attention", {"eps": self.ln1_eps, "qk_eps": self.qk_eps}
+        self.pre_fn = "pre_attention_mla" if latent else "pre_attention"
         self.post_fn = "post_attention_moe" if self.moe else "post_attention"
         self.post_kwargs = {"eps": self.ln2_eps, **self.moe_kwargs}
-        self.layer_type, self.window = None, None  # one RoPE table; the window set by _layer_weights
-        projections = (*self.pre[1:4], self.post[0], *(self.post[-3:] if self.moe else self.post[2:]))
-        kinds = {len(p) for p in projections if p is not None}
+        if latent:
+            self.post_fn = "post_attention_mla"
+            self.post_kwargs.update(moe=self.moe, n_heads=int(attn.config.num_attention_heads),
+                                    v_dim=self.pre_kwargs["v_dim"])
+        self.layer_type, self.window = None, None  # the RoPE table's name and the window: set by _layer_weights
+        kinds = {len(p) for p in (*self.pre, *self.post) if isinstance(p, tuple)}  # (projections are tuples)
         if len(kinds) != 1:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def _layer_weights(layer: nn.Module, index: int, cfg,
-                   window: int | None) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
+def _layer_weights(layer: nn.Module, cfg, window: int | None,
+                   rope: str | None) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
+    """One layer's weights; `window` its sliding window, `rope` its RoPE table (`layer_rope_tables`)."""
     if cfg.model_type == "olmo2":
         return Olmo2LayerWeights(layer, window)
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
     if cfg.model_type in _GEMMA_MODEL_TYPES:
-        return GemmaLayerWeights(layer, cfg.layer_types[index] if cfg.model_type == "gemma3_text" else None, window)
-    weights = _LayerWeights(layer)
-    weights.window = window
+        return GemmaLayerWeights(layer, rope, window)
+    weights = _LayerWeights(layer, latent=cfg.model_type in MLA_MODEL_TYPES)
+    weights.window, weights.layer_type = window, rope
     return weights
 
 
@@ -246,12 +266,14 @@ class PackedForward:
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
         self.norm_eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
-        self.windows = layer_windows(cfg)
-        self.layers = [_layer_weights(layer, i, cfg, self.windows[i]) for i, layer in enumerate(inner.layers)]
+        self.windows, self.ropes = layer_windows(cfg), layer_rope_tables(cfg)
+        self.layers = [_layer_weights(layer, cfg, self.windows[i], self.ropes[i])
+                       for i, layer in enumerate(inner.layers)]
         self.sharded = any(isinstance(m, FSDPModule) for m in (model, *inner.layers))
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = inner.layers[0].self_attn.head_dim
+        attn = inner.layers[0].self_attn
+        self.head_dim = getattr(attn, "head_dim", None) or attn.qk_head_dim  # (latent attention: the keys' width)
         self.scale = float(inner.layers[0].self_attn.scaling)
         self.window = next((lay.window for lay in self.layers if lay.window), None)
         self.sdpa = sdpa
@@ -271,6 +293,10 @@ class PackedForward:
             compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
         self.post_attention_gpt_oss: Callable[..., Tensor] = \
             compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
+        self.pre_attention_mla: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
+            compiled_once(pre_attention_mla) if compile else pre_attention_mla
+        self.post_attention_mla: Callable[..., Tensor] = \
+            compiled_once(post_attention_mla, fullgraph=False) if compile else post_attention_mla
         self.pre_attention_olmo2: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
             compiled_once(pre_attention_olmo2) if compile else pre_attention_olmo2
         self.post_attention_olmo2: Callable[..., Tensor] = \
@@ -341,7 +367,7 @@ class PackedForward:
         with layers_gathered(self.inner.layers, self.layers_to_run(need_final)) as indices:
             for i in indices:
                 lay = self.layers[i] if not self.sharded else \
-                    _layer_weights(self.inner.layers[i], i, self.cfg, self.windows[i])
+                    _layer_weights(self.inner.layers[i], self.cfg, self.windows[i], self.ropes[i])
                 q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
                                                     n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
                 attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
@@ -356,10 +382,11 @@ class PackedForward:
         return taps, final
 
     def _rope_tables(self, x: Tensor, position_ids: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
-        """(cos, sin) [R, S, 1, D] by layer type, as the model's own forward computes them (Gemma's
-        local and global layers rotate with different bases; other families have one table)."""
+        """(cos, sin) [R, S, 1, D] by table name, as the model's own forward computes them (Gemma 3's
+        local and global layers rotate with different bases, SmolLM3's NoPE layers not at all; other
+        families have one table)."""
         kinds = {lay.layer_type for lay in self.layers}
-        tables = {kind: self.rotary(x, position_ids, kind) if kind else self.rotary(x, position_ids) for kind in kinds}
+        tables = {kind: rope_table(self.rotary, x, position_ids, kind) for kind in kinds}
         if self.cfg.model_type == "gpt_oss":  # half-width tables, each half of a head rotated alike
             tables = {kind: (torch.cat([c, c], -1), torch.cat([s, s], -1)) for kind, (c, s) in tables.items()}
         return {kind: (cos[:, :, None, :], sin[:, :, None, :]) for kind, (cos, sin) in tables.items()}

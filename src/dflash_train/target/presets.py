@@ -68,6 +68,16 @@ PRESETS: dict[str, dict] = {
                        use_qk_norm=False, vocab_size=151552, rms_norm_eps=1e-5, max_position_embeddings=131072,
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
                        tie_word_embeddings=False),
+    # GLM-4.7-Flash (30B-A3B): DeepSeek's latent attention (a query rank, keys of 192 + 64 RoPE dims,
+    # values of 256), a dense first layer, then 64 experts (4 a token) and a shared one under GLM's router
+    "glm4.7-flash": dict(model_type="glm4_moe_lite", hidden_size=2048, intermediate_size=10240,
+                         moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+                         num_key_value_heads=20, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192,
+                         qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=64, num_experts_per_tok=4,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                         routed_scaling_factor=1.8, vocab_size=154880, rms_norm_eps=1e-5, rope_interleave=True,
+                         max_position_embeddings=202752, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # gpt-oss-20b: 24 MoE layers (32 experts, 4 per token), sliding window 128 on every other layer,
     # attention sinks, YaRN RoPE
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
