@@ -32,8 +32,9 @@ from tests.speculative.test_engine import OracleDrafts
 VOCAB = 300
 NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
 # and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE and
-# Seed-OSS's biased output projection
-EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss"]
+# Seed-OSS's biased output projection; latent attention (DeepSeek-V3, GLM-4.7-Flash) decoded from its
+# cached latent
+EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss", "deepseek_v3", "glm4_moe_lite"]
 LAYERS = [0, 2]
 
 
@@ -207,7 +208,7 @@ def test_the_compiled_decode_step_traces_each_function_once_and_matches(models, 
     assert len(traced) == (2 if attention == "dense" else 3)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "deepseek_v3", "glm4_moe_lite"])
 def test_the_speculative_engine_with_partial_acceptance_equals_hugging_face_greedy(models, name):
     """The static speculative engine on these targets, drafts scripted to be accepted in part
     (all, none, one, all but one, ...) over rounds that run past the window: its output is
@@ -258,3 +259,17 @@ def test_gemma_3_decodes_as_its_forward_whatever_its_attention_cap_field_says():
     with torch.no_grad():
         logits = dec.prefill(torch.tensor([prompt]), torch.tensor([20]), torch.tensor([0]))
     torch.testing.assert_close(logits[0], _hf(model, prompt)[0][-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_latent_attention_caches_one_head_of_latent_and_rotary_key(models, name):
+    """DeepSeek-V3 and GLM-4.7-Flash cache kv_rank + rope numbers a token and layer (one head every
+    query head reads), not each head's keys and values; `--batch-size auto` sizes that cache."""
+    model, max_len = models[name], 256
+    cfg = text_config(model.config)
+    dec = StaticDecoder(model, slots=2, max_len=max_len)
+    assert (dec.n_kv, dec.head_dim) == (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    per_token = 2 * len(dec.layers) * dec.head_dim * 4  # keys and values, fp32
+    assert dec.kv_bytes() == 2 * max_len * per_token == kv_shape(cfg, max_len, torch.float32).bytes_per_slot * 2
+    expanded = 2 * len(dec.layers) * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * 4
+    assert per_token < expanded

@@ -49,7 +49,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_train.target.ops import soft_cap
 from dflash_train.target.packed_gemma import soft_capped
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import FLEX_MIN_HEAD_DIM, LSE_REQUEST, TILE, BlockMask, output_and_lse
+from dflash_train.utils.flex_masks import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM, LSE_REQUEST, TILE, BlockMask, output_and_lse
 
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
 AttentionKind = Literal["dense", "flex"]
@@ -178,9 +178,9 @@ def decode_attention_for(device: torch.device, compile: bool, head_dims: Sequenc
     (SmolLM2 on an H200, the recipe's real prompts: 7.0 vs 8.9 ms per step at 256 slots; 28.7K
     new tok/s at 768 slots against dense's 18.7K at 256). Its fused kernel needs torch.compile
     (the CPU runs the unfused reference, slower than dense) and heads of at least
-    FLEX_MIN_HEAD_DIM dims: narrower ones (`head_dims`: the target's and the drafter's; None is
-    unknown) take dense from the start rather than after a failed compile."""
-    heads_fit = all(d is None or d >= FLEX_MIN_HEAD_DIM for d in head_dims)
+    FLEX_MIN_HEAD_DIM dims and at most FLEX_MAX_HEAD_DIM: others (`head_dims`: the target's and the
+    drafter's; None is unknown) take dense from the start rather than after a failed compile."""
+    heads_fit = all(d is None or FLEX_MIN_HEAD_DIM <= d <= FLEX_MAX_HEAD_DIM for d in head_dims)
     return "flex" if compile and heads_fit and torch.device(device).type == "cuda" else "dense"
 
 

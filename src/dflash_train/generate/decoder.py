@@ -39,17 +39,18 @@ from dflash_train.target.language_model import (attention_projections, final_log
                                                  layer_rope_tables, layer_windows, mlp_projections, rope_table,
                                                  rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
+from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_head_dim
 from dflash_train.utils.errors import ModelError
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss")
+                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES)
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 _ACTIVATIONS = {"llama": ("silu", "swish"), "gemma": ("gelu_pytorch_tanh",), "gpt_oss": ("silu", "swish"),
-                "olmo2": ("silu", "swish")}
+                "olmo2": ("silu", "swish"), "mla": ("silu", "swish")}
 
 
 class UnsupportedModelError(ModelError):
@@ -92,12 +93,17 @@ def check_supported(model) -> None:
     if not all(mlp_laid_out_as_expected(layer.mlp, kind) for layer in inner.layers):
         raise UnsupportedModelError(f"experts laid out other than as transformers 5 stores them{_HINT}")
     attn = inner.layers[0].self_attn
-    head_dim = attn.head_dim
-    if head_dim % 2:
+    head_dim = head_dim_of(model)
+    if head_dim is None or head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
     mlp = next((layer.mlp for layer in inner.layers if not hasattr(layer.mlp, "experts")), None)
     dense = [*(m for m, _ in mlp_projections(mlp)), mlp.down_proj] if mlp is not None else []
-    linears = [*(m for m, _ in attention_projections(attn)), attn.o_proj, *dense]
+    if kind == "mla":
+        names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+        qkv = [m for m in (getattr(attn, n, None) for n in names) if m is not None]
+    else:
+        qkv = [m for m, _ in attention_projections(attn)]
+    linears = [*qkv, attn.o_proj, *dense]
     if not all(isinstance(m, torch.nn.Linear) for m in linears):
         # e.g. target.fp8's float8 layers: decoding with them would measure a target nobody serves
         raise UnsupportedModelError("the decoder's linear layers were replaced (target.fp8?): the engine decodes "
@@ -105,10 +111,12 @@ def check_supported(model) -> None:
 
 
 def head_dim_of(model: torch.nn.Module) -> int | None:
-    """The width of the attention heads of a decoder laid out as this module expects (None
+    """The width of the attention heads of a decoder laid out as this module expects, as its
+    cache holds them (latent attention: the one shared head of latent and rotary key; None
     otherwise: `check_supported` says what is wrong)."""
     try:
-        return int(language_model(model).layers[0].self_attn.head_dim)  # type: ignore[union-attr,index]
+        attn = language_model(model).layers[0].self_attn  # type: ignore[union-attr,index]
+        return latent_head_dim(attn) if hasattr(attn, "kv_lora_rank") else int(attn.head_dim)
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -130,7 +138,8 @@ class StaticDecoder:
         self.lm_head_b = getattr(model.get_output_embeddings(), "bias", None)
         windows, ropes = layer_windows(cfg), layer_rope_tables(cfg)
         self.layers = [LayerWeights(layer, self.kind, ropes[i], windows[i]) for i, layer in enumerate(inner.layers)]
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        # latent attention caches one head that every query head reads (target/packed_mla.py)
+        self.n_heads, self.n_kv = cfg.num_attention_heads, 1 if self.kind == "mla" else cfg.num_key_value_heads
         self.head_dim = head_dim_of(model)
         self.scale = float(inner.layers[0].self_attn.scaling)
         # Gemma 2 caps its attention scores (Gemma 3's forward ignores the field), Gemma its logits where
@@ -227,7 +236,7 @@ class StaticDecoder:
 
     def _pre_kw(self, lay: LayerWeights) -> dict:
         return {"eps": lay.ln1_eps, "qk_eps": lay.qk_eps, "n_heads": self.n_heads, "n_kv": self.n_kv,
-                "head_dim": self.head_dim, "kind": lay.kind}
+                "head_dim": self.head_dim, "kind": lay.kind, **lay.pre_options}
 
     def kv_bytes(self) -> int:
         return 2 * sum(c.numel() * c.element_size() for c in self.k_caches.values())

@@ -14,6 +14,9 @@ options that say which family's op sequence runs:
              (target/packed_gpt_oss.py, target/moe.py)
     olmo2    norms after attention and the MLP (scaled in float32), q/k normed over their whole
              projection (target/packed_olmo2.py)
+    mla      DeepSeek-V3 / Kimi K2 and GLM-4.7-Flash: latent attention with the latent cached and the
+             up-projections absorbed (one shared kv head; target/packed_mla.py), then the llama kind's
+             MLP or GLM-routed experts
 
 What differs around the layers (Gemma's scaled embedding, per-layer-type RoPE tables and
 sliding windows, soft-capped scores and logits, gpt-oss's attention sinks) is the decoder's.
@@ -34,15 +37,18 @@ from dflash_train.target.projections import gated_mlp, projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
+from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_output, latent_qkv, latent_weights, up_projections
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_attention_olmo2
 
-LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2"]
+LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "mla"]
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 def layer_kind(model_type: str) -> LayerKind:
     if model_type in GEMMA_MODEL_TYPES:
         return "gemma"
+    if model_type in MLA_MODEL_TYPES:
+        return "mla"
     return model_type if model_type in ("gpt_oss", "olmo2") else "llama"
 
 
@@ -54,14 +60,17 @@ def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
 
 
 def pre_attention(
-    x: Tensor, cos: Tensor, sin: Tensor,
-    ln1_w: Tensor, wq: Tensor, bq: Tensor | None, wk: Tensor, bk: Tensor | None,
-    wv: Tensor, bv: Tensor | None, qn_w: Tensor | None, kn_w: Tensor | None,
-    *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int, kind: LayerKind = "llama",
+    x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | None, eps: float, qk_eps: float, n_heads: int,
+    n_kv: int, head_dim: int, kind: LayerKind = "llama", **options,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated.
+    """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated. `weights`: the
+    kind's (LayerWeights.pre): (ln1, wq, bq, wk, bk, wv, bv, q norm, k norm) but for latent
+    attention (`options`: its own, target/packed_mla.py `latent_weights`).
 
     `cos`/`sin` must broadcast against [..., heads, D] (a heads axis of size 1)."""
+    if kind == "mla":
+        return latent_qkv(x, cos, sin, *weights, eps=eps, n_heads=n_heads, head_dim=head_dim, **options)
+    ln1_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w = weights
     if kind == "olmo2":  # no norm before attention; q and k normed over their projection
         return olmo2_qkv(x, cos, sin, wq, bq, wk, bk, wv, bv, qn_w, kn_w, eps=qk_eps, n_heads=n_heads, n_kv=n_kv,
                          head_dim=head_dim)
@@ -78,12 +87,12 @@ def pre_attention(
 
 def q_writing_kv(
     x: Tensor, cos: Tensor, sin: Tensor, *pre: Tensor | None, k_flat: Tensor, v_flat: Tensor, index: Tensor,
-    eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int, kind: LayerKind = "llama",
+    eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int, kind: LayerKind = "llama", **options,
 ) -> Tensor:  # fmt: skip
     """`pre_attention` that writes k/v into the cache (flat views, at `index`: generate/attention.py)
     and returns q: compiled, the writes fuse into the kernels computing k and v."""
     q, k, v = pre_attention(x, cos, sin, *pre, eps=eps, qk_eps=qk_eps, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,
-                            kind=kind)
+                            kind=kind, **options)
     write_cache(k_flat, index, k)
     write_cache(v_flat, index, v)
     return q
@@ -97,14 +106,17 @@ def post_attention(
     the layer kind's (LayerWeights.post): a Llama-family gated MLP's (wo, bo, ln2, wg, bg, wu, bu,
     wd, bd), with `top_k` a mixture's (wo, bo, ln2, router, router bias, gate_up, down, shared
     wg, wu, wd: GLM-4.5's bias and shared experts, None for Qwen3-MoE; `routing` the rest of
-    target/moe.py's routing_of); Gemma's and gpt-oss's as their packed-forward functions take
-    them. A kind is a fixed argument count, so a compiled version traces each kind once."""
+    target/moe.py's routing_of), after W_uv for latent attention (kind mla); Gemma's and gpt-oss's
+    as their packed-forward functions take them. A kind is a fixed argument count, so a compiled version traces each kind once."""
     if kind == "gemma":
         return post_attention_gemma(x, attn_out, *weights, eps=eps)
     if kind == "gpt_oss":
         return post_attention_gpt_oss(x, attn_out, *weights, eps=eps, top_k=top_k, alpha=alpha, limit=limit)
     if kind == "olmo2":
         return post_attention_olmo2(x, attn_out, *weights, eps=eps)
+    if kind == "mla":  # the heads' outputs out of latent space first (target/packed_mla.py)
+        w_uv, *weights = weights
+        attn_out = latent_output(attn_out, w_uv)
     wo, bo, ln2_w, *mlp = weights
     x = x + F.linear(attn_out, wo, bo)
     h = rms_norm(x, ln2_w, eps)
@@ -145,22 +157,30 @@ class LayerWeights:
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         ln1 = getattr(layer, "input_layernorm", None)  # (OLMo 2 has none: it norms after attention)
-        self.pre: tuple[Tensor | None, ...] = (
-            ln1.weight if ln1 is not None else None,
-            *(t for linear, rows in attention_projections(attn) for t in projection_of(linear, rows)),  # q, k, v
-            q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None,
-        )  # fmt: skip
-        self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
-        self.rope = rope
         self.ln1_eps = eps_of(ln1) if ln1 is not None else 0.0
         self.qk_eps = eps_of(q_norm) if q_norm is not None else 0.0
+        self.pre_options: dict = {}  # latent attention's own (its eps is ln1_eps)
+        if kind == "mla":
+            self.pre, options = latent_weights(layer, self.ln1_eps)
+            self.pre_options = {k: v for k, v in options.items() if k != "eps"}
+        else:
+            self.pre = (
+                ln1.weight if ln1 is not None else None,
+                *(t for linear, rows in attention_projections(attn) for t in projection_of(linear, rows)),  # q, k, v
+                q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None,
+            )  # fmt: skip
+        self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
+        self.rope = rope
         self.post, self.post_kw = _post_weights(layer, kind)
 
 
 def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:
     """The layer's `post_attention` arguments and options: Gemma's, gpt-oss's and OLMo 2's as the packed
     forward groups them (target/packed_gemma.py, target/packed_gpt_oss.py, target/packed_olmo2.py)."""
+    if kind == "mla":  # W_uv first, then the llama kind's output projection and MLP
+        post, options = _post_weights(layer, "llama")
+        return (up_projections(layer.self_attn)[1], *post), {**options, "kind": "mla"}
     if kind != "llama":
         packed = GemmaLayerWeights(layer, None, None) if kind == "gemma" else \
             GptOssLayerWeights(layer, None) if kind == "gpt_oss" else Olmo2LayerWeights(layer)

@@ -84,5 +84,72 @@ def mla_attention_weights(layer: nn.Module, eps: float) -> tuple[tuple, dict]:
     return pre, options
 
 
+def latent_weights(layer: nn.Module, eps: float) -> tuple[tuple, dict]:
+    """One latent-attention layer's `latent_qkv` arguments and options (references, no copies)."""
+    attn = layer.self_attn
+    low_rank_q = getattr(attn, "q_a_proj", None) is not None
+    pre = (layer.input_layernorm.weight, attn.q_a_proj.weight if low_rank_q else None,
+           attn.q_a_proj.bias if low_rank_q else None, attn.q_a_layernorm.weight if low_rank_q else None,
+           (attn.q_b_proj if low_rank_q else attn.q_proj).weight, attn.kv_a_proj_with_mqa.weight,
+           attn.kv_a_proj_with_mqa.bias, attn.kv_a_layernorm.weight, up_projections(attn)[0])
+    options = {"eps": eps, "q_eps": _eps(attn.q_a_layernorm) if low_rank_q else 0.0,
+               "kv_eps": _eps(attn.kv_a_layernorm), "nope": int(attn.qk_nope_head_dim),
+               "interleave": bool(getattr(attn.config, "rope_interleave", False))}
+    return pre, options
+
+
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+# --- the decoding engines' form (generate/layers.py): the latent cached, the up-projections absorbed ---
+#
+# A cache of every head's keys and values would hold heads * (nope + rope + v_dim) numbers a token
+# and layer (DeepSeek-V3: 49,152); the engines cache what the model computes once a token, the
+# normed latent c [kv_rank] and the rotary key [rope] (576). Since k_nope = W_uk c and v = W_uv c
+# per head, q_nope . k_nope = (q_nope W_uk) . c and softmax(..) v = W_uv (softmax(..) c): each head
+# attends in latent space to one shared head [c, k_rot] (GQA with one kv head) with the query
+# [q_nope W_uk, q_rot], and its output goes through W_uv before o_proj. The same numbers as the
+# model's own forward up to rounding.
+
+
+def latent_head_dim(attn: nn.Module) -> int:
+    """The width of the engines' one cached head of a latent-attention layer: kv_rank + rope."""
+    return int(attn.kv_lora_rank) + int(attn.qk_rope_head_dim)
+
+
+def up_projections(attn: nn.Module) -> tuple[Tensor, Tensor]:
+    """kv_b_proj's weight as (W_uk [heads, nope, kv_rank], W_uv [heads, v_dim, kv_rank]), views."""
+    heads, nope, v_dim = int(attn.config.num_attention_heads), int(attn.qk_nope_head_dim), int(attn.v_head_dim)
+    w = attn.kv_b_proj.weight.view(heads, nope + v_dim, -1)
+    return w[:, :nope], w[:, nope:]
+
+
+def latent_qkv(
+    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_a_w: Tensor | None, q_a_b: Tensor | None,
+    q_a_norm_w: Tensor | None, q_b_w: Tensor, kv_a_w: Tensor, kv_a_b: Tensor | None, kv_a_norm_w: Tensor,
+    w_uk: Tensor, *, eps: float,
+    q_eps: float, kv_eps: float, n_heads: int, head_dim: int, nope: int, interleave: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [..., H] -> q [..., heads, head_dim], k and v [..., 1, head_dim] (head_dim = kv_rank + rope;
+    v is the normed latent, zero past kv_rank). `cos`/`sin` broadcast against [..., heads, rope]."""
+    h = rms_norm(x, ln1_w, eps)
+    lead = h.shape[:-1]
+    kv_rank = w_uk.shape[-1]
+    rope = head_dim - kv_rank
+    q_in = h if q_a_w is None else rms_norm(F.linear(h, q_a_w, q_a_b), q_a_norm_w, q_eps)
+    q_nope, q_rot = F.linear(q_in, q_b_w).view(*lead, n_heads, nope + rope).split([nope, rope], dim=-1)
+    latent, k_rot = F.linear(h, kv_a_w, kv_a_b).split([kv_rank, rope], dim=-1)
+    c = rms_norm(latent, kv_a_norm_w, kv_eps)[..., None, :]  # [..., 1, kv_rank]
+    rotate = rope_interleaved if interleave else apply_rope
+    q = torch.cat([torch.einsum("...hn,hnc->...hc", q_nope, w_uk), rotate(q_rot, cos, sin)], dim=-1)
+    k = torch.cat([c, rotate(k_rot[..., None, :], cos, sin)], dim=-1)
+    return q, k, F.pad(c, (0, rope))
+
+
+def latent_output(attn_out: Tensor, w_uv: Tensor) -> Tensor:
+    """[..., heads * head_dim] attention output in latent space -> [..., heads * v_dim]: each head's
+    first kv_rank numbers through its W_uv."""
+    heads, _, kv_rank = w_uv.shape
+    o = attn_out.view(*attn_out.shape[:-1], heads, -1)[..., :kv_rank]
+    return torch.einsum("...hc,hvc->...hv", o, w_uv).flatten(-2)

@@ -35,6 +35,9 @@ TILE = 128  # FlexAttention's default block size
 # FlexAttention's GPU kernels need heads at least this wide (narrower ones fail in Inductor's
 # lowering: "NYI: embedding dimension of the query, key, and value must be at least 16").
 FLEX_MIN_HEAD_DIM = 16
+# and at most this many: wider heads (the engines' latent-attention head, 576 for DeepSeek-V3) take
+# the dense kernel rather than a compile that may fail for lack of on-chip memory
+FLEX_MAX_HEAD_DIM = 256
 
 
 def output_and_lse(out: tuple) -> tuple[torch.Tensor, torch.Tensor]:
