@@ -16,9 +16,10 @@
 #     PART=mixtral   ...   # mixtral-8x7b: bench on the Hugging Face forward, then auto (packed compiled),
 #                            # then profile_generate at 64 slots (PRESET=phi-4: the same for Phi-4)
 #     PART=latent    ...   # glm4.7-flash (latent attention): bench on the Hugging Face forward, then auto
-#     PART=fla       ...   # qwen3.5-27b on the Hugging Face forward: transformers' pure-PyTorch gated
-#                            # delta net, then with flash-linear-attention's kernels (carried wheels:
-#                            # .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
+#     PART=fla       ...   # qwen3.5-27b (PRESET=qwen3.5-35b-a3b: the MoE) on the Hugging Face forward with
+#                            # transformers' pure-PyTorch gated delta net, then with flash-linear-attention's
+#                            # kernels (carried wheels: .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
+#                            # on the Hugging Face forward and on auto (the packed forward)
 # DRY=1: the plumbing on a CPU with the tiny preset.
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/family_speed.log; mkdir -p "$OUT"
@@ -66,13 +67,16 @@ case "$PART" in
     case " ${TUNED_RUNS:-overlap plain} " in *" plain "*)
       stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;; esac ;;
   fla)
-    PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo qwen3.5-27b)
+    PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-qwen3.5-27b}"); N=${PQ//[.-]/_}
     FEW=(--warmup 2 --measure 4)  # (bench takes the last --warmup/--measure given)
-    stage bench_fla_fallback 280 "${B[@]}" --warmup 1 --measure 2 --preset $PQ --out "$OUT/bench_qwen3_5_27b_fallback.json"
+    stage bench_${N}_fallback 280 "${B[@]}" --warmup 1 --measure 2 --preset $PQ --target-forward hf \
+      --out "$OUT/bench_${N}_fallback.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla-site .whl/flash_linear_attention-*.whl \
       .whl/fla_core-*.whl >> "$LOG" 2>&1 || echo "the fla wheels did not install (dev/fetch_wheels.sh)" | tee -a "$LOG"
-    stage bench_fla_kernels 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
-      --out "$OUT/bench_qwen3_5_27b_fla.json" ;;
+    stage bench_${N}_fla_hf 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
+      --target-forward hf --out "$OUT/bench_${N}_fla_hf.json"
+    stage bench_${N}_fla 280 env PYTHONPATH=/tmp/fla-site:$PYTHONPATH "${B[@]}" "${FEW[@]}" --preset $PQ \
+      --out "$OUT/bench_${N}_fla.json" ;;
   mixtral)
     PX=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-mixtral-8x7b}"); N=${PX//[.-]/_}
     stage bench_${N}_hf 250 "${B[@]}" --preset $PX --target-forward hf --out "$OUT/bench_${N}_hf.json"

@@ -25,9 +25,11 @@ def test_the_defaults_are_auto_and_decide_the_fast_path_on_a_gpu(tmp_path):
     assert _decided(tmp_path, "cpu", preset="qwen3-8b") == ("hf", False, False, "float32")
 
 
-def test_a_target_the_packed_forward_does_not_take_gets_the_hugging_face_forward(tmp_path):
-    pytest.importorskip("transformers.models.qwen3_5")
-    assert _decided(tmp_path, "cuda", preset="qwen3.5-27b") == ("hf", False, True, "bfloat16")
+@pytest.mark.parametrize("preset", ["qwen3.5-27b", "qwen3.5-35b-a3b", "glm4.7-flash"])
+def test_hybrid_and_latent_attention_presets_get_the_packed_compiled_forward(tmp_path, preset):
+    """(A family the packed forward does not take keeps the Hugging Face forward: every preset is
+    taken now, so tests/train/test_fast_path.py checks that on a Mamba config.)"""
+    assert _decided(tmp_path, "cuda", preset=preset) == ("packed", True, True, "bfloat16")
 
 
 def test_a_target_sharded_over_a_group_gets_the_packed_compiled_forward(tmp_path):

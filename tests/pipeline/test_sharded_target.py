@@ -23,12 +23,13 @@ from .test_pipeline import (  # noqa: F401 (the fixture ends a failed test's job
     _direct, _free_port, _wait_for_checkpoint, finish, losses, no_job_outlives_its_test, run, single)
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
+NAMES = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3", "qwen3_5_moe")
 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-families")
-    for name in ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3"):
+    for name in NAMES:
         save_family(name, root / name)
     return root
 
@@ -37,7 +38,7 @@ def families(tmp_path_factory):
 def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(families, tmp_path, world):
     """Dense, MoE (GLM-4.5's and DeepSeek-V3's router bias is a buffer read whole from the files;
     Mixtral's experts saved one tensor each under its original module names), latent attention
-    (DeepSeek-V3), tied-embedding, windowed (Gemma 3) and
+    (DeepSeek-V3), a hybrid (Qwen3.5-MoE: linear attention, gated shared experts), tied-embedding, windowed (Gemma 3) and
     sink (gpt-oss) targets sharded over 2 and
     4 gloo processes: every layer's output and the final norm's equal transformers' whole model on
     each rank's own documents (forwards that stop early too), and the packed forward, gathering
@@ -46,8 +47,7 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
     and after forwards. A preset's random weights, drawn shard by shard, equal the preset built
     whole; with FP8 decoder linears, each rank quantising its rows, both equal the whole model
     converted to FP8."""
-    names = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3")
-    targets = [str(families / name) for name in names] + \
+    targets = [str(families / name) for name in NAMES] + \
         ["preset:tiny", "fp8:" + str(families / "qwen3"), "fp8:preset:tiny"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
            str(WORKER), str(tmp_path), *targets]

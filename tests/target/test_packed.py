@@ -97,6 +97,8 @@ def _fresh(kind):
         return _llama_like(kind)
     if kind in ("deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite"):
         return _latent(kind)
+    if kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        return _hybrid(kind)
     if kind == "mixtral":  # 8 experts, 2 a token, windows of 8; six layers
         from transformers import AutoModelForCausalLM
 
@@ -161,6 +163,25 @@ def _latent(kind):
     return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=13).eval()
 
 
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _hybrid(kind):
+    """Qwen3-Next (MoE with a gated shared expert; a dense MLP in layer 2), Qwen3.5 and Qwen3.5-MoE
+    over six layers, gated delta-rule linear attention in all but layers 3 and 5 (tests/families.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import FAMILIES, perturbed
+
+    cfg = FAMILIES[kind].config(300)
+    cfg.num_hidden_layers = 6
+    cfg.layer_types = ["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"]
+    if kind == "qwen3_next":
+        cfg.mlp_only_layers = [2]
+    torch.manual_seed(14)
+    return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=14).eval()
+
+
 def _glm4_moe():
     """GLM-4.5's layout at toy size (tests/families.py): a dense first layer, then 8 routed experts (2
     a token) in two groups of which one is kept, a shared expert, scores corrected by a bias and
@@ -201,7 +222,8 @@ def _run(model, batch, need_final, **kw):
 
 @pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gemma3",
                                   "gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "olmo2", "smollm3",
-                                  "seed_oss", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite"])
+                                  "seed_oss", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next",
+                                  "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -213,6 +235,10 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     model = _target(kind)
     batch = _packed(*BATCHES[layout], vocab=text_config(model.config).vocab_size)
     assert rows_hold_one_document(batch.document_ids, batch.position_ids) == (layout == "one-document-rows")
+    if kind in HYBRIDS and documents == "flex":  # linear attention reads whole documents: refused, one line
+        with pytest.raises(ValueError, match="linear-attention layers read whole documents"):
+            _run(model, batch, need_final, forward="packed", document_attention=documents)
+        return
     ref = _run(model, batch, need_final)
     got = _run(model, batch, need_final, forward="packed", document_attention=documents)
     assert got.taps.shape == ref.taps.shape and got.taps.abs().max() > 0
@@ -223,7 +249,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
     wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral", "olmo2", "smollm3",
-            "seed_oss", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite")
+            "seed_oss", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe")
     if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gemma3", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, **tol)

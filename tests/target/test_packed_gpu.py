@@ -52,12 +52,15 @@ def test_a_batch_already_on_the_gpu_gives_the_taps_of_one_moved_there(forward):
 
 
 @needs_gpu
-@pytest.mark.parametrize("documents", ["gather", "flex"])
-@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe_lite"])
-def test_compiled_latent_attention_equals_the_hugging_face_forward_on_gpu(kind, documents):
+@pytest.mark.parametrize("kind, documents", [("deepseek_v3", "gather"), ("deepseek_v3", "flex"),
+                                             ("glm4_moe_lite", "flex"), ("qwen3_5", "gather"),
+                                             ("qwen3_5_moe", "gather")])
+def test_compiled_families_equal_the_hugging_face_forward_on_gpu(kind, documents):
     """DeepSeek-V3's and GLM-4.7-Flash's latent attention (keys wider than values, padded for the
-    kernels) and GLM's router, compiled, in float32: the taps and final states of transformers'
-    own forward, on documents that cross FlexAttention's 128-token tiles."""
+    kernels) and GLM's router; Qwen3.5 and Qwen3.5-MoE (the model's linear-attention modules on the
+    gathered documents, gated attention and shared experts), compiled, in float32: the taps and
+    final states of transformers' own forward, on documents that cross FlexAttention's 128-token
+    tiles."""
     model = _fresh(kind).cuda()
     batch = _packed([100, 57, 200, 31, 140, 90, 300, 12], [[0, 1, 2], [3, 4, 5], [6, 7]], vocab=300)
     out = {}

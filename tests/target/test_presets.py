@@ -27,10 +27,12 @@ def test_llama_70b_has_the_checkpoints_parameters():
     ("qwen3-235b-a22b", 235.1, 22.2, 128, 8),
     ("qwen3-30b-a3b", 30.5, 3.3, 128, 8),
     ("mixtral-8x7b", 46.7, 12.9, 8, 2),
+    ("qwen3.5-35b-a3b", 34.7, 3.5, 256, 8),
 ])
 def test_moe_presets_have_the_published_total_and_active_parameters(name, total_b, active_b, experts, routed):
     """Qwen3-235B-A22B: 235B in all, 22B active; Qwen3-30B-A3B: 30.5B and 3.3B (model cards; the
-    30B's 30,532,122,624 exactly, as KerasHub lists it); Mixtral-8x7B: 46.7B and 12.9B (its paper)."""
+    30B's 30,532,122,624 exactly, as KerasHub lists it); Mixtral-8x7B: 46.7B and 12.9B (its paper);
+    Qwen3.5-35B-A3B: 35B and 3B by its name (34.7B and 3.5B counted with the embeddings)."""
     total, expert = _parameters(name)
     if name == "qwen3-30b-a3b":
         assert total == 30_532_122_624

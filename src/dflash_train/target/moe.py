@@ -101,8 +101,9 @@ def routing_of(mlp: nn.Module) -> dict:
     sigmoid scores chosen with a correction bias within the best groups (GLM-4.5,
     `e_score_correction_bias`), the chosen weights then scaled."""
     gate = mlp.gate
-    if not hasattr(gate, "norm_topk_prob"):  # Mixtral's router: always renormalised, the weights kept in float32
-        return {"top_k": int(gate.top_k), "renormalise": True, "float32_weights": True}
+    if not hasattr(gate, "norm_topk_prob"):  # always renormalised: Mixtral's router keeps the weights in
+        # float32, Qwen3.5-MoE's (the one with a gated shared expert) casts them to the input's dtype
+        return {"top_k": int(gate.top_k), "renormalise": True, "float32_weights": not hasattr(mlp, "shared_expert_gate")}
     options = {"top_k": int(gate.top_k), "renormalise": bool(gate.norm_topk_prob)}
     if hasattr(gate, "e_score_correction_bias"):
         options.update(scoring="sigmoid", groups=int(gate.num_group), top_groups=int(gate.topk_group),

@@ -43,7 +43,8 @@ projections are read as row blocks (target/language_model.py). Gemma 2/3 text st
 inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py); OLMo 2 (target/packed_olmo2.py:
 norms after attention and the MLP, q/k normed over their projection); gpt-oss
 (target/packed_gpt_oss.py: sinks, biased experts); DeepSeek-V3 and GLM-4.7-Flash (target/packed_mla.py:
-latent attention, GLM's router).
+latent attention, GLM's router); the hybrids Qwen3-Next and Qwen3.5 (target/packed_hybrid.py: their
+linear-attention modules on the gathered documents, gated attention, gated shared experts).
 Sliding-window layers (Mistral's and Mixtral's window, Qwen2/3's `use_sliding_window`, Gemma's
 and gpt-oss's local layers) attend through FlexAttention under a windowed causal-within-document
 block mask. Anything else is refused (use `target.forward: hf`).
@@ -80,6 +81,16 @@ from dflash_train.target.packed_gemma import (
     pre_attention_gemma,
 )
 from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.packed_hybrid import (
+    HYBRID_MODEL_TYPES,
+    HybridLayerWeights,
+    experts_with_gated_shared_expert,
+    linear_attention,
+    post_attention_hybrid,
+    post_mixer_hybrid,
+    pre_attention_gated,
+    zero_centred_norm,
+)
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, mla_attention_weights, pre_attention_mla, values_only
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
 from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
@@ -88,7 +99,8 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES)
+                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES,
+                         *HYBRID_MODEL_TYPES)
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -133,7 +145,8 @@ def check_packed_support(model: nn.Module) -> None:
     scaled = cfg.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
     if unsharded_type(inner.embed_tokens) is not nn.Embedding and not scaled:  # a kind not reproduced
         raise UnsupportedTarget(f"embedding {unsharded_type(inner.embed_tokens).__name__} is not supported{_HINT}")
-    laid_out = experts_as_gpt_oss_stores_them if cfg.model_type == "gpt_oss" else experts_as_tensors
+    laid_out = experts_as_gpt_oss_stores_them if cfg.model_type == "gpt_oss" else \
+        experts_with_gated_shared_expert if cfg.model_type in HYBRID_MODEL_TYPES else experts_as_tensors
     if not all(laid_out(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
                                 f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
@@ -238,9 +251,10 @@ class _LayerWeights:
             raise UnsupportedTarget("a decoder layer mixes float8 and plain projections")
 
 
-def _layer_weights(layer: nn.Module, cfg, window: int | None,
-                   rope: str | None) -> _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights:
+def _layer_weights(layer: nn.Module, cfg, window: int | None, rope: str | None) -> LayerWeights:
     """One layer's weights; `window` its sliding window, `rope` its RoPE table (`layer_rope_tables`)."""
+    if cfg.model_type in HYBRID_MODEL_TYPES:
+        return HybridLayerWeights(layer)
     if cfg.model_type == "olmo2":
         return Olmo2LayerWeights(layer, window)
     if cfg.model_type == "gpt_oss":
@@ -250,6 +264,9 @@ def _layer_weights(layer: nn.Module, cfg, window: int | None,
     weights = _LayerWeights(layer, latent=cfg.model_type in MLA_MODEL_TYPES)
     weights.window, weights.layer_type = window, rope
     return weights
+
+
+LayerWeights = _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights | HybridLayerWeights
 
 
 class PackedForward:
@@ -272,9 +289,11 @@ class PackedForward:
         self.sharded = any(isinstance(m, FSDPModule) for m in (model, *inner.layers))
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        attn = inner.layers[0].self_attn
+        attn = next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))  # (hybrids: some)
         self.head_dim = getattr(attn, "head_dim", None) or attn.qk_head_dim  # (latent attention: the keys' width)
-        self.scale = float(inner.layers[0].self_attn.scaling)
+        self.scale = float(attn.scaling)
+        # hybrids' linear-attention layers read whole documents: they take the gathered layout
+        self.linear_layers = any(getattr(lay, "mixer", None) is not None for lay in self.layers)
         self.window = next((lay.window for lay in self.layers if lay.window), None)
         self.sdpa = sdpa
         self.compile = compile
@@ -293,6 +312,12 @@ class PackedForward:
             compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
         self.post_attention_gpt_oss: Callable[..., Tensor] = \
             compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
+        self.pre_attention_gated: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = \
+            compiled_once(pre_attention_gated) if compile else pre_attention_gated
+        self.post_attention_hybrid: Callable[..., Tensor] = \
+            compiled_once(post_attention_hybrid, fullgraph=False) if compile else post_attention_hybrid
+        self.post_mixer_hybrid: Callable[..., Tensor] = \
+            compiled_once(post_mixer_hybrid, fullgraph=False) if compile else post_mixer_hybrid
         self.pre_attention_mla: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
             compiled_once(pre_attention_mla) if compile else pre_attention_mla
         self.post_attention_mla: Callable[..., Tensor] = \
@@ -306,7 +331,7 @@ class PackedForward:
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
         self.score_mod = soft_capped(float(cap)) if cap else None
         self.flex_every_layer = cfg.model_type == "gpt_oss" or self.score_mod is not None
-        self.final_norm = gemma_rms_norm if self.gemma else \
+        self.final_norm = gemma_rms_norm if self.gemma or cfg.model_type in HYBRID_MODEL_TYPES else \
             functools.partial(rms_norm, scale_in_float32=cfg.model_type in ("gpt_oss", "olmo2"))
 
     def layers_to_run(self, need_final: bool) -> int:
@@ -368,10 +393,7 @@ class PackedForward:
             for i in indices:
                 lay = self.layers[i] if not self.sharded else \
                     _layer_weights(self.inner.layers[i], self.cfg, self.windows[i], self.ropes[i])
-                q, k, v = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
-                                                    n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
-                attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
-                x = getattr(self, lay.post_fn)(x, attn, *lay.post, **lay.post_kwargs)
+                x = self._layer(lay, x, ropes, layout, window_mask)
                 for j in slots.get(i, ()):
                     taps[..., j * H:(j + 1) * H] = x
         pad = (document_ids < 0)[..., None]
@@ -380,6 +402,17 @@ class PackedForward:
         if need_final:
             final = self.final_norm(x, self.inner.norm.weight, self.norm_eps).masked_fill_(pad, 0)
         return taps, final
+
+    def _layer(self, lay: LayerWeights, x: Tensor, ropes: dict, layout: DocumentLayout | BlockMask | None,
+               window_mask: BlockMask | None) -> Tensor:
+        """One decoder layer: its token mixer, then the rest of the layer (norms, MLP, residuals)."""
+        if getattr(lay, "mixer", None) is not None:  # a hybrid's linear attention (target/packed_hybrid.py)
+            mixed = linear_attention(lay.mixer, zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), layout)
+            return self.post_mixer_hybrid(x, mixed, *lay.post, **lay.post_kwargs)
+        q, k, v, *gate = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
+                                                   n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
+        attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
+        return getattr(self, lay.post_fn)(x, attn, *gate, *lay.post, **lay.post_kwargs)  # (gate: hybrids' attention)
 
     def _rope_tables(self, x: Tensor, position_ids: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
         """(cos, sin) [R, S, 1, D] by table name, as the model's own forward computes them (Gemma 3's

@@ -102,6 +102,17 @@ PRESETS: dict[str, dict] = {
                         linear_conv_kernel_dim=4, vocab_size=248320, rms_norm_eps=1e-6,
                         max_position_embeddings=262144, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
                         tie_word_embeddings=False),
+    # Qwen3.5-35B-A3B: the hybrid stack of the 27B's kind (three linear-attention layers, then gated
+    # attention) with 256 experts (8 a token) and a gated shared expert in every layer
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
+                            rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25}),
     # tiny, for CPU tests of the benchmark itself
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,

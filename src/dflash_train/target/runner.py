@@ -76,6 +76,9 @@ class TargetRunner:
             raise ValueError(f"document attention {document_attention!r}: use gather, or flex with forward='packed'")
         self.document_attention = document_attention
         self.packed = PackedForward(model, self.layer_ids, sdpa=sdpa, compile=compile) if forward == "packed" else None
+        if self.packed is not None and self.packed.linear_layers and document_attention == "flex":
+            raise ValueError("target.document_attention: flex keeps documents apart inside attention, but this "
+                             "target's linear-attention layers read whole documents: use document_attention gather")
         if self.packed is not None:
             return  # no hooks: the packed forward stops after the last layer it needs by itself
         last = max(self.layer_ids)
