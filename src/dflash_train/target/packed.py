@@ -266,6 +266,19 @@ def _layer_weights(layer: nn.Module, cfg, window: int | None, rope: str | None) 
     return weights
 
 
+# the layer functions by name -> (function, whether it compiles as one graph: the experts' grouped GEMM
+# may break the graph on some PyTorch builds, so functions that run experts are not fullgraph)
+LAYER_FUNCTIONS: dict[str, tuple[Callable, bool]] = {
+    "pre_attention": (pre_attention, True), "post_attention": (post_attention, True),
+    "post_attention_moe": (post_attention_moe, False),
+    "pre_attention_gemma": (pre_attention_gemma, True), "post_attention_gemma": (post_attention_gemma, True),
+    "pre_attention_gpt_oss": (pre_attention_gpt_oss, True), "post_attention_gpt_oss": (post_attention_gpt_oss, False),
+    "pre_attention_gated": (pre_attention_gated, True), "post_attention_hybrid": (post_attention_hybrid, False),
+    "post_mixer_hybrid": (post_mixer_hybrid, False),
+    "pre_attention_mla": (pre_attention_mla, True), "post_attention_mla": (post_attention_mla, False),
+    "pre_attention_olmo2": (pre_attention_olmo2, True), "post_attention_olmo2": (post_attention_olmo2, True),
+}
+
 LayerWeights = _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2LayerWeights | HybridLayerWeights
 
 
@@ -297,35 +310,13 @@ class PackedForward:
         self.window = next((lay.window for lay in self.layers if lay.window), None)
         self.sdpa = sdpa
         self.compile = compile
-        # what every layer calls: the plain functions, or their compiled versions
-        self.pre_attention: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention) if compile else pre_attention
-        self.post_attention: Callable[..., Tensor] = compiled_once(post_attention) if compile else post_attention
-        # the experts' grouped GEMM may break the graph on some PyTorch builds: not fullgraph
-        self.post_attention_moe: Callable[..., Tensor] = \
-            compiled_once(post_attention_moe, fullgraph=False) if compile else post_attention_moe
-        self.pre_attention_gemma: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention_gemma) if compile else pre_attention_gemma
-        self.post_attention_gemma: Callable[..., Tensor] = \
-            compiled_once(post_attention_gemma) if compile else post_attention_gemma
-        self.pre_attention_gpt_oss: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention_gpt_oss) if compile else pre_attention_gpt_oss
-        self.post_attention_gpt_oss: Callable[..., Tensor] = \
-            compiled_once(post_attention_gpt_oss, fullgraph=False) if compile else post_attention_gpt_oss
-        self.pre_attention_gated: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention_gated) if compile else pre_attention_gated
-        self.post_attention_hybrid: Callable[..., Tensor] = \
-            compiled_once(post_attention_hybrid, fullgraph=False) if compile else post_attention_hybrid
-        self.post_mixer_hybrid: Callable[..., Tensor] = \
-            compiled_once(post_mixer_hybrid, fullgraph=False) if compile else post_mixer_hybrid
-        self.pre_attention_mla: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention_mla) if compile else pre_attention_mla
-        self.post_attention_mla: Callable[..., Tensor] = \
-            compiled_once(post_attention_mla, fullgraph=False) if compile else post_attention_mla
-        self.pre_attention_olmo2: Callable[..., tuple[Tensor, Tensor, Tensor]] = \
-            compiled_once(pre_attention_olmo2) if compile else pre_attention_olmo2
-        self.post_attention_olmo2: Callable[..., Tensor] = \
-            compiled_once(post_attention_olmo2) if compile else post_attention_olmo2
+        # what every layer calls, by the names its weights give (`pre_fn`, `post_fn`): the plain
+        # functions, or their versions compiled once per process
+        for name, (function, whole_graph) in LAYER_FUNCTIONS.items():
+            if not compile:
+                setattr(self, name, function)
+            else:
+                setattr(self, name, compiled_once(function) if whole_graph else compiled_once(function, fullgraph=False))
         # gpt-oss's sinks need FlexAttention's log-sum-exp, Gemma 2's soft-capped scores its
         # score_mod: every layer attends on the packed rows
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
