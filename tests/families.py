@@ -177,9 +177,12 @@ def _glm4_moe_lite(vocab):
 
 
 def _minimax_m2(vocab):
+    """MiniMax-M2: q/k normed over the whole projection, RoPE over half a head, a sigmoid router with
+    the block's score correction bias."""
     from transformers import MiniMaxM2Config
 
-    return MiniMaxM2Config(**_COMMON, vocab_size=vocab, head_dim=16, num_local_experts=8, num_experts_per_tok=2)
+    return MiniMaxM2Config(**_COMMON, vocab_size=vocab, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                           rotary_dim=8)
 
 
 def _lfm2(vocab):

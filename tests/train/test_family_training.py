@@ -98,13 +98,13 @@ def test_gemma2_heads_carry_the_logit_cap_whole_or_split(family_runs, tmp_path):
 def test_packed_forward_on_a_family_it_does_not_take_is_one_line_before_it_loads(family_runs, tmp_path, capsys,
                                                                                   refuse_models):
     _, data = family_runs["gemma2"]
-    target = tmp_path / "minimax_m2"
-    save_tiny_family("minimax_m2", target)  # its router and q/k norms: the Hugging Face forward only
+    target = tmp_path / "lfm2"
+    save_tiny_family("lfm2", target)  # short convolutions between attention layers: the Hugging Face forward only
     assert main(cli_args(demo_overrides(target, data, tmp_path / "run", **{"target.forward": "packed"}))) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train train: error")]
     assert len(err) == 1 and err[0].startswith(
         f"dflash-train train: error: target.forward=packed: the packed target forward supports "
-        f"{', '.join(PACKED_MODEL_TYPES)} decoders, not 'minimax_m2'; use target.forward: hf for this model"), err
+        f"{', '.join(PACKED_MODEL_TYPES)} decoders, not 'lfm2'; use target.forward: hf for this model"), err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -8,7 +8,7 @@ options that say which family's op sequence runs:
 
     llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE, Mixtral and GLM-4.5 (target/moe.py;
              GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks),
-             SmolLM3, Seed-OSS
+             SmolLM3, Seed-OSS, MiniMax-M2 (q/k normed over the whole projection, a sigmoid router)
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
@@ -76,10 +76,12 @@ def pre_attention(
                          head_dim=head_dim)
     h = norm(x, ln1_w, eps, kind)
     lead = h.shape[:-1]
-    q = F.linear(h, wq, bq).view(*lead, n_heads, head_dim)
-    k = F.linear(h, wk, bk).view(*lead, n_kv, head_dim)
-    v = F.linear(h, wv, bv).view(*lead, n_kv, head_dim)
-    if qn_w is not None and kn_w is not None:  # Qwen3, Gemma 3: a norm over head_dim before RoPE
+    q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    whole = qn_w is not None and qn_w.shape[-1] != head_dim  # MiniMax-M2: q/k normed over the whole projection
+    if whole:
+        q, k = norm(q, qn_w, qk_eps, kind), norm(k, kn_w, qk_eps, kind)
+    q, k, v = q.view(*lead, n_heads, head_dim), k.view(*lead, n_kv, head_dim), v.view(*lead, n_kv, head_dim)
+    if qn_w is not None and not whole:  # Qwen3, Gemma 3: a norm over head_dim before RoPE
         q = norm(q, qn_w, qk_eps, kind)
         k = norm(k, kn_w, qk_eps, kind)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

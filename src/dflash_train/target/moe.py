@@ -99,8 +99,11 @@ def experts_as_tensors(mlp: nn.Module) -> bool:
 def routing_of(mlp: nn.Module) -> dict:
     """The router's options as `moe_mlp` takes them: softmax over the experts (Qwen3-MoE), or
     sigmoid scores chosen with a correction bias within the best groups (GLM-4.5,
-    `e_score_correction_bias`), the chosen weights then scaled."""
+    `e_score_correction_bias`; MiniMax-M2: one group), the chosen weights then scaled."""
     gate = mlp.gate
+    if hasattr(mlp, "e_score_correction_bias"):  # MiniMax-M2: sigmoid scores and the block's bias, no groups
+        return {"top_k": int(gate.top_k), "renormalise": True, "scoring": "sigmoid", "groups": 1, "top_groups": 1,
+                "scale": 1.0}
     if not hasattr(gate, "norm_topk_prob"):  # always renormalised: Mixtral's router keeps the weights in
         # float32, Qwen3.5-MoE's (the one with a gated shared expert) casts them to the input's dtype
         return {"top_k": int(gate.top_k), "renormalise": True, "float32_weights": not hasattr(mlp, "shared_expert_gate")}
@@ -112,8 +115,9 @@ def routing_of(mlp: nn.Module) -> dict:
 
 
 def router_bias(mlp: nn.Module) -> Tensor | None:
-    """The bias a sigmoid router adds to its scores to choose experts (never to weigh them)."""
-    return getattr(mlp.gate, "e_score_correction_bias", None)
+    """The bias a sigmoid router adds to its scores to choose experts (never to weigh them): the
+    router's (GLM-4.5, DeepSeek-V3) or the block's (MiniMax-M2)."""
+    return getattr(mlp.gate, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
 
 
 def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool,

@@ -34,9 +34,9 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, Phi-3, SmolLM3 (every fourth layer
-without RoPE) and Seed-OSS decoders: pre-norm
-RMSNorm blocks, GQA, optional q/k RMSNorm, optional biases, a SiLU-gated MLP or a mixture of
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, Phi-3, SmolLM3 (every
+fourth layer without RoPE) and Seed-OSS decoders: pre-norm
+RMSNorm blocks, GQA, optional q/k RMSNorm (per head, or over the whole projection), optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
 projections are read as row blocks (target/language_model.py). Gemma 2/3 text stacks, also
@@ -99,7 +99,7 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES,
+                         "smollm3", "seed_oss", "minimax_m2", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES,
                          *HYBRID_MODEL_TYPES)
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -161,8 +161,10 @@ def pre_attention(
     h = rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
     q, k, v = project(h, (q_p, k_p, v_p))
+    if qn_w is not None and qn_w.shape[-1] != head_dim:  # MiniMax-M2: q/k RMSNorm over the whole projection
+        q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
     q, k, v = q.view(R, S, n_heads, head_dim), k.view(R, S, n_kv, head_dim), v.view(R, S, n_kv, head_dim)
-    if qn_w is not None and kn_w is not None:  # Qwen3: RMSNorm over head_dim before RoPE
+    if qn_w is not None and qn_w.shape[-1] == head_dim:  # Qwen3: RMSNorm over head_dim before RoPE
         q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return (q, *repeat_kv(k, v, n_heads))
