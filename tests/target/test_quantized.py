@@ -1,0 +1,106 @@
+"""Checkpoints saved quantized (target/quantized.py): a block-FP8 checkpoint, as DeepSeek-V3 and
+MiniMax-M2 ship theirs, loads dequantized on every path (the whole model, the embedding and LM
+head alone, the layers a drafter copies), also where a GPU would let transformers keep it in FP8;
+methods that stay quantized (GPTQ, AWQ, bitsandbytes) leave the fast paths from their config,
+and a sharded target refuses any quantized checkpoint in one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_train.generate.decoder import UnsupportedModelError, check_supported_config
+from dflash_train.target.loading import load_decoder_layer_tensors, load_frozen_head_weights, load_target_model
+from dflash_train.target.packed import UnsupportedTarget, check_packed_config
+from dflash_train.target.quantized import stays_quantized
+from dflash_train.target.sharded import load_sharded_target
+from dflash_train.utils.errors import ModelError
+from tests.families import build_model
+
+BLOCK = 128
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8 weight, scale_inv [ceil(out/128), ceil(in/128)], the dequantized weight)."""
+    rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale, back = torch.empty(rows, cols), torch.empty_like(w)
+    for a in range(rows):
+        for b in range(cols):
+            block = (slice(a * BLOCK, (a + 1) * BLOCK), slice(b * BLOCK, (b + 1) * BLOCK))
+            scale[a, b] = w[block].abs().max() / 448.0
+            q[block] = (w[block] / scale[a, b]).to(torch.float8_e4m3fn)
+            back[block] = q[block].float() * scale[a, b]
+    return q, scale, back
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A Qwen3 target saved as transformers saves block-FP8 checkpoints; and its dequantized weights."""
+    directory = tmp_path_factory.mktemp("fp8-target")
+    model = build_model("qwen3", 300)
+    tensors, expected = {}, {}
+    for name, w in model.state_dict().items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            tensors[name], tensors[name + "_scale_inv"], expected[name] = _fp8_blocks(w)
+        else:
+            tensors[name] = expected[name] = w.contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, expected
+
+
+def test_an_fp8_checkpoint_loads_dequantized_even_where_a_gpu_would_keep_it_fp8(fp8_checkpoint, monkeypatch,
+                                                                               caplog):
+    directory, expected = fp8_checkpoint
+    # transformers keeps a pre-quantized FP8 checkpoint in float8 layers when it sees a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level(logging.INFO):
+        model = load_target_model(str(directory), dtype=torch.float32, device="cpu")
+    assert any("a fp8-quantized checkpoint, dequantized to float32" in r.getMessage() for r in caplog.records)
+    layer = model.model.layers[1]
+    assert type(layer.self_attn.q_proj) is torch.nn.Linear and layer.self_attn.q_proj.weight.dtype == torch.float32
+    for name, w in model.state_dict().items():
+        torch.testing.assert_close(w, expected[name], rtol=0, atol=0)
+    # the packed forward and the engines take it
+    check_packed_config(model.config)
+    check_supported_config(model.config)
+
+
+def test_heads_and_copied_layers_of_an_fp8_checkpoint_are_its_dequantized_weights(fp8_checkpoint):
+    directory, expected = fp8_checkpoint
+    embed, head = load_frozen_head_weights(str(directory), dtype=torch.float32)
+    assert torch.equal(embed, expected["model.embed_tokens.weight"]) and torch.equal(head, expected["lm_head.weight"])
+    layers = load_decoder_layer_tensors(str(directory), [2], dtype=torch.float32, device="cpu")
+    q = layers[2]["self_attn.q_proj.weight"]
+    assert q.dtype == torch.float32 and torch.equal(q, expected["model.layers.2.self_attn.q_proj.weight"])
+    assert not any(name.endswith("_scale_inv") for name in layers[2])
+
+
+@pytest.mark.parametrize("method", [{"quant_method": "gptq", "bits": 4, "group_size": 128},
+                                    {"quant_method": "bitsandbytes", "load_in_4bit": True}])
+def test_a_method_that_stays_quantized_leaves_the_fast_paths_from_its_config(method):
+    config = build_model("qwen3", 64).config
+    config.quantization_config = method
+    name = method["quant_method"]
+    assert stays_quantized(config) == name
+    with pytest.raises(UnsupportedTarget, match=f"a {name}-quantized checkpoint: the packed forward reads plain"):
+        check_packed_config(config)
+    with pytest.raises(UnsupportedModelError, match=f"a {name}-quantized checkpoint: the built-in engine reads"):
+        check_supported_config(config)
+
+
+def test_a_sharded_target_refuses_a_quantized_checkpoint_in_one_line(fp8_checkpoint):
+    directory, _ = fp8_checkpoint
+    with pytest.raises(ModelError) as exc:
+        load_sharded_target(str(directory), dtype=torch.float32, device=torch.device("cpu"), group=None)
+    message = str(exc.value)
+    assert len(message.splitlines()) == 1 and "a fp8-quantized checkpoint" in message
+    assert "pipeline.target_group_size 1" in message
