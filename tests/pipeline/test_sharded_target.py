@@ -18,6 +18,7 @@ from dflash_train.target.sharded import shard_rows
 from dflash_train.train.checkpoint import latest_checkpoint
 
 from ..conftest import prepare_dataset, synthetic_conversations
+from ..family_dirs import save_fp8_family
 from ..families import save_family
 from .test_pipeline import (  # noqa: F401 (the fixture ends a failed test's jobs)
     _direct, _free_port, _wait_for_checkpoint, finish, losses, no_job_outlives_its_test, run, single)
@@ -74,6 +75,23 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
                 # this rank's rows and no more, and the saved buffers whole (GLM's router bias)
                 assert r["read_bytes"] == (0 if target == "preset:tiny" else local + r["buffer_bytes"])
                 assert (r["buffer_bytes"] > 0) == target.endswith(("glm4_moe", "deepseek_v3"))
+
+
+def test_a_block_fp8_checkpoint_is_dequantized_row_by_row_as_each_rank_reads_its_shard(tmp_path):
+    """DeepSeek-V3's checkpoint layout (float8 weights, a float32 scale per 128 x 128 block) sharded
+    over 3 gloo processes, so that shard rows start inside blocks: every layer equals the whole
+    model transformers loads dequantized, on both forwards, and each rank holds 1/G of the bytes."""
+    target = tmp_path / "fp8-target"
+    save_fp8_family("qwen3", target)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={_free_port()}",
+           str(WORKER), str(tmp_path), str(target)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for rank in range(3):
+        r = json.loads((tmp_path / f"rank-{rank}.json").read_text())[str(target)]
+        assert r["sharded"] and max(max(d) for d in r["diffs"] + r["packed"]["diffs"]) <= 1e-5, (rank, r)
+        local, whole = r["bytes_loaded"]
+        assert abs(local / whole - 1 / 3) < 0.02, (rank, local, whole)
 
 
 def test_shard_rows_are_fsdp_chunks():

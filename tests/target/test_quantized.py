@@ -2,7 +2,8 @@
 MiniMax-M2 ship theirs, loads dequantized on every path (the whole model, the embedding and LM
 head alone, the layers a drafter copies), also where a GPU would let transformers keep it in FP8;
 methods that stay quantized (GPTQ, AWQ, bitsandbytes) leave the fast paths from their config,
-and a sharded target refuses any quantized checkpoint in one line."""
+and a sharded target, which dequantizes block-FP8 rows as it reads them, refuses the others in one
+line."""
 
 from __future__ import annotations
 
@@ -11,50 +12,32 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported_config
 from dflash_train.target.loading import load_decoder_layer_tensors, load_frozen_head_weights, load_target_model
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
 from dflash_train.target.quantized import stays_quantized
-from dflash_train.target.sharded import load_sharded_target
+from dflash_train.target.sharded import dequantized_rows, load_sharded_target
 from dflash_train.utils.errors import ModelError
 from tests.families import build_model
 
-BLOCK = 128
-
-
-def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (float8 weight, scale_inv [ceil(out/128), ceil(in/128)], the dequantized weight)."""
-    rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    scale, back = torch.empty(rows, cols), torch.empty_like(w)
-    for a in range(rows):
-        for b in range(cols):
-            block = (slice(a * BLOCK, (a + 1) * BLOCK), slice(b * BLOCK, (b + 1) * BLOCK))
-            scale[a, b] = w[block].abs().max() / 448.0
-            q[block] = (w[block] / scale[a, b]).to(torch.float8_e4m3fn)
-            back[block] = q[block].float() * scale[a, b]
-    return q, scale, back
-
+from ..family_dirs import FP8_BLOCK, fp8_blocks, save_fp8_family
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """A Qwen3 target saved as transformers saves block-FP8 checkpoints; and its dequantized weights."""
     directory = tmp_path_factory.mktemp("fp8-target")
-    model = build_model("qwen3", 300)
-    tensors, expected = {}, {}
-    for name, w in model.state_dict().items():
-        if ".layers." in name and name.endswith("proj.weight"):
-            tensors[name], tensors[name + "_scale_inv"], expected[name] = _fp8_blocks(w)
-        else:
-            tensors[name] = expected[name] = w.contiguous()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory, expected
+    return directory, save_fp8_family("qwen3", directory)
+
+
+def test_rows_of_a_block_fp8_weight_dequantize_as_the_whole_weight_does():
+    """The sharded reader's rows (any range, across blocks, a weight narrower than its last block)."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    q, scale, whole = fp8_blocks(w)
+    for start, stop in [(0, 300), (50, 260), (130, 131), (256, 300), (0, 1)]:
+        first, last = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
+        got = dequantized_rows(q[start:stop], scale[first:last], start, (FP8_BLOCK, FP8_BLOCK))
+        assert torch.equal(got, whole[start:stop]), (start, stop)
 
 
 def test_an_fp8_checkpoint_loads_dequantized_even_where_a_gpu_would_keep_it_fp8(fp8_checkpoint, monkeypatch,
@@ -97,10 +80,14 @@ def test_a_method_that_stays_quantized_leaves_the_fast_paths_from_its_config(met
         check_supported_config(config)
 
 
-def test_a_sharded_target_refuses_a_quantized_checkpoint_in_one_line(fp8_checkpoint):
-    directory, _ = fp8_checkpoint
+def test_a_sharded_target_refuses_a_checkpoint_quantized_other_than_block_fp8_in_one_line(tmp_path):
+    directory = tmp_path / "gptq"
+    save_fp8_family("qwen3", directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError) as exc:
         load_sharded_target(str(directory), dtype=torch.float32, device=torch.device("cpu"), group=None)
     message = str(exc.value)
-    assert len(message.splitlines()) == 1 and "a fp8-quantized checkpoint" in message
+    assert len(message.splitlines()) == 1 and "a gptq-quantized checkpoint" in message
     assert "pipeline.target_group_size 1" in message

@@ -19,7 +19,8 @@ each rank reads from the safetensors files only the rows of its shards
 `block_sparse_moe.experts.{e}.w1`) fill the stacked expert tensors transformers builds
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), by transformers' own
 conversion mapping read backwards (target/checkpoint_names.py): a rank's dim-0 shard is a range
-of experts, and it reads only those experts' tensors. A `preset:` target (a benchmark's random
+of experts, and it reads only those experts' tensors. A block-FP8 checkpoint (DeepSeek-V3's float8
+weights with a scale per 128 x 128 block) is dequantized row by row as it is read. A `preset:` target (a benchmark's random
 weights) draws each parameter whole, one at a time, and keeps its rows (`fill_random_shards`).
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoModelForCausalLM
@@ -101,21 +102,43 @@ def checkpoint_keys(directory: Path) -> dict[str, Path]:
 
 
 class ShardReader:
-    """Reads row ranges of checkpoint tensors, each file opened once."""
+    """Reads row ranges of checkpoint tensors, each file opened once; a block-FP8 checkpoint's
+    float8 weights (`block`: its weight_block_size) come out dequantized (`dequantized_rows`)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, block: tuple[int, int] | None = None):
         self.where = checkpoint_keys(directory)
+        self.block = block
         self._open: dict[Path, object] = {}
         self._stack = contextlib.ExitStack()
 
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def _slice(self, key: str):
         f = self.where[key]
         if f not in self._open:
             self._open[f] = self._stack.enter_context(safe_open(str(f), "pt"))
-        return self._open[f].get_slice(key)[start:stop]
+        return self._open[f].get_slice(key)
+
+    def rows(self, key: str, start: int, stop: int | None) -> torch.Tensor:
+        rows = self._slice(key)[start:stop]
+        scales = f"{key}_scale_inv"
+        if self.block is None or rows.dtype not in FLOAT8_DTYPES or scales not in self.where:
+            return rows
+        first, last = start // self.block[0], -(-(start + rows.shape[0]) // self.block[0])
+        return dequantized_rows(rows, self._slice(scales)[first:last], start, self.block)
 
     def close(self) -> None:
         self._stack.close()
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int, int]) -> Tensor:
+    """Rows start.. of a block-FP8 weight (DeepSeek-V3's layout: one float32 scale per block of
+    block[0] x block[1] weights; `scales` the rows of blocks these rows fall in) as float32."""
+    n, cols = rows.shape
+    offset = start - (start // block[0]) * block[0]  # where these rows start in their first block
+    per_weight = scales.float().repeat_interleave(block[0], 0)[offset:offset + n]
+    return rows.float() * per_weight.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def shard_rows(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -179,10 +202,11 @@ def _local_shards(model: nn.Module, rank: int, size: int
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: torch.dtype) -> None:
+def load_shards(model: nn.Module, directory: Path, rank: int, size: int, dtype: torch.dtype,
+                block: tuple[int, int] | None = None) -> None:
     """Fill every parameter's local shard (a DTensor sharded on dim 0), and every buffer the checkpoint
-    holds, from the checkpoint."""
-    reader, names = ShardReader(directory), CheckpointNames.of(getattr(model.config, "model_type", None))
+    holds, from the checkpoint (`block`: a block-FP8 checkpoint's weight_block_size)."""
+    reader, names = ShardReader(directory, block), CheckpointNames.of(getattr(model.config, "model_type", None))
     try:
         for name, source, _, local, rows in _local_shards(model, rank, size):
             if local.shape[0]:
@@ -217,7 +241,7 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
     """The frozen target sharded over `group` (this rank holds 1/G of each parameter), read shard by
     shard; `fp8`: its decoder linears float8 (target/fp8.py), each rank quantising only its rows."""
     if is_preset(spec):  # a benchmark's random weights of a real shape: nothing to read
-        source, config = None, preset_config(spec)
+        source, config, block = None, preset_config(spec), None
     else:
         source = resolve_model_source(spec)
         if source.gguf_file or not any(source.directory.glob("*.safetensors")):
@@ -225,11 +249,7 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
                              f"and this target has none: save it as a Hugging Face model directory, or use "
                              f"pipeline.target_group_size 1")
         config = load_config(source, trust_remote_code=trust_remote_code)
-        quantized = quantization_of(config)
-        if quantized is not None:  # its shards hold quantized tensors and their scales, not the model's weights
-            raise ModelError(f"sharded target {source.describe()}: a {quantized.get('quant_method', 'quantized')}-"
-                             f"quantized checkpoint; each rank reads plain tensors of its shard: save the target "
-                             f"dequantized (bf16) first, or use pipeline.target_group_size 1")
+        block = fp8_block_of(source, config)
     attn = resolve_attn_implementation(config, attn_implementation, trust_remote_code=trust_remote_code,
                                        option=attn_option)
     kwargs = {"attn_implementation": attn} if attn else {}
@@ -247,10 +267,24 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
     if source is None:
         fill_random_shards(model, rank, size, dtype)
     else:
-        load_shards(model, source.directory, rank, size, dtype)
+        load_shards(model, source.directory, rank, size, dtype, block)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def fp8_block_of(source, config) -> tuple[int, int] | None:
+    """The weight_block_size of a block-FP8 checkpoint (DeepSeek-V3, Kimi K2, MiniMax-M2), whose rows
+    the reader dequantizes; None for a plain one; a ModelError for other quantized checkpoints."""
+    quantized = quantization_of(config)
+    if quantized is None:
+        return None
+    block = quantized.get("weight_block_size")
+    if quantized.get("quant_method") == "fp8" and block and len(block) == 2:
+        return int(block[0]), int(block[1])
+    raise ModelError(f"sharded target {source.describe()}: a {quantized.get('quant_method', 'quantized')}-quantized "
+                     f"checkpoint; each rank reads plain or block-FP8 tensors of its shard: save the target "
+                     f"dequantized (bf16) first, or use pipeline.target_group_size 1")
 
 
 def is_sharded(model: nn.Module) -> bool:
