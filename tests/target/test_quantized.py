@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from dflash_train.generate.decoder import UnsupportedModelError, check_supported_config
+from dflash_train.target import loading
 from dflash_train.target.loading import load_decoder_layer_tensors, load_frozen_head_weights, load_target_model
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
-from dflash_train.target.quantized import stays_quantized
-from dflash_train.target.sharded import dequantized_rows, load_sharded_target
+from dflash_train.target.quantized import dequantized_rows, stays_quantized
+from dflash_train.target.sharded import load_sharded_target
 from dflash_train.utils.errors import ModelError
 from tests.families import build_model
 
@@ -57,8 +58,15 @@ def test_an_fp8_checkpoint_loads_dequantized_even_where_a_gpu_would_keep_it_fp8(
     check_supported_config(model.config)
 
 
-def test_heads_and_copied_layers_of_an_fp8_checkpoint_are_its_dequantized_weights(fp8_checkpoint):
+def test_heads_and_copied_layers_of_an_fp8_checkpoint_are_its_dequantized_weights(fp8_checkpoint, monkeypatch):
+    """Read from the files by name (a drafter rank never loads the whole target): the heads as they
+    are, the copied layers' float8 weights dequantized block by block."""
     directory, expected = fp8_checkpoint
+
+    def no_whole_model(*args, **kwargs):
+        raise AssertionError("the whole target was loaded")
+
+    monkeypatch.setattr(loading, "load_causal_lm", no_whole_model)
     embed, head = load_frozen_head_weights(str(directory), dtype=torch.float32)
     assert torch.equal(embed, expected["model.embed_tokens.weight"]) and torch.equal(head, expected["lm_head.weight"])
     layers = load_decoder_layer_tensors(str(directory), [2], dtype=torch.float32, device="cpu")

@@ -24,7 +24,8 @@ from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
-from dflash_train.target.quantized import dequantizing_config, quantization_of
+from dflash_train.target.quantized import (FLOAT8_DTYPES, dequantized_rows, dequantizing_config, fp8_block,
+                                           quantization_of)
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import missing_reason
 
@@ -318,8 +319,10 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
     checkpoint `model.language_model.layers.{i}.` or `language_model.model.layers.{i}.`, never a vision
     tower's layers); None if they are not found."""
     files = sorted(source.directory.glob("*.safetensors")) if not source.gguf_file else []
-    if files and quantization_of(load_config(source)) is not None:
-        return None  # quantized tensors: the model loads them dequantized
+    config = load_config(source) if files else None
+    block = fp8_block(config) if config is not None else None
+    if config is not None and quantization_of(config) is not None and block is None:
+        return None  # tensors quantized otherwise than in blocks: the model loads them dequantized
     index = source.directory / "model.safetensors.index.json"
     where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     keys = {}
@@ -336,9 +339,17 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
         with safe_open(str(f), "pt") as fh:
             for key in names:
                 for prefix, i in prefixes.items():
-                    if key.startswith(prefix):
-                        out[i][key[len(prefix):]] = fh.get_tensor(key)
+                    if key.startswith(prefix) and not key.endswith("_scale_inv"):
+                        out[i][key[len(prefix):]] = _plain(fh, key, block)
     return out if all(out.values()) else None
+
+
+def _plain(fh, key: str, block: tuple[int, int] | None) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file, a block-FP8 weight dequantized (target/quantized.py)."""
+    tensor = fh.get_tensor(key)
+    if block is None or tensor.dtype not in FLOAT8_DTYPES or f"{key}_scale_inv" not in fh.keys():
+        return tensor
+    return dequantized_rows(tensor, fh.get_tensor(f"{key}_scale_inv"), 0, block)
 
 
 def load_decoder_layer_tensors(spec: str, layer_ids: list[int], *, dtype, device, trust_remote_code: bool = False,

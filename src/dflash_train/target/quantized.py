@@ -7,13 +7,30 @@ integers). Where transformers can dequantize as it loads (the method's config ha
 the target loads dequantized into the run's dtype: every path then takes it, and `target.fp8`
 can quantize its decoder linears again, row by row. A method that stays quantized leaves the
 model's own forward: the fast paths refuse it from its config, before any weight loads.
+
+Where the project reads checkpoint tensors itself (a sharded target's rows, the layers a drafter
+copies), block-FP8 weights are dequantized here (`dequantized_rows`), as transformers does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from dflash_train.target.language_model import text_config
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int, int]) -> Tensor:
+    """Rows start.. of a block-FP8 weight (DeepSeek-V3's layout: one float32 scale per block of
+    block[0] x block[1] weights; `scales` the rows of blocks these rows fall in) as float32."""
+    n, cols = rows.shape
+    offset = start - (start // block[0]) * block[0]  # where these rows start in their first block
+    per_weight = scales.float().repeat_interleave(block[0], 0)[offset:offset + n]
+    return rows.float() * per_weight.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def quantization_of(config: Any) -> dict | None:
@@ -50,3 +67,12 @@ def stays_quantized(config: Any) -> str | None:
     if q is None or dequantizing_config(config) is not None:
         return None
     return str(q.get("quant_method", "unknown"))
+
+
+def fp8_block(config: Any) -> tuple[int, int] | None:
+    """The weight_block_size of a block-FP8 checkpoint (quant_method fp8), else None."""
+    q = quantization_of(config)
+    block = (q or {}).get("weight_block_size")
+    if q is None or q.get("quant_method") != "fp8" or not block or len(block) != 2:
+        return None
+    return int(block[0]), int(block[1])

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoModelForCausalLM
@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.checkpoint_names import CheckpointNames
 from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
-from dflash_train.target.quantized import quantization_of
+from dflash_train.target.quantized import FLOAT8_DTYPES, dequantized_rows, fp8_block, quantization_of
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
 from dflash_train.target.presets import initialise_, is_preset, preset_config
@@ -127,18 +127,6 @@ class ShardReader:
 
     def close(self) -> None:
         self._stack.close()
-
-
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int, int]) -> Tensor:
-    """Rows start.. of a block-FP8 weight (DeepSeek-V3's layout: one float32 scale per block of
-    block[0] x block[1] weights; `scales` the rows of blocks these rows fall in) as float32."""
-    n, cols = rows.shape
-    offset = start - (start // block[0]) * block[0]  # where these rows start in their first block
-    per_weight = scales.float().repeat_interleave(block[0], 0)[offset:offset + n]
-    return rows.float() * per_weight.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def shard_rows(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -276,12 +264,9 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
 def fp8_block_of(source, config) -> tuple[int, int] | None:
     """The weight_block_size of a block-FP8 checkpoint (DeepSeek-V3, Kimi K2, MiniMax-M2), whose rows
     the reader dequantizes; None for a plain one; a ModelError for other quantized checkpoints."""
-    quantized = quantization_of(config)
-    if quantized is None:
-        return None
-    block = quantized.get("weight_block_size")
-    if quantized.get("quant_method") == "fp8" and block and len(block) == 2:
-        return int(block[0]), int(block[1])
+    quantized, block = quantization_of(config), fp8_block(config)
+    if quantized is None or block is not None:
+        return block
     raise ModelError(f"sharded target {source.describe()}: a {quantized.get('quant_method', 'quantized')}-quantized "
                      f"checkpoint; each rank reads plain or block-FP8 tensors of its shard: save the target "
                      f"dequantized (bf16) first, or use pipeline.target_group_size 1")
