@@ -77,9 +77,10 @@ def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compi
 @pytest.mark.parametrize("attention", ["dense", "flex"])
 @pytest.mark.parametrize("name", ["gpt_oss", "glm4_moe", "mixtral", "minimax_m2", "deepseek_v3", "glm4_moe_lite"])
 def test_gpu_engine_graphs_the_experts_in_bfloat16_as_eager_runs_them(name, attention):
-    """gpt-oss, GLM-4.5 (a sigmoid router choosing within groups), Mixtral, MiniMax-M2, and DeepSeek-V3 and
-    GLM-4.7-Flash (latent attention from the cached latent) in bfloat16 on a Hopper GPU: the experts' grouped GEMM keeps its offsets on the device, so the decode step is
-    captured, and its replays give the eager step's tokens."""
+    """gpt-oss, GLM-4.5 (a sigmoid router choosing within groups), Mixtral, MiniMax-M2, and DeepSeek-V3
+    and GLM-4.7-Flash (latent attention from the cached latent) in bfloat16 on a Hopper GPU: the
+    experts' grouped GEMM keeps its offsets on the device, so the decode step is captured, and its
+    replays give the eager step's tokens."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PyTorch's bfloat16 grouped GEMM kernel needs a Hopper or newer GPU")
     model = build_model(name, 300).cuda().to(torch.bfloat16)

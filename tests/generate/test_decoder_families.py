@@ -31,9 +31,9 @@ from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
 NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
-# and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE and
-# Seed-OSS's biased output projection, MiniMax-M2's q/k norms over the projection; latent attention (DeepSeek-V3, GLM-4.7-Flash) decoded from its
-# cached latent
+# and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE,
+# Seed-OSS's biased output projection, MiniMax-M2's q/k norms over the projection; latent attention
+# (DeepSeek-V3, GLM-4.7-Flash) decoded from its cached latent
 EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss", "minimax_m2", "deepseek_v3", "glm4_moe_lite"]
 LAYERS = [0, 2]
 

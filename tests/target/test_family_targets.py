@@ -9,7 +9,7 @@ import torch
 
 from dflash_train.drafter.config import DrafterSpec, build_drafter_config, mismatches_with_target
 from dflash_train.target.language_model import (final_logit_scale, final_logit_softcap, find_decoder_layers,
-                                                find_final_norm,                                                language_model, text_config)
+                                                find_final_norm, language_model, text_config)
 from dflash_train.target.loading import load_decoder_layer_tensors, load_frozen_head_weights, text_tensor_key
 from dflash_train.target.runner import TargetRunner
 from tests.families import FAMILIES, LAYERS, build_model

@@ -49,7 +49,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_train.target.ops import soft_cap
 from dflash_train.target.packed_gemma import soft_capped
 from dflash_train.utils.compile import compiled_once
-from dflash_train.utils.flex_masks import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM, LSE_REQUEST, TILE, BlockMask, output_and_lse
+from dflash_train.utils.flex_masks import (FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM, LSE_REQUEST, TILE, BlockMask,
+                                           output_and_lse)
 
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]  # (p, q, key) -> visible, broadcasting
 AttentionKind = Literal["dense", "flex"]

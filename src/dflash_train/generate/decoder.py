@@ -13,8 +13,9 @@ by `prefill` while the others keep decoding. `decode` has a fixed shape for a gi
 capture it in a CUDA graph.
 
 Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, whose experts run as
-one grouped GEMM: target/moe.py; SmolLM3, some layers without RoPE; Seed-OSS), Gemma 2 and Gemma 3 (text, or the text decoder of the
-multimodal model) and gpt-oss; any static RoPE variant transformers provides (default, linear,
+one grouped GEMM: target/moe.py; SmolLM3, some layers without RoPE; Seed-OSS; MiniMax-M2), Gemma 2
+and Gemma 3 (text, or the text decoder of the multimodal model), gpt-oss, and latent attention
+(DeepSeek-V3, GLM-4.7-Flash: the latent cached as one head, target/packed_mla.py); any static RoPE variant transformers provides (default, linear,
 llama3, yarn, ...), Gemma 3's table per layer type (`layer_rope_tables`), tied or untied lm_head. A sliding-window
 layer keeps a ring of its last W + 2B positions (W its window, B the widest block `verify` takes;
 generate/attention.py `ring_rule`) where that is shorter than the cache, so a rejected draft is
@@ -67,7 +68,8 @@ def check_supported_config(config) -> None:
     cfg = text_config(config)
     quantized = stays_quantized(config)
     if quantized:
-        raise UnsupportedModelError(f"a {quantized}-quantized checkpoint: the built-in engine reads plain weights{_HINT}")
+        raise UnsupportedModelError(f"a {quantized}-quantized checkpoint: the built-in engine reads plain "
+                                    f"weights{_HINT}")
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"the built-in engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not "

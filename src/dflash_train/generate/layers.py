@@ -109,7 +109,8 @@ def post_attention(
     wd, bd), with `top_k` a mixture's (wo, bo, ln2, router, router bias, gate_up, down, shared
     wg, wu, wd: GLM-4.5's bias and shared experts, None for Qwen3-MoE; `routing` the rest of
     target/moe.py's routing_of), after W_uv for latent attention (kind mla); Gemma's and gpt-oss's
-    as their packed-forward functions take them. A kind is a fixed argument count, so a compiled version traces each kind once."""
+    as their packed-forward functions take them. A kind is a fixed argument count, so a compiled
+    version traces each kind once."""
     if kind == "gemma":
         return post_attention_gemma(x, attn_out, *weights, eps=eps)
     if kind == "gpt_oss":

@@ -106,7 +106,8 @@ def routing_of(mlp: nn.Module) -> dict:
                 "scale": 1.0}
     if not hasattr(gate, "norm_topk_prob"):  # always renormalised: Mixtral's router keeps the weights in
         # float32, Qwen3.5-MoE's (the one with a gated shared expert) casts them to the input's dtype
-        return {"top_k": int(gate.top_k), "renormalise": True, "float32_weights": not hasattr(mlp, "shared_expert_gate")}
+        return {"top_k": int(gate.top_k), "renormalise": True,
+                "float32_weights": not hasattr(mlp, "shared_expert_gate")}
     options = {"top_k": int(gate.top_k), "renormalise": bool(gate.norm_topk_prob)}
     if hasattr(gate, "e_score_correction_bias"):
         options.update(scoring="sigmoid", groups=int(gate.num_group), top_groups=int(gate.topk_group),

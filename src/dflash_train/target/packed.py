@@ -35,8 +35,8 @@ the forward gathers each module's weights while it reads them, the decoder layer
 (target/gathered.py), and otherwise runs as on a whole target.
 
 Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, Phi-3, SmolLM3 (every
-fourth layer without RoPE) and Seed-OSS decoders: pre-norm
-RMSNorm blocks, GQA, optional q/k RMSNorm (per head, or over the whole projection), optional biases, a SiLU-gated MLP or a mixture of
+fourth layer without RoPE) and Seed-OSS decoders: pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm
+(per head, or over the whole projection), optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
 projections are read as row blocks (target/language_model.py). Gemma 2/3 text stacks, also
@@ -322,7 +322,8 @@ class PackedForward:
             if not compile:
                 setattr(self, name, function)
             else:
-                setattr(self, name, compiled_once(function) if whole_graph else compiled_once(function, fullgraph=False))
+                compiled = compiled_once(function) if whole_graph else compiled_once(function, fullgraph=False)
+                setattr(self, name, compiled)
         # gpt-oss's sinks need FlexAttention's log-sum-exp, Gemma 2's soft-capped scores its
         # score_mod: every layer attends on the packed rows
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None

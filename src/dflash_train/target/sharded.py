@@ -20,8 +20,8 @@ each rank reads from the safetensors files only the rows of its shards
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), by transformers' own
 conversion mapping read backwards (target/checkpoint_names.py): a rank's dim-0 shard is a range
 of experts, and it reads only those experts' tensors. A block-FP8 checkpoint (DeepSeek-V3's float8
-weights with a scale per 128 x 128 block) is dequantized row by row as it is read. A `preset:` target (a benchmark's random
-weights) draws each parameter whole, one at a time, and keeps its rows (`fill_random_shards`).
+weights with a scale per 128 x 128 block) is dequantized row by row as it is read. A `preset:`
+target (a benchmark's random weights) draws each parameter whole, one at a time, and keeps its rows (`fill_random_shards`).
 """
 
 from __future__ import annotations
