@@ -14,7 +14,7 @@ options that say which family's op sequence runs:
              (target/packed_gpt_oss.py, target/moe.py)
     olmo2    norms after attention and the MLP (scaled in float32), q/k normed over their whole
              projection (target/packed_olmo2.py)
-    mla      DeepSeek-V3 / Kimi K2 and GLM-4.7-Flash: latent attention with the latent cached and the
+    mla      DeepSeek-V3 / R1 and GLM-4.7-Flash: latent attention with the latent cached and the
              up-projections absorbed (one shared kv head; target/packed_mla.py), then the llama kind's
              MLP or GLM-routed experts
 

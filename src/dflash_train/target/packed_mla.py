@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V3 and Kimi K2's `deepseek_v3`, GLM-4.7-Flash's
+"""Multi-head latent attention (DeepSeek-V3 and R1's `deepseek_v3`, GLM-4.7-Flash's
 `glm4_moe_lite`) in the packed target forward (target/packed.py).
 
 Per token, as the model computes it:

@@ -262,7 +262,7 @@ def load_sharded_target(spec: str, *, dtype: torch.dtype, device: torch.device, 
 
 
 def fp8_block_of(source, config) -> tuple[int, int] | None:
-    """The weight_block_size of a block-FP8 checkpoint (DeepSeek-V3, Kimi K2, MiniMax-M2), whose rows
+    """The weight_block_size of a block-FP8 checkpoint (DeepSeek-V3, MiniMax-M2), whose rows
     the reader dequantizes; None for a plain one; a ModelError for other quantized checkpoints."""
     quantized, block = quantization_of(config), fp8_block(config)
     if quantized is None or block is not None:
