@@ -17,15 +17,36 @@ from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import TrainingError
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-8b", "gemma3-27b", "qwen3.5-27b"])
-def test_target_linear_flops_count_every_decoder_linear(tmp_path, preset):
-    """2 * in * out per token for every nn.Linear of every decoder layer the target runs
-    (the matmuls FP8 replaces), read off a model built from the preset (on the meta device)."""
+def _router(mixture: nn.Module) -> nn.Module:
+    return getattr(mixture, "gate", None) or mixture.router  # (gpt-oss calls it router)
+
+
+def _routed_flops(mixture: nn.Module, top_k: int) -> int:
+    """Per token: the router's [E, H] matmul, and top_k of the E experts' 3D gate_up and down (either
+    orientation: per expert, in x out numbers each)."""
+    gate_up, down = mixture.experts.gate_up_proj, mixture.experts.down_proj
+    per_expert = gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]
+    return 2 * _router(mixture).weight.numel() + 2 * per_expert * top_k
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-8b", "gemma3-27b", "qwen3.5-27b", "qwen3-30b-a3b", "mixtral-8x7b",
+                                    "glm4.5-air", "glm4.7-flash", "qwen3.5-35b-a3b", "gpt-oss-20b"])
+def test_target_linear_flops_count_every_decoder_matmul(tmp_path, preset):
+    """2 * in * out per token for every nn.Linear of every decoder layer the target runs (latent
+    attention's five projections, a linear-attention layer's, shared experts and their gates), and
+    for a mixture the router and the top-k experts' 3D weights: read off a model built from the
+    preset (on the meta device)."""
     cfg = build_config(BenchConfig(preset=preset, tokens=256, doc_len="40-120", device="cpu"), tmp_path)
+    config = preset_config(f"preset:{preset}")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(preset_config(f"preset:{preset}"))
-    brute = sum(2 * m.in_features * m.out_features for layer in find_decoder_layers(model)
-                for m in layer.modules() if isinstance(m, nn.Linear))
+        model = AutoModelForCausalLM.from_config(config)
+    brute = 0
+    for layer in find_decoder_layers(model):
+        mixtures = [m for m in layer.modules() if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router"))]
+        routed = {id(p) for m in mixtures for p in m.experts.parameters()}
+        brute += sum(2 * m.in_features * m.out_features for m in layer.modules()
+                     if isinstance(m, nn.Linear) and id(m.weight) not in routed)
+        brute += sum(_routed_flops(m, config.num_experts_per_tok) for m in mixtures)
     assert step_flops(cfg, preset)["target_linear"] == brute
 
 

@@ -42,25 +42,52 @@ def expected_label_rows(candidates: int, anchors: int, block: int) -> float:
     return float((1.0 - none_drawn[covering - 1]).sum())
 
 
-def mlp_flops_per_token(t) -> float:
-    """Matmul FLOPs of one decoder layer's MLP for one token: the dense gated MLP, or for a mixture
-    of experts the router plus the experts each token is routed to (and a shared expert)."""
+def routed_experts(t) -> int:
+    """How many routed experts the config's mixtures have (0: a dense model)."""
+    return int(getattr(t, "num_experts", None) or getattr(t, "num_local_experts", None)
+               or getattr(t, "n_routed_experts", None) or 0)
+
+
+def has_experts(t, layer: int) -> bool:
+    """Whether decoder layer `layer` runs a mixture of experts: GLM-4.7-Flash lists each layer's
+    MLP, GLM-4.5 and DeepSeek-V3 keep their first layers dense, Qwen3-MoE names its dense ones."""
+    if not routed_experts(t):
+        return False
+    kinds = getattr(t, "mlp_layer_types", None)
+    if kinds:
+        return kinds[layer] == "sparse"
+    if layer < (getattr(t, "first_k_dense_replace", None) or 0) or layer in (getattr(t, "mlp_only_layers", None) or ()):
+        return False
+    return (layer + 1) % (getattr(t, "decoder_sparse_step", None) or 1) == 0
+
+
+def mlp_flops_per_token(t, layer: int = 0) -> float:
+    """Matmul FLOPs of decoder layer `layer`'s MLP for one token: the dense gated MLP, or for a
+    mixture of experts the router plus the experts each token is routed to and the shared experts
+    (Qwen's one with its 1-wide gate; GLM's and DeepSeek's n_shared_experts)."""
     H = t.hidden_size
-    experts = getattr(t, "num_experts", None) or getattr(t, "num_local_experts", None)
-    if not experts:
+    if not has_experts(t, layer):
         return 2 * 3 * H * t.intermediate_size
     inter = getattr(t, "moe_intermediate_size", None) or t.intermediate_size
-    shared = getattr(t, "shared_expert_intermediate_size", None) or 0  # Qwen's shared expert, with its 1-wide gate
-    return 2 * (H * experts + 3 * H * inter * t.num_experts_per_tok + (3 * H * shared + H if shared else 0))
+    qwen_shared = getattr(t, "shared_expert_intermediate_size", None) or 0
+    shared = qwen_shared or (getattr(t, "n_shared_experts", None) or 0) * inter
+    return 2 * (H * routed_experts(t) + 3 * H * inter * t.num_experts_per_tok + 3 * H * shared
+                + (H if qwen_shared else 0))
 
 
-GATED_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # q_proj also writes a gate for the output
+GATED_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q_proj also writes a gate for the output
 
 
 def attention_flops_per_token(t, kind: str) -> float:
-    """Matmul FLOPs of one layer's attention projections for one token: q, k, v, o, or a
-    linear-attention layer's (Qwen3.5 / Qwen3-Next gated delta net: qkv, z, a, b in; out)."""
+    """Matmul FLOPs of one layer's attention projections for one token: q, k, v, o; latent
+    attention's (q_a and q_b or q_proj, kv_a, kv_b, o); or a linear-attention layer's (Qwen3.5 /
+    Qwen3-Next gated delta net: qkv, z, a, b in; out)."""
     H = t.hidden_size
+    if getattr(t, "kv_lora_rank", None):  # DeepSeek-V3, GLM-4.7-Flash
+        h, nope, rope, v = t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim
+        q_rank = getattr(t, "q_lora_rank", None)
+        q = H * q_rank + q_rank * h * (nope + rope) if q_rank else H * h * (nope + rope)
+        return 2 * (q + H * (t.kv_lora_rank + rope) + t.kv_lora_rank * h * (nope + v) + h * v * H)
     if kind == "linear_attention":
         nk, nv = t.linear_num_key_heads, t.linear_num_value_heads
         dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
@@ -69,6 +96,14 @@ def attention_flops_per_token(t, kind: str) -> float:
     hd = getattr(t, "head_dim", None) or H // h
     q = h * hd * (2 if t.model_type in GATED_ATTENTION_MODEL_TYPES else 1)
     return 2 * (H * q + 2 * H * g * hd + h * hd * H)
+
+
+def attention_width(t) -> float:
+    """The head width in 4 * heads * width FLOPs per (query, key) pair: head_dim; for latent
+    attention the mean of the keys' (nope + rope) and the values' widths."""
+    if getattr(t, "kv_lora_rank", None):
+        return (t.qk_nope_head_dim + t.qk_rope_head_dim + t.v_head_dim) / 2
+    return getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
 
 
 def layer_types(t) -> list[str]:
@@ -90,7 +125,7 @@ def step_flops(cfg, preset: str) -> dict:
     H, V, L = t.hidden_size, t.vocab_size, t.num_hidden_layers
     h, g = t.num_attention_heads, t.num_key_value_heads
     hd = getattr(t, "head_dim", None) or H // h
-    inter = t.intermediate_size
+    inter = getattr(t, "intermediate_size", None) or 4 * H  # (the drafter's default where the target has none)
     S = cfg.data.plan.token_budget
     Ld = min(_doc_length(cfg.data.path), S)
     B, N = cfg.drafter.block_size, cfg.step.num_anchors
@@ -102,12 +137,12 @@ def step_flops(cfg, preset: str) -> dict:
 
     layers_run = L if cfg.step.label_source != "data" else max(taps) + 1
     # per token: every decoder matmul of the layers run (what FP8 runs)
-    target_linear = sum(attention_flops_per_token(t, kind) + mlp_flops_per_token(t)
-                        for kind in layer_types(t)[:layers_run])
+    target_linear = sum(attention_flops_per_token(t, kind) + mlp_flops_per_token(t, i)
+                        for i, kind in enumerate(layer_types(t)[:layers_run]))
     docs = max(1, int(S // Ld))
     # (query, key) pairs of causal attention per row, over the layers run
     causal_pairs = docs * causal_pairs_per_layer(t, Ld, layers_run)
-    target = S * target_linear + 4 * h * hd * causal_pairs
+    target = S * target_linear + 4 * h * attention_width(t) * causal_pairs
     candidates = docs * (Ld - Ld // 4 - 1)  # synthetic documents: the first quarter is the prompt
     anchors = min(N, candidates)
     if cfg.step.label_source != "data":
