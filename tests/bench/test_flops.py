@@ -98,22 +98,25 @@ def test_bench_stopped_before_its_measured_steps_says_so(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next", "gpt_oss"])
-def test_mlp_flops_per_token_equal_the_matmuls_a_layer_runs(family):
-    """A mixture of experts counts the router and the experts each token is routed to (and a
-    shared expert): the matmul FLOPs torch's counter sees in one layer's MLP (experts run
-    eagerly: only routed tokens are multiplied)."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next", "gpt_oss", "glm4_moe", "deepseek_v3",
+                                    "qwen3_5_moe", "minimax_m2"])
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_mlp_flops_per_token_equal_the_matmuls_a_layer_runs(family, which):
+    """A mixture of experts counts the router and the experts each token is routed to (and the
+    shared experts): the matmul FLOPs torch's counter sees in one layer's MLP (experts run
+    eagerly: only routed tokens are multiplied); GLM's and DeepSeek's first layer is dense."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from tests.families import build_model
 
     model = build_model(family, 300)
     model.config._experts_implementation = "eager"
-    layer = find_decoder_layers(model)[-1]
+    index = 0 if which == "first" else model.config.num_hidden_layers - 1
+    layer = find_decoder_layers(model)[index]
     h = torch.randn(1, 37, model.config.hidden_size)
     with FlopCounterMode(display=False) as counter:
         layer.mlp(h)
-    assert mlp_flops_per_token(model.config) * 37 == counter.get_total_flops()
+    assert mlp_flops_per_token(model.config, index) * 37 == counter.get_total_flops()
 
 
 def test_sliding_window_pairs_count_the_keys_each_query_sees():
