@@ -15,7 +15,8 @@
 #     PART=gemma_tuned ... # gemma3-27b: the same two (TUNED_RUNS="overlap" or "plain": one of them)
 #     PART=mixtral   ...   # mixtral-8x7b: bench on the Hugging Face forward, then auto (packed compiled),
 #                            # then profile_generate at 64 slots (PRESET=phi-4: the same for Phi-4)
-#     PART=latent    ...   # glm4.7-flash (latent attention): bench on the Hugging Face forward, then auto
+#     PART=latent    ...   # glm4.7-flash (latent attention): bench on the Hugging Face forward, then auto,
+#                            # then profile_generate at 64 slots (the latent cache)
 #     PART=fla       ...   # qwen3.5-27b (PRESET=qwen3.5-35b-a3b: the MoE) on the Hugging Face forward with
 #                            # transformers' pure-PyTorch gated delta net, then with flash-linear-attention's
 #                            # kernels (carried wheels: .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
@@ -86,7 +87,9 @@ case "$PART" in
   latent)
     PL=$([ "${DRY:-0}" = 1 ] && echo tiny || echo glm4.7-flash)
     stage bench_glm4_7_flash_hf 250 "${B[@]}" --preset $PL --target-forward hf --out "$OUT/bench_glm4_7_flash_hf.json"
-    stage bench_glm4_7_flash 280 "${B[@]}" --preset $PL --out "$OUT/bench_glm4_7_flash.json" ;;
+    stage bench_glm4_7_flash 280 "${B[@]}" --preset $PL --out "$OUT/bench_glm4_7_flash.json"
+    stage generate_glm4_7_flash 250 $PY bench/profile_generate.py preset:$PL --slots 64 --prompt-len 256 $GEN \
+      --out "$OUT/generate_glm4_7_flash.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;
