@@ -30,7 +30,7 @@ from tests.families import FAMILIES, WINDOW, build_model
 from tests.speculative.test_engine import OracleDrafts
 
 VOCAB = 300
-NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral"]
+NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_window", "mixtral", "exaone4"]
 # and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE,
 # Seed-OSS's biased output projection, MiniMax-M2's q/k norms over the projection; latent attention
 # (DeepSeek-V3, GLM-4.7-Flash) decoded from its cached latent

@@ -93,7 +93,7 @@ def _fresh(kind):
         cfg = _olmo2(300)
         cfg.num_hidden_layers = 6
         return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=11).eval()
-    if kind in ("smollm3", "seed_oss", "minimax_m2"):
+    if kind in ("smollm3", "seed_oss", "minimax_m2", "exaone4"):
         return _llama_like(kind)
     if kind in ("deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite"):
         return _latent(kind)
@@ -130,7 +130,7 @@ def _windowed(kind):
 
 def _llama_like(kind):
     """Six layers of SmolLM3 (layers 1 and 4 without RoPE), Seed-OSS (biased q/k/v and output
-    projections) or MiniMax-M2 (tests/families.py), at the families' wide init."""
+    projections), MiniMax-M2 or EXAONE 4 (tests/families.py), at the families' wide init."""
     from transformers import AutoModelForCausalLM
 
     from tests.families import FAMILIES, perturbed
@@ -139,6 +139,8 @@ def _llama_like(kind):
     cfg.num_hidden_layers, cfg.layer_types = 6, ["full_attention"] * 6
     if kind == "smollm3":
         cfg.no_rope_layers = [1, 0, 1, 1, 0, 1]
+    if kind == "exaone4":  # windows of 8 with RoPE, global layers without
+        cfg.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     torch.manual_seed(12)
     return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=12).eval()
 
@@ -222,8 +224,8 @@ def _run(model, batch, need_final, **kw):
 
 @pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gemma3",
                                   "gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "olmo2", "smollm3",
-                                  "seed_oss", "minimax_m2", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite",
-                                  "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+                                  "seed_oss", "minimax_m2", "exaone4", "deepseek_v3", "deepseek_v3_q_proj",
+                                  "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
@@ -249,7 +251,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
     wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral", "olmo2", "smollm3",
-            "seed_oss", "minimax_m2", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next", "qwen3_5",
+            "seed_oss", "minimax_m2", "exaone4", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next", "qwen3_5",
             "qwen3_5_moe")
     if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gemma3", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)

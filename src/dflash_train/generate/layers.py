@@ -13,7 +13,7 @@ options that say which family's op sequence runs:
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
     olmo2    norms after attention and the MLP (scaled in float32), q/k normed over their whole
-             projection (target/packed_olmo2.py)
+             projection (target/packed_olmo2.py); exaone4 the same with Llama's norms, q/k normed per head
     mla      DeepSeek-V3 / R1 and GLM-4.7-Flash: latent attention with the latent cached and the
              up-projections absorbed (one shared kv head; target/packed_mla.py), then the llama kind's
              MLP or GLM-routed experts
@@ -40,7 +40,8 @@ from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_g
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_output, latent_qkv, latent_weights, up_projections
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_attention_olmo2
 
-LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "mla"]
+LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "exaone4", "mla"]
+POST_NORM_KINDS = ("olmo2", "exaone4")  # norms after attention and the MLP (target/packed_olmo2.py)
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
@@ -49,7 +50,7 @@ def layer_kind(model_type: str) -> LayerKind:
         return "gemma"
     if model_type in MLA_MODEL_TYPES:
         return "mla"
-    return model_type if model_type in ("gpt_oss", "olmo2") else "llama"
+    return model_type if model_type in ("gpt_oss", *POST_NORM_KINDS) else "llama"
 
 
 def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
@@ -71,9 +72,9 @@ def pre_attention(
     if kind == "mla":
         return latent_qkv(x, cos, sin, *weights, eps=eps, n_heads=n_heads, head_dim=head_dim, **options)
     ln1_w, wq, bq, wk, bk, wv, bv, qn_w, kn_w = weights
-    if kind == "olmo2":  # no norm before attention; q and k normed over their projection
+    if kind in POST_NORM_KINDS:  # no norm before attention; q and k normed
         return olmo2_qkv(x, cos, sin, wq, bq, wk, bk, wv, bv, qn_w, kn_w, eps=qk_eps, n_heads=n_heads, n_kv=n_kv,
-                         head_dim=head_dim)
+                         head_dim=head_dim, scale_in_float32=kind == "olmo2")
     h = norm(x, ln1_w, eps, kind)
     lead = h.shape[:-1]
     q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
@@ -115,8 +116,8 @@ def post_attention(
         return post_attention_gemma(x, attn_out, *weights, eps=eps)
     if kind == "gpt_oss":
         return post_attention_gpt_oss(x, attn_out, *weights, eps=eps, top_k=top_k, alpha=alpha, limit=limit)
-    if kind == "olmo2":
-        return post_attention_olmo2(x, attn_out, *weights, eps=eps)
+    if kind in POST_NORM_KINDS:
+        return post_attention_olmo2(x, attn_out, *weights, eps=eps, scale_in_float32=kind == "olmo2")
     if kind == "mla":  # the heads' outputs out of latent space first (target/packed_mla.py)
         w_uv, *weights = weights
         attn_out = latent_output(attn_out, w_uv)
@@ -186,7 +187,8 @@ def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | Non
         return (up_projections(layer.self_attn)[1], *post), {**options, "kind": "mla"}
     if kind != "llama":
         packed = GemmaLayerWeights(layer, None, None) if kind == "gemma" else \
-            GptOssLayerWeights(layer, None) if kind == "gpt_oss" else Olmo2LayerWeights(layer)
+            GptOssLayerWeights(layer, None) if kind == "gpt_oss" else \
+            Olmo2LayerWeights(layer, scale_in_float32=kind == "olmo2")
         return tuple(packed.post), {**packed.post_kwargs, "kind": kind}
     attn, mlp = layer.self_attn, layer.mlp
     eps = eps_of(layer.post_attention_layernorm)

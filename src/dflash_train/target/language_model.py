@@ -106,12 +106,15 @@ NO_ROPE = "no_rope"  # the table of a layer that rotates nothing: cos 1, sin 0 (
 def layer_rope_tables(cfg) -> list[str | None]:
     """The RoPE table each layer rotates q and k with: its layer type where the family keeps one
     table per type (Gemma 3's local layers have a base of their own), NO_ROPE for SmolLM3's
-    layers without positions, else None (the model's one table)."""
+    layers without positions and EXAONE 4's global layers (beside sliding-window ones), else None
+    (the model's one table)."""
     n = int(cfg.num_hidden_layers)
     if cfg.model_type == "gemma3_text":
         return list(cfg.layer_types[:n])
     if cfg.model_type == "smollm3":
         return [None if uses_rope else NO_ROPE for uses_rope in cfg.no_rope_layers[:n]]
+    if cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None):  # its global layers have none
+        return [None if kind == "sliding_attention" else NO_ROPE for kind in cfg.layer_types[:n]]
     return [None] * n
 
 

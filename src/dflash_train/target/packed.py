@@ -40,8 +40,9 @@ fourth layer without RoPE) and Seed-OSS decoders: pre-norm RMSNorm blocks, GQA, 
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
 projections are read as row blocks (target/language_model.py). Gemma 2/3 text stacks, also
-inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py); OLMo 2 (target/packed_olmo2.py:
-norms after attention and the MLP, q/k normed over their projection); gpt-oss
+inside a multimodal Gemma 3 checkpoint (target/packed_gemma.py); OLMo 2 and EXAONE 4
+(target/packed_olmo2.py: norms after attention and the MLP, q/k norms; EXAONE's global layers
+without RoPE); gpt-oss
 (target/packed_gpt_oss.py: sinks, biased experts); DeepSeek-V3 and GLM-4.7-Flash (target/packed_mla.py:
 latent attention, GLM's router); the hybrids Qwen3-Next and Qwen3.5 (target/packed_hybrid.py: their
 linear-attention modules on the gathered documents, gated attention, gated shared experts).
@@ -100,8 +101,8 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "minimax_m2", "gemma2", "gemma3_text", "gpt_oss", *MLA_MODEL_TYPES,
-                         *HYBRID_MODEL_TYPES)
+                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "gemma2", "gemma3_text", "gpt_oss",
+                         *MLA_MODEL_TYPES, *HYBRID_MODEL_TYPES)
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -261,8 +262,8 @@ def _layer_weights(layer: nn.Module, cfg, window: int | None, rope: str | None) 
     """One layer's weights; `window` its sliding window, `rope` its RoPE table (`layer_rope_tables`)."""
     if cfg.model_type in HYBRID_MODEL_TYPES:
         return HybridLayerWeights(layer)
-    if cfg.model_type == "olmo2":
-        return Olmo2LayerWeights(layer, window)
+    if cfg.model_type in ("olmo2", "exaone4"):
+        return Olmo2LayerWeights(layer, window, rope, scale_in_float32=cfg.model_type == "olmo2")
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
     if cfg.model_type in _GEMMA_MODEL_TYPES:
