@@ -131,11 +131,13 @@ def _gpt_oss(vocab):
                                          "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False})
 
 
+# latent attention's families: a latent of 24 and a rotary key of 8, so that the engines' one cached
+# head is 32 wide (a width FlexAttention's GPU kernels take)
 def _deepseek_v3(vocab):
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, vocab_size=vocab, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-                            topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16,
+                            topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=24,
                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                             n_shared_experts=1, rope_interleave=True)
 
@@ -172,7 +174,7 @@ def _glm4_moe_lite(vocab):
 
     return Glm4MoeLiteConfig(**{**_COMMON, "num_key_value_heads": 4}, vocab_size=vocab, n_routed_experts=8,
                              num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
-                             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                             first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=32, qk_rope_head_dim=8,
                              qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1)
 
 
