@@ -154,7 +154,7 @@ def check_packed_support(model: nn.Module) -> None:
         experts_with_gated_shared_expert if cfg.model_type in HYBRID_MODEL_TYPES else experts_as_tensors
     if not all(laid_out(layer.mlp) for layer in inner.layers if hasattr(layer.mlp, "experts")):
         raise UnsupportedTarget(f"experts laid out other than as transformers 5 stores them (a router `gate` "
-                                f"and 3D gate_up_proj / down_proj, no shared expert){_HINT}")
+                                f"and 3D gate_up_proj / down_proj; shared experts as plain gated MLPs){_HINT}")
 
 
 def pre_attention(
