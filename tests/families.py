@@ -254,10 +254,12 @@ def _exaone4(vocab):
 
 
 def _ernie4_5_moe(vocab):
+    """ERNIE 4.5: RoPE in float32 over paired dims, a float32 router choosing experts with a bias,
+    a dense first layer, shared experts, biased projections."""
     from transformers import Ernie4_5_MoeConfig
 
     return Ernie4_5_MoeConfig(**_COMMON, vocab_size=vocab, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
-                              moe_num_shared_experts=1, moe_layer_start_index=1)
+                              moe_num_shared_experts=1, moe_layer_start_index=1, use_bias=True)
 
 
 def _apertus(vocab):

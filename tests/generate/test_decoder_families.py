@@ -34,7 +34,8 @@ NAMES = ["gemma2", "gemma3_text", "gemma3", "gpt_oss", "mistral_window", "phi3_w
 # and, without windows, GLM-4.5's MoE layout, OLMo 2's post-norms, SmolLM3's layers without RoPE,
 # Seed-OSS's biased output projection, MiniMax-M2's q/k norms over the projection; latent attention
 # (DeepSeek-V3, GLM-4.7-Flash) decoded from its cached latent
-EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss", "minimax_m2", "deepseek_v3", "glm4_moe_lite"]
+EXACT = [*NAMES, "glm4_moe", "olmo2", "smollm3", "seed_oss", "minimax_m2", "ernie4_5_moe", "deepseek_v3",
+         "glm4_moe_lite"]
 LAYERS = [0, 2]
 
 

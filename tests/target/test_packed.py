@@ -93,7 +93,7 @@ def _fresh(kind):
         cfg = _olmo2(300)
         cfg.num_hidden_layers = 6
         return perturbed(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), seed=11).eval()
-    if kind in ("smollm3", "seed_oss", "minimax_m2", "exaone4"):
+    if kind in ("smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe"):
         return _llama_like(kind)
     if kind in ("deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite"):
         return _latent(kind)
@@ -224,7 +224,7 @@ def _run(model, batch, need_final, **kw):
 
 @pytest.mark.parametrize("kind", ["tiny", "llama", "qwen3_moe", "glm4_moe", "mixtral", "gemma2", "gemma3_text", "gemma3",
                                   "gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "olmo2", "smollm3",
-                                  "seed_oss", "minimax_m2", "exaone4", "deepseek_v3", "deepseek_v3_q_proj",
+                                  "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "deepseek_v3", "deepseek_v3_q_proj",
                                   "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("layout", list(BATCHES))
 @pytest.mark.parametrize("need_final", [False, True])
@@ -251,7 +251,7 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
     # (the windowed Mistral, Qwen2 and Phi-3 models use the families' wide init: states ~18, rounding ~2e-5;
     # a window one key too wide moves them by ~10)
     wide = ("gpt_oss", "mistral_window", "qwen2_window", "phi3_window", "glm4_moe", "mixtral", "olmo2", "smollm3",
-            "seed_oss", "minimax_m2", "exaone4", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next", "qwen3_5",
+            "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "deepseek_v3", "deepseek_v3_q_proj", "glm4_moe_lite", "qwen3_next", "qwen3_5",
             "qwen3_5_moe")
     if kind in ("qwen3_moe", "gemma2", "gemma3_text", "gemma3", *wide):
         tol = dict(atol=5e-5 if kind in wide else 1e-5, rtol=1e-4)

@@ -47,8 +47,8 @@ from dflash_train.utils.errors import ModelError
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "gemma2", "gemma3_text", "gpt_oss",
-                         *MLA_MODEL_TYPES)
+                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "gemma2", "gemma3_text",
+                         "gpt_oss", *MLA_MODEL_TYPES)
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")

@@ -8,7 +8,8 @@ options that say which family's op sequence runs:
 
     llama    Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE, Mixtral and GLM-4.5 (target/moe.py;
              GLM's shared experts), Phi-3 (fused qkv_proj and gate_up_proj, read as row blocks),
-             SmolLM3, Seed-OSS, MiniMax-M2 (q/k normed over the whole projection, a sigmoid router)
+             SmolLM3, Seed-OSS, MiniMax-M2 (q/k normed over the whole projection, a sigmoid router),
+             ERNIE 4.5 (RoPE over neighbouring pairs in float32, a router choosing with a bias)
     gemma    Gemma 2 and 3: (1 + w) RMSNorm, four norms a layer, tanh-GELU MLP (target/packed_gemma.py)
     gpt_oss  biased projections, RMSNorm scaled in float32, biased clamped-SwiGLU experts
              (target/packed_gpt_oss.py, target/moe.py)
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.generate.attention import write_cache
-from dflash_train.target.language_model import attention_projections, mlp_projections
+from dflash_train.target.language_model import PAIRED_ROPE_MODEL_TYPES, attention_projections, mlp_projections
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
 from dflash_train.target.projections import gated_mlp, projection_of
@@ -62,7 +63,7 @@ def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
 
 def pre_attention(
     x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | None, eps: float, qk_eps: float, n_heads: int,
-    n_kv: int, head_dim: int, kind: LayerKind = "llama", **options,
+    n_kv: int, head_dim: int, kind: LayerKind = "llama", paired_rope: bool = False, **options,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D], normed and rotated. `weights`: the
     kind's (LayerWeights.pre): (ln1, wq, bq, wk, bk, wv, bv, q norm, k norm) but for latent
@@ -85,7 +86,7 @@ def pre_attention(
     if qn_w is not None and not whole:  # Qwen3, Gemma 3: a norm over head_dim before RoPE
         q = norm(q, qn_w, qk_eps, kind)
         k = norm(k, kn_w, qk_eps, kind)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin, paired_rope), apply_rope(k, cos, sin, paired_rope), v
 
 
 def q_writing_kv(
@@ -108,7 +109,7 @@ def post_attention(
     """Output projection, residual adds and the MLP: the rest of one decoder layer. `weights` are
     the layer kind's (LayerWeights.post): a Llama-family gated MLP's (wo, bo, ln2, wg, bg, wu, bu,
     wd, bd), with `top_k` a mixture's (wo, bo, ln2, router, router bias, gate_up, down, shared
-    wg, wu, wd: GLM-4.5's bias and shared experts, None for Qwen3-MoE; `routing` the rest of
+    (w, b) projections: GLM-4.5's bias and shared experts, None for Qwen3-MoE; `routing` the rest of
     target/moe.py's routing_of), after W_uv for latent attention (kind mla); Gemma's and gpt-oss's
     as their packed-forward functions take them. A kind is a fixed argument count, so a compiled
     version traces each kind once."""
@@ -127,8 +128,8 @@ def post_attention(
     if top_k:
         router_w, router_b, gate_up, down, shared_g, shared_u, shared_d = mlp
         out = moe_mlp(h, router_w, gate_up, down, router_b, top_k=top_k, **routing)
-        if shared_g is not None:  # GLM-4.5's shared experts
-            out = out + gated_mlp(h, (shared_g, None), (shared_u, None), (shared_d, None))
+        if shared_g is not None:  # GLM-4.5's and ERNIE 4.5's shared experts: (weight, bias) each
+            out = out + gated_mlp(h, shared_g, shared_u, shared_d)
         return x + out
     wg, bg, wu, bu, wd, bd = mlp
     return x + gated_mlp(h, (wg, bg), (wu, bu), (wd, bd))
@@ -168,6 +169,8 @@ class LayerWeights:
             self.pre, options = latent_weights(layer, self.ln1_eps)
             self.pre_options = {k: v for k, v in options.items() if k != "eps"}
         else:
+            if attn.config.model_type in PAIRED_ROPE_MODEL_TYPES:  # ERNIE 4.5 (target/ops.py)
+                self.pre_options = {"paired_rope": True}
             self.pre = (
                 ln1.weight if ln1 is not None else None,
                 *(t for linear, rows in attention_projections(attn) for t in projection_of(linear, rows)),  # q, k, v
@@ -196,8 +199,8 @@ def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | Non
     experts = getattr(mlp, "experts", None)
     if experts is not None:  # Qwen3-MoE, GLM-4.5: the router and the experts' 3D tensors (target/moe.py)
         shared = getattr(mlp, "shared_experts", None)
-        shared_w = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared is not None \
-            else (None, None, None)
+        shared_w = tuple(projection_of(m) for m in (shared.gate_proj, shared.up_proj, shared.down_proj)) \
+            if shared is not None else (None, None, None)
         return (*head, mlp.gate.weight, router_bias(mlp), experts.gate_up_proj, experts.down_proj, *shared_w), \
             {"eps": eps, **routing_of(mlp)}
     gate_up = (t for linear, rows in mlp_projections(mlp) for t in projection_of(linear, rows))

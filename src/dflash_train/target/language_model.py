@@ -101,13 +101,15 @@ def rope_types(config: Any) -> set[str]:
 
 
 NO_ROPE = "no_rope"  # the table of a layer that rotates nothing: cos 1, sin 0 (SmolLM3's NoPE layers)
+PAIRED_ROPE = "paired"  # ERNIE 4.5's: each frequency on two neighbouring dims, turned by rotate_half's halves
+PAIRED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")
 
 
 def layer_rope_tables(cfg) -> list[str | None]:
     """The RoPE table each layer rotates q and k with: its layer type where the family keeps one
     table per type (Gemma 3's local layers have a base of their own), NO_ROPE for SmolLM3's
-    layers without positions and EXAONE 4's global layers (beside sliding-window ones), else None
-    (the model's one table)."""
+    layers without positions and EXAONE 4's global layers (beside sliding-window ones), PAIRED_ROPE
+    for ERNIE 4.5's layers, else None (the model's one table)."""
     n = int(cfg.num_hidden_layers)
     if cfg.model_type == "gemma3_text":
         return list(cfg.layer_types[:n])
@@ -115,15 +117,21 @@ def layer_rope_tables(cfg) -> list[str | None]:
         return [None if uses_rope else NO_ROPE for uses_rope in cfg.no_rope_layers[:n]]
     if cfg.model_type == "exaone4" and getattr(cfg, "sliding_window", None):  # its global layers have none
         return [None if kind == "sliding_attention" else NO_ROPE for kind in cfg.layer_types[:n]]
+    if cfg.model_type in PAIRED_ROPE_MODEL_TYPES:
+        return [PAIRED_ROPE] * n
     return [None] * n
 
 
 def rope_table(rotary: nn.Module, x: Tensor, positions: Tensor, name: str | None) -> tuple[Tensor, Tensor]:
     """(cos, sin) [.., positions, D] of table `name` (`layer_rope_tables`) from the model's own
-    rotary module; NO_ROPE: ones and zeros of the same shape, so that rotating is the identity."""
-    if name == NO_ROPE:
+    rotary module; NO_ROPE: ones and zeros of the same shape, so that rotating is the identity;
+    PAIRED_ROPE: each frequency repeated on two neighbouring dims (in the module's float32)."""
+    if name in (NO_ROPE, PAIRED_ROPE):
         cos, sin = rotary(x, positions)
-        return torch.ones_like(cos), torch.zeros_like(sin)
+        if name == NO_ROPE:
+            return torch.ones_like(cos), torch.zeros_like(sin)
+        half = cos.shape[-1] // 2  # [f0, f0, f1, f1, ...] from [f0, f1, ..., f0, f1, ...]
+        return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
     return rotary(x, positions, name) if name else rotary(x, positions)
 
 

@@ -101,6 +101,8 @@ def routing_of(mlp: nn.Module) -> dict:
     sigmoid scores chosen with a correction bias within the best groups (GLM-4.5,
     `e_score_correction_bias`; MiniMax-M2: one group), the chosen weights then scaled."""
     gate = mlp.gate
+    if hasattr(gate, "moe_statics"):  # ERNIE 4.5: float32 softmax, experts chosen with a bias, a floor on the sum
+        return {"top_k": int(gate.top_k), "renormalise": True, "float32_logits": True, "norm_min": float(gate.norm_min)}
     if hasattr(mlp, "e_score_correction_bias"):  # MiniMax-M2: sigmoid scores and the block's bias, no groups
         return {"top_k": int(gate.top_k), "renormalise": True, "scoring": "sigmoid", "groups": 1, "top_groups": 1,
                 "scale": 1.0}
@@ -118,18 +120,28 @@ def routing_of(mlp: nn.Module) -> dict:
 def router_bias(mlp: nn.Module) -> Tensor | None:
     """The bias a sigmoid router adds to its scores to choose experts (never to weigh them): the
     router's (GLM-4.5, DeepSeek-V3) or the block's (MiniMax-M2)."""
+    statics = getattr(mlp.gate, "moe_statics", None)  # ERNIE 4.5's, [1, E]
+    if statics is not None:
+        return statics.e_score_correction_bias[0]
     return getattr(mlp.gate, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
 
 
-def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool,
-          float32_weights: bool = False) -> tuple[Tensor, Tensor]:
+def route(h: Tensor, router_w: Tensor, top_k: int, renormalise: bool, float32_weights: bool = False,
+          bias: Tensor | None = None, float32_logits: bool = False, norm_min: float = 0.0) -> tuple[Tensor, Tensor]:
     """h [N, H] -> (weights [N, k] in h's dtype, or float32 as Mixtral keeps them; expert ids [N, k]),
     as the model's router: a softmax in float32 over all experts, the k largest, renormalised to sum
-    to 1 if asked."""
-    probs = torch.softmax(F.linear(h, router_w), dim=-1, dtype=torch.float32)
-    weights, experts = probs.topk(top_k, dim=-1)
+    to 1 if asked. ERNIE 4.5's: the logits in float32 too, the experts chosen by probability +
+    `bias`, the sum floored at `norm_min`."""
+    logits = F.linear(h.float(), router_w.float()) if float32_logits else F.linear(h, router_w)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if bias is None:
+        weights, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs + bias).topk(top_k, dim=-1)[1]
+        weights = probs.gather(1, experts)
     if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total.clamp(min=norm_min) if norm_min else total)
     return (weights if float32_weights else weights.to(h.dtype)), experts
 
 
@@ -230,15 +242,16 @@ def expert_mlps_gpt_oss(h: Tensor, weights: Tensor, experts: Tensor, gate_up: Te
 
 def moe_mlp(h: Tensor, router_w: Tensor, gate_up: Tensor, down: Tensor, bias: Tensor | None = None, *, top_k: int,
             renormalise: bool, scoring: str = "softmax", groups: int = 1, top_groups: int = 1,
-            scale: float = 1.0, float32_weights: bool = False) -> Tensor:
-    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE, Mixtral; GLM-4.5's routed experts with
-    `scoring` sigmoid and the router's `bias`; options from `routing_of`)."""
+            scale: float = 1.0, float32_weights: bool = False, float32_logits: bool = False,
+            norm_min: float = 0.0) -> Tensor:
+    """h [..., H] -> the mixture's output [..., H] (Qwen3-MoE, Mixtral, ERNIE 4.5; GLM-4.5's routed
+    experts with `scoring` sigmoid and the router's `bias`; options from `routing_of`)."""
     flat = h.reshape(-1, h.shape[-1])
     if scoring == "sigmoid":
         weights, experts = route_sigmoid(flat, router_w, bias, top_k=top_k, renormalise=renormalise, groups=groups,
                                          top_groups=top_groups, scale=scale)
     else:
-        weights, experts = route(flat, router_w, top_k, renormalise, float32_weights)
+        weights, experts = route(flat, router_w, top_k, renormalise, float32_weights, bias, float32_logits, norm_min)
     return expert_mlps(flat, weights, experts, gate_up, down).to(h.dtype).view_as(h)
 
 

@@ -31,15 +31,25 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_pairs(x: Tensor) -> Tensor:
+    """Each pair of neighbouring dims (x0, x1) turned to (-x1, x0): ERNIE 4.5's rotate_half."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, paired: bool = False) -> Tensor:
     """Rotary position embedding; `cos`/`sin` broadcast against `x` [..., head_dim]. Tables narrower
     than the head (partial rotary embeddings, as GLM's and some Phi models') rotate its first dimensions and pass
-    the rest through, as transformers' apply_rotary_pos_emb does."""
+    the rest through, as transformers' apply_rotary_pos_emb does. `paired`: ERNIE 4.5's, each pair
+    of neighbouring dims turned together (tables with each frequency twice in a row). Tables kept
+    in float32 beside a lower-precision `x` (ERNIE's) rotate in float32, cast back."""
+    if cos.dtype != x.dtype:
+        return apply_rope(x.float(), cos, sin, paired).to(x.dtype)
     width = cos.shape[-1]
+    rotate = rotate_pairs if paired else rotate_half
     if width == x.shape[-1]:
-        return (x * cos) + (rotate_half(x) * sin)
+        return (x * cos) + (rotate(x) * sin)
     rotated, passed = x[..., :width], x[..., width:]
-    return torch.cat([(rotated * cos) + (rotate_half(rotated) * sin), passed], dim=-1)
+    return torch.cat([(rotated * cos) + (rotate(rotated) * sin), passed], dim=-1)
 
 
 def repeat_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:

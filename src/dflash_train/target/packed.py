@@ -34,8 +34,8 @@ A target sharded over a group of ranks with FSDP2 (target/sharded.py) holds 1/G 
 the forward gathers each module's weights while it reads them, the decoder layers one ahead
 (target/gathered.py), and otherwise runs as on a whole target.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, Phi-3, SmolLM3 (every
-fourth layer without RoPE) and Seed-OSS decoders: pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm
+Supported: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2, ERNIE 4.5 (RoPE over
+neighbouring pairs), Phi-3, SmolLM3 (every fourth layer without RoPE) and Seed-OSS decoders: pre-norm RMSNorm blocks, GQA, optional q/k RMSNorm
 (per head, or over the whole projection), optional biases, a SiLU-gated MLP or a mixture of
 SiLU-gated experts (target/moe.py: one grouped GEMM for all experts; GLM's sigmoid router and
 shared experts), static RoPE (over part of a head too); Phi-3's fused q/k/v and gate/up
@@ -64,8 +64,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
-from dflash_train.target.language_model import (attention_projections, language_model, layer_rope_tables, layer_windows,
-                                                 mlp_projections, rope_table, rope_types, text_config)
+from dflash_train.target.language_model import (PAIRED_ROPE_MODEL_TYPES, attention_projections, language_model,
+                                                 layer_rope_tables, layer_windows, mlp_projections, rope_table,
+                                                 rope_types, text_config)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -101,8 +102,8 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "gemma2", "gemma3_text", "gpt_oss",
-                         *MLA_MODEL_TYPES, *HYBRID_MODEL_TYPES)
+                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "gemma2", "gemma3_text",
+                         "gpt_oss", *MLA_MODEL_TYPES, *HYBRID_MODEL_TYPES)
 _GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -160,9 +161,10 @@ def check_packed_support(model: nn.Module) -> None:
 def pre_attention(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection, v_p: Projection,
     qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
+    paired_rope: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group),
-    normed and rotated; `cos`/`sin` [R, S, 1, head_dim]."""
+    normed and rotated (`paired_rope`: ERNIE 4.5's, target/ops.py); `cos`/`sin` [R, S, 1, head_dim]."""
     h = rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
     q, k, v = project(h, (q_p, k_p, v_p))
@@ -171,7 +173,7 @@ def pre_attention(
     q, k, v = q.view(R, S, n_heads, head_dim), k.view(R, S, n_kv, head_dim), v.view(R, S, n_kv, head_dim)
     if qn_w is not None and qn_w.shape[-1] == head_dim:  # Qwen3: RMSNorm over head_dim before RoPE
         q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = apply_rope(q, cos, sin, paired_rope), apply_rope(k, cos, sin, paired_rope)
     return (q, *repeat_kv(k, v, n_heads))
 
 
@@ -229,7 +231,8 @@ class _LayerWeights:
                         q_norm.weight if q_norm is not None else None,
                         k_norm.weight if k_norm is not None else None)
             qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
-            self.pre_kwargs = {"eps": self.ln1_eps, "qk_eps": qk_eps}
+            paired = attn.config.model_type in PAIRED_ROPE_MODEL_TYPES
+            self.pre_kwargs = {"eps": self.ln1_eps, "qk_eps": qk_eps, **({"paired_rope": True} if paired else {})}
         experts = getattr(mlp, "experts", None)
         self.moe = experts is not None  # Qwen3-MoE, Mixtral, GLM-4.5: router + 3D experts; else a gated MLP
         if self.moe:
