@@ -25,6 +25,7 @@ import torch
 
 from dflash_train.generate.attention import FLEX_BLOCK, ring_length
 from dflash_train.target.language_model import layer_windows
+from dflash_train.target.packed_mla import latent_head_dim
 
 GPU_MAX_SLOTS = 1536
 CPU_MAX_SLOTS = 64
@@ -66,7 +67,7 @@ def kv_shape(text_config, positions: int, dtype: torch.dtype, attention: str = "
     head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     if getattr(text_config, "kv_lora_rank", None):  # latent attention: one head of latent and rotary key
-        head_dim, kv_heads = int(text_config.kv_lora_rank) + int(text_config.qk_rope_head_dim), 1
+        head_dim, kv_heads = latent_head_dim(text_config), 1
     rings = [ring_length([w], 1, positions, attention) for w in layer_windows(text_config) if w]
     rings = [n for n in rings if n is not None]
     return KvShape(int(text_config.num_hidden_layers), int(kv_heads), int(head_dim), positions,

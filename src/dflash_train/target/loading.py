@@ -24,8 +24,7 @@ from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
-from dflash_train.target.quantized import (FLOAT8_DTYPES, dequantized_rows, dequantizing_config, fp8_block,
-                                           quantization_of)
+from dflash_train.target.quantized import dequantizing_config, fp8_block, plain_rows, quantization_of
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import missing_reason
 
@@ -346,10 +345,9 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
 
 def _plain(fh, key: str, block: tuple[int, int] | None) -> torch.Tensor:
     """Tensor `key` of an open safetensors file, a block-FP8 weight dequantized (target/quantized.py)."""
-    tensor = fh.get_tensor(key)
-    if block is None or tensor.dtype not in FLOAT8_DTYPES or f"{key}_scale_inv" not in fh.keys():
-        return tensor
-    return dequantized_rows(tensor, fh.get_tensor(f"{key}_scale_inv"), 0, block)
+    scales = f"{key}_scale_inv"
+    scale_rows = (lambda first, last: fh.get_slice(scales)[first:last]) if scales in fh.keys() else None
+    return plain_rows(fh.get_tensor(key), 0, block, scale_rows)
 
 
 def load_decoder_layer_tensors(spec: str, layer_ids: list[int], *, dtype, device, trust_remote_code: bool = False,

@@ -38,27 +38,37 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def queries_and_latent(
+    x: Tensor, ln1_w: Tensor, q_a: Projection | None, q_a_norm_w: Tensor | None, q_b: Projection, kv_a: Projection,
+    kv_a_norm_w: Tensor, *, eps: float, q_eps: float, kv_eps: float, n_heads: int, nope: int, rope: int,
+    kv_rank: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [..., H] -> q_nope [..., heads, nope], q_rot [..., heads, rope] (not rotated yet), the normed
+    latent [..., kv_rank] and the shared rotary key [..., rope]: what both forms of the attention
+    compute first. `q_a` None: `q_b` is the model's q_proj."""
+    h = rms_norm(x, ln1_w, eps)
+    q_in = h if q_a is None else rms_norm(project(h, (q_a,))[0], q_a_norm_w, q_eps)
+    q = project(q_in, (q_b,))[0].view(*h.shape[:-1], n_heads, nope + rope)
+    latent, k_rot = project(h, (kv_a,))[0].split([kv_rank, rope], dim=-1)
+    return (*q.split([nope, rope], dim=-1), rms_norm(latent, kv_a_norm_w, kv_eps), k_rot)
+
+
 def pre_attention_mla(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_a: Projection | None, q_a_norm_w: Tensor | None,
     q_b: Projection, kv_a: Projection, kv_a_norm_w: Tensor, kv_b: Projection, *, eps: float, q_eps: float,
     kv_eps: float, n_heads: int, n_kv: int, head_dim: int, nope: int, v_dim: int, kv_rank: int, interleave: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [R, S, H] -> q, k [R, S, heads, head_dim] (head_dim = nope + rope), v the same width (zeros
-    past v_dim); `q_a` None: `q_b` is the model's q_proj. `cos`/`sin` [R, S, 1, rope]. (`n_kv`:
-    every head has its own keys here.)"""
-    h = rms_norm(x, ln1_w, eps)
-    R, S = h.shape[:2]
+    past v_dim). `cos`/`sin` [R, S, 1, rope]. (`n_kv`: every head has its own keys here.)"""
+    R, S = x.shape[:2]
     rope = head_dim - nope
-    q_in = h if q_a is None else rms_norm(project(h, (q_a,))[0], q_a_norm_w, q_eps)
-    q = project(q_in, (q_b,))[0].view(R, S, n_heads, head_dim)
-    latent, k_rot = project(h, (kv_a,))[0].split([kv_rank, rope], dim=-1)
-    kv = project(rms_norm(latent, kv_a_norm_w, kv_eps), (kv_b,))[0].view(R, S, n_heads, nope + v_dim)
-    k_nope, v = kv.split([nope, v_dim], dim=-1)
-    q_nope, q_rot = q.split([nope, rope], dim=-1)
+    q_nope, q_rot, c, k_rot = queries_and_latent(x, ln1_w, q_a, q_a_norm_w, q_b, kv_a, kv_a_norm_w, eps=eps,
+                                                 q_eps=q_eps, kv_eps=kv_eps, n_heads=n_heads, nope=nope, rope=rope,
+                                                 kv_rank=kv_rank)
+    k_nope, v = project(c, (kv_b,))[0].view(R, S, n_heads, nope + v_dim).split([nope, v_dim], dim=-1)
     rotate = rope_interleaved if interleave else apply_rope
-    q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, :, None, :], cos, sin)
-    q = torch.cat([q_nope, q_rot], dim=-1)
-    k = torch.cat([k_nope, k_rot.expand(R, S, n_heads, rope)], dim=-1)
+    q = torch.cat([q_nope, rotate(q_rot, cos, sin)], dim=-1)
+    k = torch.cat([k_nope, rotate(k_rot[:, :, None, :], cos, sin).expand(R, S, n_heads, rope)], dim=-1)
     return q, k, F.pad(v, (0, head_dim - v_dim))
 
 
@@ -85,17 +95,10 @@ def mla_attention_weights(layer: nn.Module, eps: float) -> tuple[tuple, dict]:
 
 
 def latent_weights(layer: nn.Module, eps: float) -> tuple[tuple, dict]:
-    """One latent-attention layer's `latent_qkv` arguments and options (references, no copies)."""
-    attn = layer.self_attn
-    low_rank_q = getattr(attn, "q_a_proj", None) is not None
-    pre = (layer.input_layernorm.weight, attn.q_a_proj.weight if low_rank_q else None,
-           attn.q_a_proj.bias if low_rank_q else None, attn.q_a_layernorm.weight if low_rank_q else None,
-           (attn.q_b_proj if low_rank_q else attn.q_proj).weight, attn.kv_a_proj_with_mqa.weight,
-           attn.kv_a_proj_with_mqa.bias, attn.kv_a_layernorm.weight, up_projections(attn)[0])
-    options = {"eps": eps, "q_eps": _eps(attn.q_a_layernorm) if low_rank_q else 0.0,
-               "kv_eps": _eps(attn.kv_a_layernorm), "nope": int(attn.qk_nope_head_dim),
-               "interleave": bool(getattr(attn.config, "rope_interleave", False))}
-    return pre, options
+    """One latent-attention layer's `latent_qkv` arguments and options: `mla_attention_weights`'s
+    with W_uk in place of kv_b_proj (references, no copies)."""
+    pre, options = mla_attention_weights(layer, eps)
+    return (*pre[:-1], up_projections(layer.self_attn)[0]), {k: v for k, v in options.items() if k != "v_dim"}
 
 
 def _eps(norm: nn.Module) -> float:
@@ -113,9 +116,10 @@ def _eps(norm: nn.Module) -> float:
 # model's own forward up to rounding.
 
 
-def latent_head_dim(attn: nn.Module) -> int:
-    """The width of the engines' one cached head of a latent-attention layer: kv_rank + rope."""
-    return int(attn.kv_lora_rank) + int(attn.qk_rope_head_dim)
+def latent_head_dim(config) -> int:
+    """The width of the engines' one cached head of a latent-attention model (its attention module
+    or text config, both name them alike): kv_rank + rope."""
+    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
 
 
 def up_projections(attn: nn.Module) -> tuple[Tensor, Tensor]:
@@ -126,21 +130,17 @@ def up_projections(attn: nn.Module) -> tuple[Tensor, Tensor]:
 
 
 def latent_qkv(
-    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_a_w: Tensor | None, q_a_b: Tensor | None,
-    q_a_norm_w: Tensor | None, q_b_w: Tensor, kv_a_w: Tensor, kv_a_b: Tensor | None, kv_a_norm_w: Tensor,
-    w_uk: Tensor, *, eps: float,
-    q_eps: float, kv_eps: float, n_heads: int, head_dim: int, nope: int, interleave: bool,
+    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_a: Projection | None, q_a_norm_w: Tensor | None,
+    q_b: Projection, kv_a: Projection, kv_a_norm_w: Tensor, w_uk: Tensor, *, eps: float, q_eps: float,
+    kv_eps: float, n_heads: int, head_dim: int, nope: int, kv_rank: int, interleave: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [..., H] -> q [..., heads, head_dim], k and v [..., 1, head_dim] (head_dim = kv_rank + rope;
     v is the normed latent, zero past kv_rank). `cos`/`sin` broadcast against [..., heads, rope]."""
-    h = rms_norm(x, ln1_w, eps)
-    lead = h.shape[:-1]
-    kv_rank = w_uk.shape[-1]
     rope = head_dim - kv_rank
-    q_in = h if q_a_w is None else rms_norm(F.linear(h, q_a_w, q_a_b), q_a_norm_w, q_eps)
-    q_nope, q_rot = F.linear(q_in, q_b_w).view(*lead, n_heads, nope + rope).split([nope, rope], dim=-1)
-    latent, k_rot = F.linear(h, kv_a_w, kv_a_b).split([kv_rank, rope], dim=-1)
-    c = rms_norm(latent, kv_a_norm_w, kv_eps)[..., None, :]  # [..., 1, kv_rank]
+    q_nope, q_rot, c, k_rot = queries_and_latent(x, ln1_w, q_a, q_a_norm_w, q_b, kv_a, kv_a_norm_w, eps=eps,
+                                                 q_eps=q_eps, kv_eps=kv_eps, n_heads=n_heads, nope=nope, rope=rope,
+                                                 kv_rank=kv_rank)
+    c = c[..., None, :]  # [..., 1, kv_rank]
     rotate = rope_interleaved if interleave else apply_rope
     q = torch.cat([torch.einsum("...hn,hnc->...hc", q_nope, w_uk), rotate(q_rot, cos, sin)], dim=-1)
     k = torch.cat([c, rotate(k_rot[..., None, :], cos, sin)], dim=-1)

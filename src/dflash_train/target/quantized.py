@@ -14,7 +14,7 @@ copies), block-FP8 weights are dequantized here (`dequantized_rows`), as transfo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -31,6 +31,16 @@ def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int,
     offset = start - (start // block[0]) * block[0]  # where these rows start in their first block
     per_weight = scales.float().repeat_interleave(block[0], 0)[offset:offset + n]
     return rows.float() * per_weight.repeat_interleave(block[1], 1)[:, :cols]
+
+
+def plain_rows(rows: Tensor, start: int, block: tuple[int, int] | None,
+               scale_rows: Callable[[int, int], Tensor] | None) -> Tensor:
+    """Rows start.. of a checkpoint tensor as the model holds them: a block-FP8 weight (float8, with
+    a scale tensor: `scale_rows(first, last)` reads those rows of blocks) dequantized, else as read."""
+    if block is None or rows.dtype not in FLOAT8_DTYPES or scale_rows is None:
+        return rows
+    first, last = start // block[0], -(-(start + rows.shape[0]) // block[0])
+    return dequantized_rows(rows, scale_rows(first, last), start, block)
 
 
 def quantization_of(config: Any) -> dict | None:

@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM
 from dflash_train.target.attn_impl import resolve_attn_implementation
 from dflash_train.target.checkpoint_names import CheckpointNames
 from dflash_train.target.fp8 import FP8Linear, convert_decoder_linears
-from dflash_train.target.quantized import FLOAT8_DTYPES, dequantized_rows, fp8_block, quantization_of
+from dflash_train.target.quantized import fp8_block, plain_rows, quantization_of
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.loading import load_config, resolve_model_source
 from dflash_train.target.presets import initialise_, is_preset, preset_config
@@ -118,12 +118,9 @@ class ShardReader:
         return self._open[f].get_slice(key)
 
     def rows(self, key: str, start: int, stop: int | None) -> torch.Tensor:
-        rows = self._slice(key)[start:stop]
         scales = f"{key}_scale_inv"
-        if self.block is None or rows.dtype not in FLOAT8_DTYPES or scales not in self.where:
-            return rows
-        first, last = start // self.block[0], -(-(start + rows.shape[0]) // self.block[0])
-        return dequantized_rows(rows, self._slice(scales)[first:last], start, self.block)
+        scale_rows = (lambda first, last: self._slice(scales)[first:last]) if scales in self.where else None
+        return plain_rows(self._slice(key)[start:stop], start, self.block, scale_rows)
 
     def close(self) -> None:
         self._stack.close()
