@@ -1,7 +1,7 @@
 """Speculative decoding through the generic Hugging Face path (speculative/loop.py) on real-shaped
 random targets whose caches it must roll back (sliding-window Gemma 3; hybrid linear-attention
-Qwen3.5, which only that path serves): lossless under forced partial acceptance, and what rolling
-their caches back costs.
+Qwen3.5, whose recurrent layers that path replays): lossless under forced partial acceptance, and
+what rolling their caches back costs.
 
 A randomly initialised drafter accepts nothing and so proves nothing about rollback; an oracle
 proposer does: it offers the target's own greedy continuation with every round's drafts

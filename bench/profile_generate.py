@@ -292,8 +292,10 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     per_position = 2 * dec.n_kv * dec.head_dim * dec.embed_w.element_size()  # one layer's K and V
     weights = weight_bytes(engine.model, engine.slots)
     peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
+    # a hybrid's linear-attention layers read and write every slot's float32 state each step
+    states = 2 * sum(t.numel() * t.element_size() for t in dec.states.states) if hasattr(dec, "states") else 0
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,
-                       kv_read_bytes(mid, engine.attention, bucket, per_position, layer_caches(dec)), peak)
+                       kv_read_bytes(mid, engine.attention, bucket, per_position, layer_caches(dec)) + states, peak)
     names: dict[str, list[float]] = {}
     for name, _, dur in kernels:
         names.setdefault(name, []).append(dur)

@@ -74,8 +74,28 @@ def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compi
 
 
 @needs_gpu
+@pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_gpu_engine_on_hybrid_stacks_equals_hf_greedy(name, attention, compile):
+    """Qwen3-Next and Qwen3.5 on the CUDA path: prompts prefilled through the chunked delta rule,
+    then decode steps CUDA-graphed with the linear-attention layers' replay and recurrence inside,
+    slots refilled while others decode: transformers' greedy tokens."""
+    model = build_model(name, 300).cuda()
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (150, 9, 170, 131)]
+    expected = [hf_greedy_on_device(model, p) for p in prompts]
+    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
+                           attention=attention, compile=compile, cuda_graphs=True)
+    assert engine.attention == attention and engine.step.use_graphs
+    results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
+    assert [results[i].token_ids for i in range(len(prompts))] == expected
+
+
+@needs_gpu
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-@pytest.mark.parametrize("name", ["gpt_oss", "glm4_moe", "mixtral", "minimax_m2", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["gpt_oss", "glm4_moe", "mixtral", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
+                                  "qwen3_5_moe"])
 def test_gpu_engine_graphs_the_experts_in_bfloat16_as_eager_runs_them(name, attention):
     """gpt-oss, GLM-4.5 (a sigmoid router choosing within groups), Mixtral, MiniMax-M2, and DeepSeek-V3
     and GLM-4.7-Flash (latent attention from the cached latent) in bfloat16 on a Hopper GPU: the

@@ -34,7 +34,8 @@ from dflash_train.generate.continuous_batching import (
     step_buckets,
     wait_for,
 )
-from dflash_train.generate.decoder import StaticDecoder, head_dim_of
+from dflash_train.generate.decoder import head_dim_of
+from dflash_train.generate.hybrid_decoder import static_decoder
 from dflash_train.generate.engine import Completion, NextRequest, OnComplete, Request
 from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of
 from dflash_train.generate.sampling import select_tokens
@@ -142,7 +143,7 @@ class BuiltinEngine:
             attention = decode_attention_for(model.get_input_embeddings().weight.device, compile, [head_dim_of(model)])
         max_len = cache_positions(max_prompt_tokens, max_new_tokens, attention)  # whole attention blocks
         self.attention = attention
-        self.decoder = StaticDecoder(model, slots, max_len, attention=attention)
+        self.decoder = static_decoder(model, slots, max_len, attention=attention)
         self.device = dev = self.decoder.device
         self._allocate_slot_state(slots, dev)
         if compile and dev.type == "cuda":
@@ -190,10 +191,7 @@ class BuiltinEngine:
         and each shape is a captured step anyway. (The CPU tests run this with a non-fusing
         backend to check that it traces as one graph per function and never recompiles.)"""
         dec = self.decoder
-        # dense decode: pre_attention + SDPA + post_attention; flex decode = `verify` of one
-        # token: q_writing_kv + FlexAttention + post_attention + final_logits
-        names = ("q_writing_kv", "post_attention", "final_logits") if self.attention == "flex" \
-            else ("pre_attention", "post_attention")
+        names = dec.decode_functions()
 
         def trace() -> None:  # all slots are idle: the k/v it writes at their position 0 are overwritten by prefill
             dec.decode(self.tokens, self.positions, dec.max_len)

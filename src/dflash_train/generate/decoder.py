@@ -34,12 +34,14 @@ from torch import Tensor
 
 from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule, cache_index, causal_rule, flat,
                                              masked_attention, ring_length, ring_rule, windowed_rule)
+from dflash_train.generate.linear_state import mixer_layout_problem
 from dflash_train.generate.layers import (LayerWeights, eps_of, final_logits, layer_kind, mlp_laid_out_as_expected,
                                           post_attention, pre_attention, q_writing_kv)
 from dflash_train.target.language_model import (attention_projections, final_logit_softcap, language_model,
                                                  layer_rope_tables, layer_windows, mlp_projections, rope_table,
                                                  rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
+from dflash_train.target.packed_hybrid import HYBRID_MODEL_TYPES
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_head_dim
 from dflash_train.target.quantized import stays_quantized
 from dflash_train.utils.errors import ModelError
@@ -48,12 +50,13 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
                          "smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "gemma2", "gemma3_text",
-                         "gpt_oss", *MLA_MODEL_TYPES)
+                         "gpt_oss", *MLA_MODEL_TYPES, *HYBRID_MODEL_TYPES)
 # RoPE types whose frequencies depend on the current sequence length: a fixed table cannot
 # reproduce them, so they go to the HTTP engine.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 _ACTIVATIONS = {"llama": ("silu", "swish"), "gemma": ("gelu_pytorch_tanh",), "gpt_oss": ("silu", "swish"),
-                "olmo2": ("silu", "swish"), "exaone4": ("silu", "swish"), "mla": ("silu", "swish")}
+                "olmo2": ("silu", "swish"), "exaone4": ("silu", "swish"), "mla": ("silu", "swish"),
+                "hybrid": ("silu", "swish")}
 
 
 class UnsupportedModelError(ModelError):
@@ -86,7 +89,8 @@ def check_supported_config(config) -> None:
         raise UnsupportedModelError(f"rope type {dynamic[0]!r} depends on the sequence length{_HINT}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedModelError(f"attention heads must be a multiple of kv heads{_HINT}")
-    if set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}:
+    known = {"full_attention", "sliding_attention", *(("linear_attention",) if kind == "hybrid" else ())}
+    if set(getattr(cfg, "layer_types", None) or ()) - known:
         raise UnsupportedModelError(f"layer types {sorted(set(cfg.layer_types))} are not supported{_HINT}")
 
 
@@ -97,9 +101,13 @@ def check_supported(model) -> None:
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedModelError(f"unexpected module layout for {type(model).__name__}{_HINT}")
     kind = layer_kind(text_config(model.config).model_type)
+    mixers = [layer.linear_attn for layer in inner.layers if hasattr(layer, "linear_attn")] if kind == "hybrid" else []
+    problem = next((p for p in map(mixer_layout_problem, mixers) if p), None)
+    if problem:
+        raise UnsupportedModelError(f"{problem}{_HINT}")
     if not all(mlp_laid_out_as_expected(layer.mlp, kind) for layer in inner.layers):
         raise UnsupportedModelError(f"experts laid out other than as transformers 5 stores them{_HINT}")
-    attn = inner.layers[0].self_attn
+    attn = _first_attention(inner)
     head_dim = head_dim_of(model)
     if head_dim is None or head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
@@ -117,14 +125,19 @@ def check_supported(model) -> None:
                                     "with the model's own bf16 weights; load the target without target.fp8")
 
 
+def _first_attention(inner) -> torch.nn.Module:
+    """The first decoder layer's attention module (a hybrid stack's first attention layer)."""
+    return next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))
+
+
 def head_dim_of(model: torch.nn.Module) -> int | None:
     """The width of the attention heads of a decoder laid out as this module expects, as its
     cache holds them (latent attention: the one shared head of latent and rotary key; None
     otherwise: `check_supported` says what is wrong)."""
     try:
-        attn = language_model(model).layers[0].self_attn  # type: ignore[union-attr,index]
+        attn = _first_attention(language_model(model))
         return latent_head_dim(attn) if hasattr(attn, "kv_lora_rank") else int(attn.head_dim)
-    except (AttributeError, IndexError, TypeError):
+    except (AttributeError, IndexError, TypeError, StopIteration):
         return None
 
 
@@ -137,18 +150,19 @@ class StaticDecoder:
         check_supported(model)
         cfg, inner = text_config(model.config), language_model(model)
         self.kind = layer_kind(cfg.model_type)
+        if self.kind == "hybrid" and type(self)._attention_layers is StaticDecoder._attention_layers:
+            raise TypeError("a hybrid stack's decoder is generate/hybrid_decoder.py's (static_decoder builds it)")
         self.embed_w = inner.embed_tokens.weight
         # Gemma scales its embedding by sqrt(hidden), in the weights' dtype (the drafter reads embed_w unscaled)
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None) if self.kind == "gemma" else None
         self.norm_w, self.norm_eps = inner.norm.weight, eps_of(inner.norm)
         self.lm_head_w = model.get_output_embeddings().weight  # the embedding itself when tied
         self.lm_head_b = getattr(model.get_output_embeddings(), "bias", None)
-        windows, ropes = layer_windows(cfg), layer_rope_tables(cfg)
-        self.layers = [LayerWeights(layer, self.kind, ropes[i], windows[i]) for i, layer in enumerate(inner.layers)]
+        self.layers = self._attention_layers(inner, cfg)  # the layers holding a KV cache
         # latent attention caches one head that every query head reads (target/packed_mla.py)
         self.n_heads, self.n_kv = cfg.num_attention_heads, 1 if self.kind == "mla" else cfg.num_key_value_heads
         self.head_dim = head_dim_of(model)
-        self.scale = float(inner.layers[0].self_attn.scaling)
+        self.scale = float(_first_attention(inner).scaling)
         # Gemma 2 caps its attention scores (Gemma 3's forward ignores the field), Gemma its logits where
         # set; gpt-oss's layers carry sinks
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None
@@ -183,6 +197,19 @@ class StaticDecoder:
         self.final_logits: Callable[..., Tensor] = final_logits  # of `verify` (fixed shapes: compilable)
         self.attention_kind = attention  # of `verify` (generate/attention.py)
         self._attentions: dict[tuple[int, int, int | None, int], CacheAttention] = {}
+
+    def _attention_layers(self, inner, cfg) -> list:
+        """Every decoder layer's weights (a hybrid stack's decoder keeps its attention layers here)."""
+        windows, ropes = layer_windows(cfg), layer_rope_tables(cfg)
+        return [LayerWeights(layer, self.kind, ropes[i], windows[i]) for i, layer in enumerate(inner.layers)]
+
+    def decode_functions(self) -> tuple[str, ...]:
+        """The per-layer functions `decode` calls, which the engines may compile: dense decode is
+        pre_attention + SDPA + post_attention; flex decode, `verify` of one token: q_writing_kv +
+        FlexAttention + post_attention + final_logits."""
+        if self.attention_kind == "flex":
+            return "q_writing_kv", "post_attention", "final_logits"
+        return "pre_attention", "post_attention"
 
     def _allocate_caches(self) -> tuple[list[Tensor], list[Tensor]]:
         """One K and one V tensor per cache length, the layers' caches views of them."""

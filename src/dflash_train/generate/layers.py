@@ -18,6 +18,9 @@ options that say which family's op sequence runs:
     mla      DeepSeek-V3 / R1 and GLM-4.7-Flash: latent attention with the latent cached and the
              up-projections absorbed (one shared kv head; target/packed_mla.py), then the llama kind's
              MLP or GLM-routed experts
+    hybrid   Qwen3-Next and Qwen3.5: gated attention and zero-centred norms (target/packed_hybrid.py)
+             in the attention layers, gated delta-rule linear attention in the rest
+             (generate/hybrid_decoder.py, generate/linear_state.py)
 
 What differs around the layers (Gemma's scaled embedding, per-layer-type RoPE tables and
 sliding windows, soft-capped scores and logits, gpt-oss's attention sinks) is the decoder's.
@@ -36,12 +39,13 @@ from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, ro
 from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
 from dflash_train.target.projections import gated_mlp, projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
+from dflash_train.target.packed_hybrid import HYBRID_MODEL_TYPES, experts_with_gated_shared_expert
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_output, latent_qkv, latent_weights, up_projections
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_attention_olmo2
 
-LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "exaone4", "mla"]
+LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "exaone4", "mla", "hybrid"]
 POST_NORM_KINDS = ("olmo2", "exaone4")  # norms after attention and the MLP (target/packed_olmo2.py)
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -51,12 +55,14 @@ def layer_kind(model_type: str) -> LayerKind:
         return "gemma"
     if model_type in MLA_MODEL_TYPES:
         return "mla"
+    if model_type in HYBRID_MODEL_TYPES:
+        return "hybrid"
     return model_type if model_type in ("gpt_oss", *POST_NORM_KINDS) else "llama"
 
 
 def norm(x: Tensor, w: Tensor, eps: float, kind: LayerKind) -> Tensor:
     """The family's RMSNorm, as transformers computes it."""
-    if kind == "gemma":
+    if kind in ("gemma", "hybrid"):  # zero-centred: scale 1 + w
         return gemma_rms_norm(x, w, eps)
     return rms_norm(x, w, eps, scale_in_float32=kind in ("gpt_oss", "olmo2"))
 
@@ -149,6 +155,8 @@ def mlp_laid_out_as_expected(mlp: nn.Module, kind: LayerKind) -> bool:
     """Experts stored as transformers 5 stores them (3D tensors), where the layer has experts."""
     if kind == "gpt_oss":
         return experts_as_gpt_oss_stores_them(mlp)
+    if kind == "hybrid" and hasattr(mlp, "experts"):
+        return experts_with_gated_shared_expert(mlp)
     return not hasattr(mlp, "experts") or experts_as_tensors(mlp)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.generate.attention import FLEX_BLOCK, ring_length
+from dflash_train.generate.linear_state import state_bytes_per_slot
 from dflash_train.target.language_model import layer_windows
 from dflash_train.target.packed_mla import latent_head_dim
 
@@ -46,11 +47,12 @@ class KvShape:
     element_bytes: int
     ring_layers: int = 0
     ring_positions: int = 0
+    state_bytes: int = 0  # a hybrid's linear-attention layers: state and ring (generate/linear_state.py)
 
     @property
     def bytes_per_slot(self) -> int:
         positions = (self.layers - self.ring_layers) * self.positions + self.ring_layers * self.ring_positions
-        return 2 * self.kv_heads * positions * self.head_dim * self.element_bytes
+        return 2 * self.kv_heads * positions * self.head_dim * self.element_bytes + self.state_bytes
 
 
 def cache_positions(max_prompt_tokens: int, max_new_tokens: int, attention: str) -> int:
@@ -70,8 +72,12 @@ def kv_shape(text_config, positions: int, dtype: torch.dtype, attention: str = "
         head_dim, kv_heads = latent_head_dim(text_config), 1
     rings = [ring_length([w], 1, positions, attention) for w in layer_windows(text_config) if w]
     rings = [n for n in rings if n is not None]
-    return KvShape(int(text_config.num_hidden_layers), int(kv_heads), int(head_dim), positions,
-                   torch.empty((), dtype=dtype).element_size(), len(rings), max(rings, default=0))
+    layers, state = int(text_config.num_hidden_layers), 0
+    if "linear_attention" in (getattr(text_config, "layer_types", None) or ()):  # a hybrid: attention in a few
+        layers = sum(t == "full_attention" for t in text_config.layer_types[:layers])
+        state = state_bytes_per_slot(text_config, 1, dtype)
+    return KvShape(layers, int(kv_heads), int(head_dim), positions, torch.empty((), dtype=dtype).element_size(),
+                   len(rings), max(rings, default=0), state)
 
 
 def host_available_bytes() -> int | None:

@@ -61,6 +61,7 @@ from dflash_train.generate.continuous_batching import (
     step_buckets,
 )
 from dflash_train.generate.decoder import StaticDecoder, head_dim_of
+from dflash_train.generate.hybrid_decoder import static_decoder
 from dflash_train.generate.graphs import GraphedStep, PrefillShapes, bucket_of
 from dflash_train.speculative.loop import DecodeResult, Round
 from dflash_train.speculative.rounds import Launched, Row, commit_round
@@ -111,7 +112,7 @@ class SpecEngine:
         max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
         block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else \
             drafter.block_size if drafter is not None else 1
-        self.decoder = StaticDecoder(target, slots, max_len, attention=attention, width=block)  # rings fit a block
+        self.decoder = static_decoder(target, slots, max_len, attention=attention, width=block)  # rings fit a block
         self.device = dev
         self.slots, self.max_len = slots, max_len
         self.stop_ids = {int(t) for t in stop_ids}

@@ -31,20 +31,27 @@ from dflash_train.target.projections import Projection, gated_mlp, project, proj
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-def pre_attention_gated(
+def gated_qkv(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection, v_p: Projection,
     qn_w: Tensor, kn_w: Tensor, *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group), normed
-    and rotated, and the output gate [R, S, n_heads * head_dim]."""
+    """x [..., H] -> q [..., n_heads, head_dim], k/v [..., n_kv, head_dim], normed and rotated, and
+    the output gate [..., n_heads * head_dim]."""
     h = zero_centred_norm(x, ln1_w, eps)
-    R, S = h.shape[:2]
+    lead = h.shape[:-1]
     q_and_gate, k, v = project(h, (q_p, k_p, v_p))
-    q, gate = q_and_gate.view(R, S, n_heads, 2 * head_dim).chunk(2, dim=-1)
+    q, gate = q_and_gate.view(*lead, n_heads, 2 * head_dim).chunk(2, dim=-1)
     q = zero_centred_norm(q, qn_w, qk_eps)
-    k = zero_centred_norm(k.view(R, S, n_kv, head_dim), kn_w, qk_eps)
+    k = zero_centred_norm(k.view(*lead, n_kv, head_dim), kn_w, qk_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return (q, *repeat_kv(k, v.view(R, S, n_kv, head_dim), n_heads), gate.reshape(R, S, n_heads * head_dim))
+    return q, k, v.view(*lead, n_kv, head_dim), gate.reshape(*lead, n_heads * head_dim)
+
+
+def pre_attention_gated(x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | Projection, n_heads: int,
+                        **options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`gated_qkv` with k/v repeated over each GQA group (every SDPA kernel takes them)."""
+    q, k, v, gate = gated_qkv(x, cos, sin, *weights, n_heads=n_heads, **options)
+    return (q, *repeat_kv(k, v, n_heads), gate)
 
 
 def post_mixer_hybrid(x: Tensor, mixed: Tensor, ln2_w: Tensor, *mlp: Tensor | Projection, eps: float, moe: bool,
@@ -92,7 +99,8 @@ class HybridLayerWeights:
             mlp_w = (projection_of(mlp.gate_proj), projection_of(mlp.up_proj), projection_of(mlp.down_proj))
         ln2 = layer.post_attention_layernorm
         self.post_kwargs = {"eps": float(ln2.eps), "moe": moe, **(routing_of(mlp) if moe else {})}
-        self.layer_type, self.window = None, None  # one RoPE table, no sliding windows
+        # one RoPE table (`rope`: the static decoder's name for it), no sliding windows, no sinks
+        self.layer_type = self.rope = self.window = self.sinks = None
         if self.mixer is not None:
             self.post_fn, self.post = "post_mixer_hybrid", (ln2.weight, *mlp_w)
             return
