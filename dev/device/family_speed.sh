@@ -17,6 +17,8 @@
 #                            # then profile_generate at 64 slots (PRESET=phi-4: the same for Phi-4)
 #     PART=latent    ...   # glm4.7-flash (latent attention): bench on the Hugging Face forward, then auto,
 #                            # then profile_generate at 64 slots (the latent cache)
+#     PART=hybrid_gen ... # qwen3.5-27b (PRESET=qwen3.5-35b-a3b: the MoE): profile_generate at 64 slots, the linear-
+#                            # attention layers decoded from their per-slot states (generate/linear_state.py)
 #     PART=fla       ...   # qwen3.5-27b (PRESET=qwen3.5-35b-a3b: the MoE) on the Hugging Face forward with
 #                            # transformers' pure-PyTorch gated delta net, then with flash-linear-attention's
 #                            # kernels (carried wheels: .whl/flash_linear_attention-*.whl, .whl/fla_core-*.whl)
@@ -90,6 +92,10 @@ case "$PART" in
     stage bench_glm4_7_flash 280 "${B[@]}" --preset $PL --out "$OUT/bench_glm4_7_flash.json"
     stage generate_glm4_7_flash 250 $PY bench/profile_generate.py preset:$PL --slots 64 --prompt-len 256 $GEN \
       --out "$OUT/generate_glm4_7_flash.json" ;;
+  hybrid_gen)
+    PH=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-qwen3.5-27b}"); N=${PH//[.-]/_}
+    stage generate_${N} 400 $PY bench/profile_generate.py preset:$PH --slots 64 --prompt-len 256 $GEN \
+      --out "$OUT/generate_${N}.json" ;;
   moe_gen)
     stage generate_qwen3_30b_a3b 500 $PY bench/profile_generate.py preset:$PM --slots 256 --prompt-len 256 $GEN \
       --out "$OUT/generate_qwen3_30b_a3b.json" ;;
