@@ -87,7 +87,8 @@ def test_gpu_engine_on_hybrid_stacks_equals_hf_greedy(name, attention, compile):
     expected = [hf_greedy_on_device(model, p) for p in prompts]
     engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
                            attention=attention, compile=compile, cuda_graphs=True)
-    assert engine.attention == attention and engine.step.use_graphs
+    # (Qwen3-Next's experts in float32 go through PyTorch's host-side grouped GEMM: eager)
+    assert engine.attention == attention and engine.step.use_graphs == (name == "qwen3_5")
     results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
     assert [results[i].token_ids for i in range(len(prompts))] == expected
 

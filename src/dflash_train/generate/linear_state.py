@@ -211,6 +211,8 @@ class LinearStates:
         q, k, v, g, beta = lay.heads(conv.to(h.dtype).transpose(1, 2), row)
         real = (torch.arange(t, device=h.device)[None, :] < lengths.to(h.device)[:, None])[..., None]  # [B, T, 1]
         g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros((), dtype=beta.dtype))
+        rep = lay.nv // lay.nk  # heads repeated here: older transformers' kernels expect them so
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         core, state = lay.chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
                                      use_qk_l2norm_in_kernel=True)
         slot_ids = slot_ids.to(h.device)

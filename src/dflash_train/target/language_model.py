@@ -132,6 +132,8 @@ def rope_table(rotary: nn.Module, x: Tensor, positions: Tensor, name: str | None
             return torch.ones_like(cos), torch.zeros_like(sin)
         half = cos.shape[-1] // 2  # [f0, f0, f1, f1, ...] from [f0, f1, ..., f0, f1, ...]
         return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    if hasattr(rotary, "mrope_section") and positions.dim() == 2:  # Qwen3.5's multimodal RoPE: one row of
+        positions = positions.expand(3, *positions.shape)  # positions per grid axis, all equal for text
     return rotary(x, positions, name) if name else rotary(x, positions)
 
 
