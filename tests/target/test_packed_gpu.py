@@ -70,5 +70,8 @@ def test_compiled_families_equal_the_hugging_face_forward_on_gpu(kind, documents
     batch = _packed(LENGTHS, ROWS, vocab=300)
     out = {"hf": _on_gpu(model, batch, forward="hf"),
            "packed": _on_gpu(model, batch, forward="packed", compile=True, document_attention=documents)}
-    torch.testing.assert_close(out["packed"].taps, out["hf"].taps, atol=2e-4, rtol=1e-3)
-    torch.testing.assert_close(out["packed"].final_hidden, out["hf"].final_hidden, atol=2e-4, rtol=1e-3)
+    # the hybrids' chunked delta rule runs on the gathered documents, transformers' on whole rows: the
+    # same sums in another order, a few of 200K values 3e-4 apart on an H100
+    atol = 1e-3 if kind.startswith("qwen3_5") else 2e-4
+    torch.testing.assert_close(out["packed"].taps, out["hf"].taps, atol=atol, rtol=1e-3)
+    torch.testing.assert_close(out["packed"].final_hidden, out["hf"].final_hidden, atol=atol, rtol=1e-3)

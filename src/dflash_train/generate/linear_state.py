@@ -133,21 +133,32 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def delta_steps(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                keep: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
-    """The gated delta rule token by token: state [S, Hv, dk, dv]; k/q [S, T, Hv, dk], v [S, T, Hv, dv],
-    g/beta [S, T, Hv] (float32, prepared). Returns the new state and, with q, each step's output
-    [S, Hv, dv]; `keep` [S, T] bool leaves a slot's state as it was on the steps it is False."""
-    outs = []
-    for t in range(k.shape[1]):
-        new = state * g[:, t].exp()[..., None, None]
-        kv_mem = (new * k[:, t, ..., None]).sum(dim=-2)
-        delta = (v[:, t] - kv_mem) * beta[:, t, ..., None]
-        new = new + k[:, t, ..., None] * delta[..., None, :]
-        state = new if keep is None else torch.where(keep[:, t, None, None, None], new, state)
-        if q is not None:
-            outs.append((state * q[:, t, ..., None]).sum(dim=-2))
-    return state, outs
+def advance_(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
+    """One token of the gated delta rule, in place: state [S, Hv, dk, dv] decays by exp(g), then
+    learns v at key k at rate beta (k [S, Hv, dk], v [S, Hv, dv], g/beta [S, Hv], float32). Two
+    passes over the state (the decay, the rank-1 update) and one read: decoding is bound by them.
+    g = beta = 0 leaves the state exactly as it was."""
+    s, h, dk, dv = state.shape
+    state.mul_(g.exp()[..., None, None])
+    delta = (v - (k[..., None, :] @ state).squeeze(-2)) * beta[..., None]
+    state.view(s * h, dk, dv).baddbmm_(k.reshape(s * h, dk, 1), delta.reshape(s * h, 1, dv))
+
+
+def outputs(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """The rule's outputs [S, T, Hv, dv] for T tokens from `state` (left as it is): q/k [S, T, Hv, dk],
+    v [S, T, Hv, dv], g/beta [S, T, Hv]. One token reads the state once: with s' = e s + k d^T
+    (e = exp(g), d = (v - e s^T k) beta), the output s'^T q = e s^T q + (q . k) d."""
+    if k.shape[1] > 1:
+        state = state.clone()
+        outs = []
+        for t in range(k.shape[1]):
+            advance_(state, k[:, t], v[:, t], g[:, t], beta[:, t])
+            outs.append((q[:, t, :, None, :] @ state).squeeze(-2))
+        return torch.stack(outs, dim=1)
+    read = torch.stack([k[:, 0], q[:, 0]], dim=-2) @ state  # [S, Hv, 2, dv]: s^T k, s^T q
+    e = g[:, 0].exp()[..., None]
+    delta = (v[:, 0] - e * read[..., 0, :]) * beta[:, 0, :, None]
+    return (e * read[..., 1, :] + (q[:, 0] * k[:, 0]).sum(-1, keepdim=True) * delta)[:, None]
 
 
 class LinearStates:
@@ -171,7 +182,7 @@ class LinearStates:
         """Layer j's ring rows [S, count, ...] of positions first[s] + 0..count-1 (zeros before 0)."""
         pos = first[:, None] + self.offsets[None, :count]
         rows = self.rings[j][torch.arange(len(first), device=first.device)[:, None], pos.remainder(self.ring_len)]
-        return torch.where((pos >= 0)[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return torch.where((pos >= 0)[..., None], rows, 0.0)
 
     def catch_up(self, j: int, lay: LinearMixerWeights, positions: Tensor) -> Tensor:
         """Layer j's state [S, ...] of the first S = len(positions) slots after replaying their tokens
@@ -182,8 +193,10 @@ class LinearStates:
         _, k, v, g, beta = lay.heads(lay.convolve(rows, self.width), rows[:, context:])
         _, k, v, g, beta = lay.recurrence_inputs(None, k, v, g, beta)
         keep = done[:, None] + self.offsets[None, :self.width] < positions[:, None]
-        state = delta_steps(self.states[j][:s], None, k, v, g, beta, keep)[0]
-        self.states[j][:s] = state
+        g, beta = torch.where(keep[..., None], g, 0.0), torch.where(keep[..., None], beta, 0.0)  # the rest: no-ops
+        state = self.states[j][:s]
+        for t in range(self.width):
+            advance_(state, k[:, t], v[:, t], g[:, t], beta[:, t])
         return state
 
     def step(self, j: int, lay: LinearMixerWeights, h: Tensor, positions: Tensor) -> Tensor:
@@ -197,8 +210,7 @@ class LinearStates:
         context = lay.kernel - 1
         rows = self._rows(j, positions - context, t + context)
         q, k, v, g, beta = lay.recurrence_inputs(*lay.heads(lay.convolve(rows, t), rows[:, context:]))
-        _, outs = delta_steps(state, q, k, v, g, beta)
-        return lay.output(torch.stack(outs, dim=1).to(h.dtype), z)
+        return lay.output(outputs(state, q, k, v, g, beta).to(h.dtype), z)
 
     def prefill(self, j: int, lay: LinearMixerWeights, h: Tensor, lengths: Tensor, slot_ids: Tensor) -> Tensor:
         """Layer j's mixer on right-padded prompts h [B, T, H] into slots `slot_ids`: the chunked kernel
@@ -210,7 +222,7 @@ class LinearStates:
                                lay.conv_b, padding=lay.kernel - 1, groups=lay.conv_dim)[:, :, :t])
         q, k, v, g, beta = lay.heads(conv.to(h.dtype).transpose(1, 2), row)
         real = (torch.arange(t, device=h.device)[None, :] < lengths.to(h.device)[:, None])[..., None]  # [B, T, 1]
-        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros((), dtype=beta.dtype))
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
         rep = lay.nv // lay.nk  # heads repeated here: older transformers' kernels expect them so
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         core, state = lay.chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
