@@ -12,12 +12,13 @@ there, writing their inputs into the ring:
     state  per layer [slots, Hv, dk, dv] float32   the recurrence after the tokens before done[slot]
     done   [slots]                                 shared by the layers
 
-Calls of at most W tokens move P by at most W, so the replay is W steps, masked past each slot's
-P (a fixed shape: a CUDA graph captures it), and a ring of W + K - 1 positions holds every input a
-call reads. The recurrence, the convolution and the gated norm repeat transformers' op sequence
-(its `torch_recurrent_gated_delta_rule`, `causal_conv1d_update`, `RMSNormGated`), so fp32 decoding
-equals the model's own; a prompt runs through the module's chunked kernel (flash-linear-attention's
-when installed), its padding masked out of the state.
+Calls of at most W tokens move P by at most W, so the replay is a block of W tokens, masked past
+each slot's P (a fixed shape: a CUDA graph captures it), and a ring of W + K - 1 positions holds
+every input a call reads. A block, replayed or new, runs the rule in closed form (`block_rule`):
+decoding is bound by reading the states, and a block reads each once (twice more to update it),
+whatever its length. The convolution and the gated norm repeat transformers' op sequence; a prompt
+runs through the module's chunked kernel (flash-linear-attention's when installed), its padding
+masked out of the state.
 """
 
 from __future__ import annotations
@@ -133,32 +134,40 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def advance_(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
-    """One token of the gated delta rule, in place: state [S, Hv, dk, dv] decays by exp(g), then
-    learns v at key k at rate beta (k [S, Hv, dk], v [S, Hv, dv], g/beta [S, Hv], float32). Two
-    passes over the state (the decay, the rank-1 update) and one read: decoding is bound by them.
-    g = beta = 0 leaves the state exactly as it was."""
+def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
+    """The gated delta rule over T tokens from `state` [S, Hv, dk, dv] in closed form, one read of the
+    state (q/k [S, T, Hv, dk], v [S, T, Hv, dv], g/beta [S, T, Hv], float32, prepared). Step t decays
+    the state by e_t = exp(g_t) and adds k_t d_t^T, d_t = beta_t (v_t - e_t s_{t-1}^T k_t). With
+    r[t, i] the decay from token i to t, every d solves one unit lower-triangular system,
+
+        d_t + beta_t sum_{i<t} r[t, i] (k_t . k_i) d_i = beta_t (v_t - r[t, 0-] s^T k_t),
+
+    so the outputs s_t^T q_t and the state after the block, r[T, 0-] s + sum_i r[T, i] k_i d_i^T,
+    follow by small matmuls (the chunked algorithm's, for one chunk). g = beta = 0 at a token makes
+    its d zero: it changes nothing. Returns the outputs [S, T, Hv, dv] (None without q) and the
+    block's decay [S, Hv], weighted keys [S, Hv, dk, T] and d [S, Hv, T, dv] (`advance_`)."""
+    k, v, g, beta = (x.transpose(1, 2) for x in (k, v, g, beta))  # [S, Hv, T, ...]
+    t = k.shape[-2]
+    c = g.cumsum(-1)  # log of the decay since the block began
+    causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
+    decay = torch.where(causal, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # r[t, i], i <= t
+    reads = (k if q is None else torch.cat([k, q.transpose(1, 2)], dim=-2)) @ state  # s^T k_t (and s^T q_t)
+    rhs = beta[..., None] * (v - c.exp()[..., None] * reads[..., :t, :])
+    mix = (beta[..., :, None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    eye = torch.eye(t, dtype=mix.dtype, device=mix.device)
+    d = torch.linalg.solve_triangular(mix + eye, rhs, upper=False, unitriangular=True)
+    out = None
+    if q is not None:
+        qk = decay * (q.transpose(1, 2) @ k.transpose(-1, -2))
+        out = (c.exp()[..., None] * reads[..., t:, :] + qk @ d).transpose(1, 2)
+    return out, c[..., -1].exp(), (k * decay[..., -1, :, None]).transpose(-1, -2), d
+
+
+def advance_(state: Tensor, decay: Tensor, keys: Tensor, d: Tensor) -> None:
+    """state <- decay state + keys d (`block_rule`'s pieces), in place: one pass to scale, one to add."""
     s, h, dk, dv = state.shape
-    state.mul_(g.exp()[..., None, None])
-    delta = (v - (k[..., None, :] @ state).squeeze(-2)) * beta[..., None]
-    state.view(s * h, dk, dv).baddbmm_(k.reshape(s * h, dk, 1), delta.reshape(s * h, 1, dv))
-
-
-def outputs(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-    """The rule's outputs [S, T, Hv, dv] for T tokens from `state` (left as it is): q/k [S, T, Hv, dk],
-    v [S, T, Hv, dv], g/beta [S, T, Hv]. One token reads the state once: with s' = e s + k d^T
-    (e = exp(g), d = (v - e s^T k) beta), the output s'^T q = e s^T q + (q . k) d."""
-    if k.shape[1] > 1:
-        state = state.clone()
-        outs = []
-        for t in range(k.shape[1]):
-            advance_(state, k[:, t], v[:, t], g[:, t], beta[:, t])
-            outs.append((q[:, t, :, None, :] @ state).squeeze(-2))
-        return torch.stack(outs, dim=1)
-    read = torch.stack([k[:, 0], q[:, 0]], dim=-2) @ state  # [S, Hv, 2, dv]: s^T k, s^T q
-    e = g[:, 0].exp()[..., None]
-    delta = (v[:, 0] - e * read[..., 0, :]) * beta[:, 0, :, None]
-    return (e * read[..., 1, :] + (q[:, 0] * k[:, 0]).sum(-1, keepdim=True) * delta)[:, None]
+    state.mul_(decay[..., None, None])
+    state.view(s * h, dk, dv).baddbmm_(keys.reshape(s * h, dk, -1), d.reshape(s * h, -1, dv))
 
 
 class LinearStates:
@@ -195,8 +204,7 @@ class LinearStates:
         keep = done[:, None] + self.offsets[None, :self.width] < positions[:, None]
         g, beta = torch.where(keep[..., None], g, 0.0), torch.where(keep[..., None], beta, 0.0)  # the rest: no-ops
         state = self.states[j][:s]
-        for t in range(self.width):
-            advance_(state, k[:, t], v[:, t], g[:, t], beta[:, t])
+        advance_(state, *block_rule(state, None, k, v, g, beta)[1:])
         return state
 
     def step(self, j: int, lay: LinearMixerWeights, h: Tensor, positions: Tensor) -> Tensor:
@@ -210,7 +218,7 @@ class LinearStates:
         context = lay.kernel - 1
         rows = self._rows(j, positions - context, t + context)
         q, k, v, g, beta = lay.recurrence_inputs(*lay.heads(lay.convolve(rows, t), rows[:, context:]))
-        return lay.output(outputs(state, q, k, v, g, beta).to(h.dtype), z)
+        return lay.output(block_rule(state, q, k, v, g, beta)[0].to(h.dtype), z)
 
     def prefill(self, j: int, lay: LinearMixerWeights, h: Tensor, lengths: Tensor, slot_ids: Tensor) -> Tensor:
         """Layer j's mixer on right-padded prompts h [B, T, H] into slots `slot_ids`: the chunked kernel
