@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,12 +70,6 @@ def worker(out: Path, targets: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group-size", type=int, default=4)
@@ -90,7 +83,7 @@ def main() -> int:
         root = Path(tmp)
         targets = save_targets(root)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.group_size}",
-               f"--master-port={free_port()}", __file__, "--worker", str(root), *map(str, targets.values())]
+               "--standalone", __file__, "--worker", str(root), *map(str, targets.values())]
         proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=600)
         if proc.returncode != 0:

@@ -4,7 +4,8 @@ gpt-oss (attention sinks, biased experts, YaRN), Mistral with a sliding window, 
 with float32 router weights) and Phi-3 (fused q/k/v and gate/up projections) with one; every one of them with sliding-window layers, filled past
 the window by the prompts alone. GLM-4.5's MoE layout (sigmoid router with a score correction and
 groups, shared experts, RoPE over half a head) and OLMo 2's (norms after attention and the MLP, q/k
-normed over their projection) are checked against the same references.
+normed over their projection) are checked against the same references, and so are the hybrids
+Qwen3-Next and Qwen3.5 (dense and MoE), whose linear-attention states roll back by position.
 
 Each check is against transformers' own eager forward of the same random fp32 model: prefill
 logits and taps, verify rounds that roll back part of a block (stale cache entries past the
@@ -26,6 +27,7 @@ from dflash_train.generate.engine import Completion, Request
 from dflash_train.generate.hybrid_decoder import static_decoder
 from dflash_train.generate.sizing import kv_shape
 from dflash_train.speculative.engine import SpecEngine
+from dflash_train.target.packed_hybrid import post_mixer_hybrid
 from dflash_train.target.language_model import text_config
 from tests.families import FAMILIES, WINDOW, build_model
 from tests.speculative.test_engine import OracleDrafts
@@ -209,9 +211,9 @@ def test_the_compiled_decode_step_traces_each_function_once_and_matches(models, 
     want = tokens(False)
     torch._dynamo.reset()
     assert tokens(True) == want
-    # dense: pre_attention, post_attention; flex (and a hybrid's, always `verify` of one token):
-    # q_writing_kv, post_attention, final_logits
-    assert len(traced) == (2 if attention == "dense" and name not in HYBRIDS else 3)
+    # dense: pre_attention, post_attention; flex: q_writing_kv, post_attention, final_logits; a
+    # hybrid's, always `verify` of one token: those three and the MLP after linear attention
+    assert len(traced) == (4 if name in HYBRIDS else 2 if attention == "dense" else 3)
 
 
 @pytest.mark.parametrize("name", [*NAMES, "deepseek_v3", "glm4_moe_lite", *HYBRIDS])
@@ -300,3 +302,18 @@ def test_a_linear_attention_layer_of_another_layout_is_refused(models):
         check_supported(model)
     with pytest.raises(TypeError, match="static_decoder"):
         StaticDecoder(models["qwen3_5"], slots=1, max_len=32)
+
+
+def test_the_speculative_engine_compiles_a_hybrids_layer_functions_and_still_equals_greedy(models):
+    """The GPU path compiles the hybrid decoder's functions, the MLP after linear attention among
+    them; with a non-fusing backend on a CPU, rounds accepted in part still give transformers'
+    greedy tokens."""
+    model = models["qwen3_5"]
+    model.generation_config.eos_token_id = None
+    prompt = _prompts((12,), seed=23)[0]
+    ref = _hf_greedy(model, prompt, 17)
+    torch._dynamo.reset()
+    engine = SpecEngine(model, OracleDrafts({tuple(prompt): ref}, 4, [3, 0, 2], VOCAB), set(), max_len=64)
+    engine._compile_layer_functions(backend="aot_eager")
+    assert engine.decoder.post_mixer is not post_mixer_hybrid and engine.attention == "dense"
+    assert engine.generate(prompt, 17).tokens == ref

@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 
 def launch(config: Path, out: Path, nproc: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
            "-m", "dflash_train", "train", "--config", str(config), "--run.output_dir", str(out), *extra]
     # a rank that aborts (SIGABRT, SIGSEGV) prints every thread's Python stack into the output
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}

@@ -21,7 +21,7 @@ from ..conftest import prepare_dataset, synthetic_conversations
 from ..family_dirs import save_fp8_family
 from ..families import save_family
 from .test_pipeline import (  # noqa: F401 (the fixture ends a failed test's jobs)
-    _direct, _free_port, _wait_for_checkpoint, finish, losses, no_job_outlives_its_test, run, single)
+    _direct, _wait_for_checkpoint, finish, losses, no_job_outlives_its_test, run, single)
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 NAMES = ("qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3", "qwen3_5_moe")
@@ -50,7 +50,7 @@ def test_every_tapped_layer_equals_the_whole_model_and_each_rank_holds_1_over_g(
     converted to FP8."""
     targets = [str(families / name) for name in NAMES] + \
         ["preset:tiny", "fp8:" + str(families / "qwen3"), "fp8:preset:tiny"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
            str(WORKER), str(tmp_path), *targets]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -83,7 +83,7 @@ def test_a_block_fp8_checkpoint_is_dequantized_row_by_row_as_each_rank_reads_its
     model transformers loads dequantized, on both forwards, and each rank holds 1/G of the bytes."""
     target = tmp_path / "fp8-target"
     save_fp8_family("qwen3", target)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--standalone",
            str(WORKER), str(tmp_path), str(target)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_pipeline import _free_port
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 WORKER = Path(__file__).with_name("sharded_gpu_worker.py")
@@ -24,7 +23,7 @@ WORKER = Path(__file__).with_name("sharded_gpu_worker.py")
 def test_packed_compiled_forward_of_a_sharded_target_equals_the_whole_one_on_gpus():
     world = min(torch.cuda.device_count(), 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-           f"--master-port={_free_port()}", str(WORKER)]
+           "--standalone", str(WORKER)]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -203,13 +203,15 @@ class StaticDecoder:
         windows, ropes = layer_windows(cfg), layer_rope_tables(cfg)
         return [LayerWeights(layer, self.kind, ropes[i], windows[i]) for i, layer in enumerate(inner.layers)]
 
+    def verify_functions(self) -> tuple[str, ...]:
+        """The per-layer functions `verify` calls, which the engines may compile (q_writing_kv +
+        the attention kernel + post_attention, then final_logits)."""
+        return "q_writing_kv", "post_attention", "final_logits"
+
     def decode_functions(self) -> tuple[str, ...]:
-        """The per-layer functions `decode` calls, which the engines may compile: dense decode is
-        pre_attention + SDPA + post_attention; flex decode, `verify` of one token: q_writing_kv +
-        FlexAttention + post_attention + final_logits."""
-        if self.attention_kind == "flex":
-            return "q_writing_kv", "post_attention", "final_logits"
-        return "pre_attention", "post_attention"
+        """The same for `decode`: dense decode is pre_attention + SDPA + post_attention; flex
+        decode, `verify` of one token."""
+        return self.verify_functions() if self.attention_kind == "flex" else ("pre_attention", "post_attention")
 
     def _allocate_caches(self) -> tuple[list[Tensor], list[Tensor]]:
         """One K and one V tensor per cache length, the layers' caches views of them."""

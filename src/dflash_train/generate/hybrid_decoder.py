@@ -59,8 +59,11 @@ class HybridDecoder(StaticDecoder):
     def _attention_layers(self, inner, cfg) -> list:
         return [HybridLayerWeights(layer) for layer in inner.layers if not hasattr(layer, "linear_attn")]
 
+    def verify_functions(self) -> tuple[str, ...]:
+        return "q_writing_kv", "post_attention", "post_mixer", "final_logits"
+
     def decode_functions(self) -> tuple[str, ...]:
-        return "q_writing_kv", "post_attention", "final_logits"  # `decode` is `verify` of one token
+        return self.verify_functions()  # `decode` is `verify` of one token
 
     def kv_bytes(self) -> int:
         return super().kv_bytes() + self.states.nbytes()

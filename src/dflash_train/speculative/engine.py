@@ -216,7 +216,7 @@ class SpecEngine:
         logits heads and the acceptance; their shapes do not depend on the kv bucket, so each
         compiles once per step width. (The CPU tests run this with a non-fusing backend.)"""
         dec, dr = self.decoder, self.drafter
-        swapped = [(dec, "q_writing_kv"), (dec, "post_attention"), (dec, "final_logits"), (self, "_commit")]
+        swapped = [*((dec, name) for name in dec.verify_functions()), (self, "_commit")]
         if isinstance(dr, StaticDrafter):
             swapped += [(dr, name) for name in ("block_q", "context_kv", "post_attention", "head", "dspark_head")]
 
