@@ -212,8 +212,8 @@ def test_the_compiled_decode_step_traces_each_function_once_and_matches(models, 
     torch._dynamo.reset()
     assert tokens(True) == want
     # dense: pre_attention, post_attention; flex: q_writing_kv, post_attention, final_logits; a
-    # hybrid's, always `verify` of one token: those three and the MLP after linear attention
-    assert len(traced) == (4 if name in HYBRIDS else 2 if attention == "dense" else 3)
+    # hybrid's, always `verify` of one token: those three, the linear-attention layer and its MLP
+    assert len(traced) == (5 if name in HYBRIDS else 2 if attention == "dense" else 3)
 
 
 @pytest.mark.parametrize("name", [*NAMES, "deepseek_v3", "glm4_moe_lite", *HYBRIDS])

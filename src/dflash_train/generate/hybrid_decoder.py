@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dflash_train.generate.attention import AttentionKind, cache_index, masked_attention, write_cache
 from dflash_train.generate.decoder import StaticDecoder
-from dflash_train.generate.linear_state import LinearMixerWeights, LinearStates
+from dflash_train.generate.linear_state import LinearMixerWeights, LinearStates, linear_mixer
 from dflash_train.target.language_model import language_model, text_config
 from dflash_train.target.packed_hybrid import (HYBRID_MODEL_TYPES, HybridLayerWeights, gated_qkv,
                                                post_attention_hybrid, post_mixer_hybrid, zero_centred_norm)
@@ -55,12 +55,13 @@ class HybridDecoder(StaticDecoder):
         self.q_writing_kv = gated_q_writing_kv
         self.post_attention = post_attention_hybrid
         self.post_mixer = post_mixer_hybrid
+        self.linear_mixer = linear_mixer
 
     def _attention_layers(self, inner, cfg) -> list:
         return [HybridLayerWeights(layer) for layer in inner.layers if not hasattr(layer, "linear_attn")]
 
     def verify_functions(self) -> tuple[str, ...]:
-        return "q_writing_kv", "post_attention", "post_mixer", "final_logits"
+        return "q_writing_kv", "post_attention", "linear_mixer", "post_mixer", "final_logits"
 
     def decode_functions(self) -> tuple[str, ...]:
         return self.verify_functions()  # `decode` is `verify` of one token
@@ -120,8 +121,12 @@ class HybridDecoder(StaticDecoder):
         for i, lay in enumerate(self.stack):
             j = self.slot_of[i]
             if lay.mixer is not None:
-                h = zero_centred_norm(x, lay.ln1_w, lay.ln1_eps)
-                x = self.post_mixer(x, self.states.step(j, self.mixers[j], h, positions), *lay.post, **lay.post_kwargs)
+                h, mix = zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), self.mixers[j]
+                state, ring = self.states.states[j], self.states.rings[j]
+                if s < self.slots:
+                    state, ring = state[:s], ring[:s]
+                mixed = self.linear_mixer(h, positions, self.states.done[:s], ring, state, *mix.tensors, **mix.dims)
+                x = self.post_mixer(x, mixed, *lay.post, **lay.post_kwargs)
             else:
                 q, gate = self.q_writing_kv(x, cos, sin, *lay.pre, k_flat=self.k_flat[j], v_flat=self.v_flat[j],
                                             index=index, **self._qkv_kw(lay))

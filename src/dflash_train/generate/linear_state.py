@@ -43,70 +43,75 @@ def _qwen3_next_order(mixer: nn.Module) -> tuple[Tensor, Tensor]:
 
 
 class LinearMixerWeights:
-    """One linear-attention module's weights (references; Qwen3-Next's fused projections read
-    through a column order) and shapes."""
+    """One linear-attention module's weights as `linear_mixer` takes them (references; Qwen3-Next's
+    fused projections with the column orders that read them as Qwen3.5's) and its shapes."""
 
     def __init__(self, mixer: nn.Module) -> None:
-        self.mixer = mixer
         self.nk, self.nv = mixer.num_k_heads, mixer.num_v_heads
         self.dk, self.dv, self.kernel = mixer.head_k_dim, mixer.head_v_dim, mixer.conv_kernel_size
         self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
-        self.conv_w = mixer.conv1d.weight  # [C, 1, K]
-        self.conv_b = mixer.conv1d.bias
-        self.a_log, self.dt_bias = mixer.A_log, mixer.dt_bias
-        self.norm_w, self.norm_eps = mixer.norm.weight, float(mixer.norm.variance_epsilon)
-        self.out_w = mixer.out_proj.weight
-        self.order = None
-        if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next
-            self.order = tuple(o.to(self.out_w.device) for o in _qwen3_next_order(mixer))
+        fused = hasattr(mixer, "in_proj_qkvz")  # Qwen3-Next
+        if fused:
+            device = mixer.out_proj.weight.device
+            proj = (mixer.in_proj_qkvz.weight, mixer.in_proj_ba.weight,
+                    *(o.to(device) for o in _qwen3_next_order(mixer)))
+        else:
+            proj = tuple(getattr(mixer, f"in_proj_{n}").weight for n in ("qkv", "z", "b", "a"))
+        # (4 projection tensors, conv weight [C, 1, K] and bias, A_log, dt_bias, norm, out_proj)
+        self.tensors = (*proj, mixer.conv1d.weight, mixer.conv1d.bias, mixer.A_log, mixer.dt_bias,
+                        mixer.norm.weight, mixer.out_proj.weight)
+        self.dims = {"nk": self.nk, "nv": self.nv, "dk": self.dk, "dv": self.dv, "fused": fused,
+                     "norm_eps": float(mixer.norm.variance_epsilon)}
         # the module's chunked kernel for whole prompts (flash-linear-attention's when installed)
         self.chunk_rule = sys.modules[type(mixer).__module__].torch_chunk_gated_delta_rule
 
-    def project(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        """h [..., H] -> the ring's row [..., conv_dim + 2 Hv] (convolution input, b, a) and z [..., Hv*dv]."""
-        m = self.mixer
-        if self.order is None:
-            mixed, z = F.linear(h, m.in_proj_qkv.weight), F.linear(h, m.in_proj_z.weight)
-            b, a = F.linear(h, m.in_proj_b.weight), F.linear(h, m.in_proj_a.weight)
-            return torch.cat([mixed, b, a], dim=-1), z
-        qkvz = F.linear(h, m.in_proj_qkvz.weight)[..., self.order[0]]
-        ba = F.linear(h, m.in_proj_ba.weight)[..., self.order[1]]
-        return torch.cat([qkvz[..., :self.conv_dim], ba], dim=-1), qkvz[..., self.conv_dim:]
 
-    def convolve(self, rows: Tensor, count: int) -> Tensor:
-        """The convolution's outputs [S, count, C] at the last `count` of `rows` [S, count + K - 1, ...]
-        (each output reads its K - 1 predecessors), as causal_conv1d_update computes them."""
-        x = rows[..., :self.conv_dim].transpose(1, 2)
-        out = F.conv1d(x.to(self.conv_w.dtype), self.conv_w, self.conv_b, groups=self.conv_dim)
-        return F.silu(out[:, :, -count:]).to(rows.dtype).transpose(1, 2)
+def project(h: Tensor, p0: Tensor, p1: Tensor, p2: Tensor, p3: Tensor, *, fused: bool,
+            conv_dim: int) -> tuple[Tensor, Tensor]:
+    """h [..., H] -> the ring's row [..., conv_dim + 2 Hv] (convolution input, b, a) and z [..., Hv*dv]:
+    Qwen3.5's four projections, or Qwen3-Next's two read through their column orders p2, p3."""
+    if not fused:
+        return torch.cat([F.linear(h, p0), F.linear(h, p2), F.linear(h, p3)], dim=-1), F.linear(h, p1)
+    qkvz, ba = F.linear(h, p0)[..., p2], F.linear(h, p1)[..., p3]
+    return torch.cat([qkvz[..., :conv_dim], ba], dim=-1), qkvz[..., conv_dim:]
 
-    def heads(self, conv: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """q, k [S, T, nk, dk], v [S, T, nv, dv], g and beta [S, T, nv] (float32 g) from the convolution's
-        outputs and the rows' b and a, as the module computes them."""
-        lead = conv.shape[:-1]
-        q, k, v = conv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        b, a = rows[..., self.conv_dim:self.conv_dim + self.nv], rows[..., self.conv_dim + self.nv:]
-        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return (q.reshape(*lead, self.nk, self.dk), k.reshape(*lead, self.nk, self.dk),
-                v.reshape(*lead, self.nv, self.dv), g, b.sigmoid())
 
-    def recurrence_inputs(self, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
-        """As torch_recurrent_gated_delta_rule prepares them: heads repeated to the value heads,
-        float32, q and k L2-normed, q scaled by dk ** -0.5 (q None: a replay needs none)."""
-        rep = self.nv // self.nk
-        k = l2norm(k.repeat_interleave(rep, dim=-2).float())
-        if q is not None:
-            q = l2norm(q.repeat_interleave(rep, dim=-2).float()) / (self.dk ** 0.5)
-        return q, k, v.float(), g.float(), beta.float()
+def convolve(rows: Tensor, conv_w: Tensor, conv_b: Tensor | None, count: int, conv_dim: int) -> Tensor:
+    """The convolution's outputs [S, count, C] at the last `count` of `rows` [S, count + K - 1, ...]
+    (each output reads its K - 1 predecessors), as causal_conv1d_update computes them."""
+    x = rows[..., :conv_dim].transpose(1, 2)
+    out = F.conv1d(x.to(conv_w.dtype), conv_w, conv_b, groups=conv_dim)
+    return F.silu(out[:, :, -count:]).to(rows.dtype).transpose(1, 2)
 
-    def output(self, core: Tensor, z: Tensor) -> Tensor:
-        """The recurrence's output [..., nv, dv] through the gated RMSNorm (z the gate) and out_proj."""
-        dtype = core.dtype
-        x = core.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        x = self.norm_w * x.to(dtype)
-        x = (x * F.silu(z.view(core.shape).float())).to(dtype)
-        return F.linear(x.flatten(-2), self.out_w)
+
+def heads(conv: Tensor, rows: Tensor, a_log: Tensor, dt_bias: Tensor, *, nk: int, nv: int, dk: int, dv: int):
+    """q, k [S, T, nk, dk], v [S, T, nv, dv], g and beta [S, T, nv] (float32 g) from the convolution's
+    outputs and the rows' b and a, as the module computes them."""
+    lead, conv_dim = conv.shape[:-1], 2 * nk * dk + nv * dv
+    q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    b, a = rows[..., conv_dim:conv_dim + nv], rows[..., conv_dim + nv:]
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q.reshape(*lead, nk, dk), k.reshape(*lead, nk, dk), v.reshape(*lead, nv, dv), g, b.sigmoid()
+
+
+def recurrence_inputs(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, nv: int):
+    """As torch_recurrent_gated_delta_rule prepares them: heads repeated to the value heads,
+    float32, q and k L2-normed, q scaled by dk ** -0.5 (q None: a replay needs none)."""
+    rep = nv // k.shape[-2]
+    k = l2norm(k.repeat_interleave(rep, dim=-2).float())
+    if q is not None:
+        q = l2norm(q.repeat_interleave(rep, dim=-2).float()) / (q.shape[-1] ** 0.5)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def gated_output(core: Tensor, z: Tensor, norm_w: Tensor, out_w: Tensor, norm_eps: float) -> Tensor:
+    """The recurrence's output [..., nv, dv] through the gated RMSNorm (z the gate) and out_proj."""
+    dtype = core.dtype
+    x = core.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps)
+    x = norm_w * x.to(dtype)
+    x = (x * F.silu(z.view(core.shape).float())).to(dtype)
+    return F.linear(x.flatten(-2), out_w)
 
 
 def mixer_layout_problem(mixer: nn.Module) -> str | None:
@@ -171,65 +176,64 @@ def advance_(state: Tensor, decay: Tensor, keys: Tensor, d: Tensor) -> None:
     state.view(s * h, dk, dv).baddbmm_(keys.reshape(s * h, dk, -1), d.reshape(s * h, -1, dv))
 
 
+def ring_rows(ring: Tensor, first: Tensor, count: int) -> Tensor:
+    """A ring's rows [S, count, ...] of positions first[s] + 0..count-1 (zeros before position 0)."""
+    pos = first[:, None] + torch.arange(count, device=first.device)[None, :]
+    rows = ring[torch.arange(len(first), device=first.device)[:, None], pos.remainder(ring.shape[1])]
+    return torch.where((pos >= 0)[..., None], rows, 0.0)
+
+
+def linear_mixer(h: Tensor, positions: Tensor, done: Tensor, ring: Tensor, state: Tensor, *weights: Tensor | None,
+                 nk: int, nv: int, dk: int, dv: int, fused: bool, norm_eps: float) -> Tensor:
+    """One linear-attention layer on tokens at positions[s] + 0..T-1 (h [S, T, H], normed), with the
+    slots' ring and state (module docstring): the state first catches up from `done` to `positions`
+    by a block of the ring's W = R - K + 1 inputs, masked past each slot's own count; then the
+    tokens' inputs go into the ring and their outputs come from that state, which stays before them.
+    Plain tensors in, so a compiled version serves every layer. `weights`: LinearMixerWeights.tensors."""
+    p0, p1, p2, p3, conv_w, conv_b, a_log, dt_bias, norm_w, out_w = weights
+    s, t = h.shape[:2]
+    kernel, conv_dim = conv_w.shape[-1], 2 * nk * dk + nv * dv
+    width, context = ring.shape[1] - kernel + 1, kernel - 1
+    dims = {"nk": nk, "nv": nv, "dk": dk, "dv": dv}
+    rows = ring_rows(ring, done - context, width + context)
+    _, k, v, g, beta = heads(convolve(rows, conv_w, conv_b, width, conv_dim), rows[:, context:], a_log, dt_bias, **dims)
+    _, k, v, g, beta = recurrence_inputs(None, k, v, g, beta, nv=nv)
+    keep = (done[:, None] + torch.arange(width, device=h.device)[None, :] < positions[:, None])[..., None]
+    advance_(state, *block_rule(state, None, k, v, torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0))[1:])
+    row, z = project(h, p0, p1, p2, p3, fused=fused, conv_dim=conv_dim)
+    slots = positions[:, None] + torch.arange(t, device=h.device)[None, :]
+    ring[torch.arange(s, device=h.device)[:, None], slots.remainder(ring.shape[1])] = row
+    rows = ring_rows(ring, positions - context, t + context)
+    q, k, v, g, beta = recurrence_inputs(*heads(convolve(rows, conv_w, conv_b, t, conv_dim), rows[:, context:],
+                                                a_log, dt_bias, **dims), nv=nv)
+    return gated_output(block_rule(state, q, k, v, g, beta)[0].to(h.dtype), z, norm_w, out_w, norm_eps)
+
+
 class LinearStates:
     """Every linear-attention layer's ring and state for `slots` slots, and `done` (module docstring)."""
 
     def __init__(self, layers: list[LinearMixerWeights], slots: int, width: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.width = width
-        self.ring_len = width + max(lay.kernel for lay in layers) - 1
-        self.rings = [torch.zeros(slots, self.ring_len, lay.conv_dim + 2 * lay.nv, dtype=dtype, device=device)
-                      for lay in layers]
+        self.rings = [torch.zeros(slots, width + lay.kernel - 1, lay.conv_dim + 2 * lay.nv, dtype=dtype,
+                                  device=device) for lay in layers]
         self.states = [torch.zeros(slots, lay.nv, lay.dk, lay.dv, dtype=torch.float32, device=device)
                        for lay in layers]
         self.done = torch.zeros(slots, dtype=torch.long, device=device)
-        self.offsets = torch.arange(self.ring_len + width, device=device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.rings, *self.states))
-
-    def _rows(self, j: int, first: Tensor, count: int) -> Tensor:
-        """Layer j's ring rows [S, count, ...] of positions first[s] + 0..count-1 (zeros before 0)."""
-        pos = first[:, None] + self.offsets[None, :count]
-        rows = self.rings[j][torch.arange(len(first), device=first.device)[:, None], pos.remainder(self.ring_len)]
-        return torch.where((pos >= 0)[..., None], rows, 0.0)
-
-    def catch_up(self, j: int, lay: LinearMixerWeights, positions: Tensor) -> Tensor:
-        """Layer j's state [S, ...] of the first S = len(positions) slots after replaying their tokens
-        [done, positions) (at most `width` of them), written back."""
-        s, context = len(positions), lay.kernel - 1
-        done = self.done[:s]
-        rows = self._rows(j, done - context, self.width + context)
-        _, k, v, g, beta = lay.heads(lay.convolve(rows, self.width), rows[:, context:])
-        _, k, v, g, beta = lay.recurrence_inputs(None, k, v, g, beta)
-        keep = done[:, None] + self.offsets[None, :self.width] < positions[:, None]
-        g, beta = torch.where(keep[..., None], g, 0.0), torch.where(keep[..., None], beta, 0.0)  # the rest: no-ops
-        state = self.states[j][:s]
-        advance_(state, *block_rule(state, None, k, v, g, beta)[1:])
-        return state
-
-    def step(self, j: int, lay: LinearMixerWeights, h: Tensor, positions: Tensor) -> Tensor:
-        """Layer j's mixer on tokens at positions[s] + 0..T-1 (h [S, T, H], already normed), its state
-        caught up to `positions` first; their inputs go into the ring, the state stays before them."""
-        s, t = h.shape[:2]
-        state = self.catch_up(j, lay, positions)
-        row, z = lay.project(h)
-        slots = positions[:, None] + self.offsets[None, :t]
-        self.rings[j][torch.arange(s, device=h.device)[:, None], slots.remainder(self.ring_len)] = row
-        context = lay.kernel - 1
-        rows = self._rows(j, positions - context, t + context)
-        q, k, v, g, beta = lay.recurrence_inputs(*lay.heads(lay.convolve(rows, t), rows[:, context:]))
-        return lay.output(block_rule(state, q, k, v, g, beta)[0].to(h.dtype), z)
 
     def prefill(self, j: int, lay: LinearMixerWeights, h: Tensor, lengths: Tensor, slot_ids: Tensor) -> Tensor:
         """Layer j's mixer on right-padded prompts h [B, T, H] into slots `slot_ids`: the chunked kernel
         with the padding's g and beta zeroed (so it leaves the state alone), the state after each
         prompt and its last inputs kept for the slot."""
+        p0, p1, p2, p3, conv_w, conv_b, a_log, dt_bias, norm_w, out_w = lay.tensors
         b, t = h.shape[:2]
-        row, z = lay.project(h)
-        conv = F.silu(F.conv1d(row[..., :lay.conv_dim].transpose(1, 2).to(lay.conv_w.dtype), lay.conv_w,
-                               lay.conv_b, padding=lay.kernel - 1, groups=lay.conv_dim)[:, :, :t])
-        q, k, v, g, beta = lay.heads(conv.to(h.dtype).transpose(1, 2), row)
+        row, z = project(h, p0, p1, p2, p3, fused=lay.dims["fused"], conv_dim=lay.conv_dim)
+        conv = F.silu(F.conv1d(row[..., :lay.conv_dim].transpose(1, 2).to(conv_w.dtype), conv_w, conv_b,
+                               padding=lay.kernel - 1, groups=lay.conv_dim)[:, :, :t])
+        q, k, v, g, beta = heads(conv.to(h.dtype).transpose(1, 2), row, a_log, dt_bias, nk=lay.nk, nv=lay.nv,
+                                 dk=lay.dk, dv=lay.dv)
         real = (torch.arange(t, device=h.device)[None, :] < lengths.to(h.device)[:, None])[..., None]  # [B, T, 1]
         g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
         rep = lay.nv // lay.nk  # heads repeated here: older transformers' kernels expect them so
@@ -238,9 +242,10 @@ class LinearStates:
                                      use_qk_l2norm_in_kernel=True)
         slot_ids = slot_ids.to(h.device)
         self.states[j][slot_ids] = state.float()
-        keep = min(t, self.ring_len)
+        ring = self.rings[j]
+        keep = min(t, ring.shape[1])
         first = (lengths.to(h.device) - keep).clamp(min=0)
-        grid = first[:, None] + self.offsets[None, :keep]  # each prompt's last positions (all < T)
-        self.rings[j][slot_ids[:, None], grid.remainder(self.ring_len)] = row.gather(
+        grid = first[:, None] + torch.arange(keep, device=h.device)[None, :]  # each prompt's last positions (< T)
+        ring[slot_ids[:, None], grid.remainder(ring.shape[1])] = row.gather(
             1, grid[..., None].expand(-1, -1, row.shape[-1]))
-        return lay.output(core.to(h.dtype), z)
+        return gated_output(core.to(h.dtype), z, norm_w, out_w, lay.dims["norm_eps"])
