@@ -21,9 +21,10 @@ from torch import Tensor
 from dflash_train.generate.attention import AttentionKind, cache_index, masked_attention, write_cache
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.linear_state import LinearMixerWeights, LinearStates, linear_mixer
-from dflash_train.target.language_model import language_model, text_config
+from dflash_train.target.language_model import text_config
 from dflash_train.target.packed_hybrid import (HYBRID_MODEL_TYPES, HybridLayerWeights, gated_qkv,
                                                post_attention_hybrid, post_mixer_hybrid, zero_centred_norm)
+
 
 def gated_q_writing_kv(x: Tensor, cos: Tensor, sin: Tensor, *pre: Tensor, k_flat: Tensor, v_flat: Tensor,
                        index: Tensor, **options) -> tuple[Tensor, Tensor]:
@@ -40,25 +41,21 @@ class HybridDecoder(StaticDecoder):
 
     def __init__(self, model, slots: int, max_len: int, attention: AttentionKind = "dense", width: int = 1) -> None:
         super().__init__(model, slots, max_len, attention=attention, width=width)
-        inner = language_model(model)
-        self.stack = [HybridLayerWeights(layer) for layer in inner.layers]  # every layer, in order
-        self.slot_of = {}  # model layer -> its index among the attention layers, or among the linear ones
-        mixers = []
-        for i, lay in enumerate(self.stack):
-            if lay.mixer is None:
-                self.slot_of[i] = sum(other.mixer is None for other in self.stack[:i])
-            else:
-                self.slot_of[i] = len(mixers)
-                mixers.append(LinearMixerWeights(lay.mixer))
-        self.mixers = mixers
-        self.states = LinearStates(mixers, slots, width, self.dtype, self.device)
+        self.slot_of: list[int] = []  # each layer's index among the attention layers, or among the linear ones
+        seen = {True: 0, False: 0}
+        for lay in self.stack:
+            self.slot_of.append(seen[lay.mixer is None])
+            seen[lay.mixer is None] += 1
+        self.mixers = [LinearMixerWeights(lay.mixer) for lay in self.stack if lay.mixer is not None]
+        self.states = LinearStates(self.mixers, slots, width, self.dtype, self.device)
         self.q_writing_kv = gated_q_writing_kv
         self.post_attention = post_attention_hybrid
         self.post_mixer = post_mixer_hybrid
         self.linear_mixer = linear_mixer
 
     def _attention_layers(self, inner, cfg) -> list:
-        return [HybridLayerWeights(layer) for layer in inner.layers if not hasattr(layer, "linear_attn")]
+        self.stack = [HybridLayerWeights(layer) for layer in inner.layers]  # every layer, in order
+        return [lay for lay in self.stack if lay.mixer is None]
 
     def verify_functions(self) -> tuple[str, ...]:
         return "q_writing_kv", "post_attention", "linear_mixer", "post_mixer", "final_logits"
