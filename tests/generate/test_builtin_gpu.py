@@ -15,6 +15,7 @@ from .test_builtin_engine import NEW, run_engine
 from tests.families import build_model
 from .tiny import make_model
 
+HYBRIDS = ["qwen3_next", "qwen3_5"]  # linear attention from per-slot states, gated attention from the cache
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -52,14 +53,15 @@ def test_gpu_engine_equals_hf_greedy_with_stops_limits_and_refills(attention, co
 
 @needs_gpu
 @pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "mixtral", "phi3_window"])
-def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compile):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "mixtral", "phi3_window", *HYBRIDS])
+def test_gpu_engine_on_windowed_and_hybrid_families_equals_hf_greedy(name, attention, compile):
     """Gemma 2 (capped scores and logits), Gemma 3, gpt-oss (sinks, experts), Mixtral (experts) and
     Phi-3 (fused projections, RoPE over half a head) on the CUDA path:
     prompts past the window, so the sliding-window layers decode from their rings (dense: W + 2
-    keys, flex: one 128-key block in a 256-key cache), with flex compiled; CUDA-graphed where the
-    decoder can be captured (experts in float32 go through PyTorch's host-side grouped GEMM
-    fallback: eager, the test below graphs them in bfloat16)."""
+    keys, flex: one 128-key block in a 256-key cache), with flex compiled; and the hybrids Qwen3-Next
+    and Qwen3.5, prefilled through the chunked delta rule, their linear-attention catch-up inside each
+    decode step. CUDA-graphed where the decoder can be captured (experts in float32 go through
+    PyTorch's host-side grouped GEMM fallback: eager, the test below graphs them in bfloat16)."""
     model = build_model(name, 300).cuda()
     model.generation_config.eos_token_id = None
     gen = torch.Generator().manual_seed(5)
@@ -67,28 +69,9 @@ def test_gpu_engine_on_windowed_families_equals_hf_greedy(name, attention, compi
     expected = [hf_greedy_on_device(model, p) for p in prompts]
     engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
                            attention=attention, compile=compile, cuda_graphs=True)
-    assert engine.attention == attention and min(engine.decoder.cache_lens) < engine.decoder.max_len
-    assert engine.step.use_graphs == (name not in ("gpt_oss", "mixtral"))
-    results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
-    assert [results[i].token_ids for i in range(len(prompts))] == expected
-
-
-@needs_gpu
-@pytest.mark.parametrize("attention,compile", [("dense", False), ("flex", True)])
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_gpu_engine_on_hybrid_stacks_equals_hf_greedy(name, attention, compile):
-    """Qwen3-Next and Qwen3.5 on the CUDA path: prompts prefilled through the chunked delta rule,
-    then decode steps CUDA-graphed with the linear-attention layers' replay and recurrence inside,
-    slots refilled while others decode: transformers' greedy tokens."""
-    model = build_model(name, 300).cuda()
-    model.generation_config.eos_token_id = None
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (150, 9, 170, 131)]
-    expected = [hf_greedy_on_device(model, p) for p in prompts]
-    engine = BuiltinEngine(model, None, slots=2, max_prompt_tokens=200, max_new_tokens=NEW, stop_ids=set(),
-                           attention=attention, compile=compile, cuda_graphs=True)
-    # (Qwen3-Next's experts in float32 go through PyTorch's host-side grouped GEMM: eager)
-    assert engine.attention == attention and engine.step.use_graphs == (name == "qwen3_5")
+    assert engine.attention == attention
+    assert name in HYBRIDS or min(engine.decoder.cache_lens) < engine.decoder.max_len
+    assert engine.step.use_graphs == (name not in ("gpt_oss", "mixtral", "qwen3_next"))
     results = run_engine(engine, [Request(prompt_ids=p, max_new_tokens=NEW, tag=i) for i, p in enumerate(prompts)])
     assert [results[i].token_ids for i in range(len(prompts))] == expected
 
