@@ -317,3 +317,11 @@ def test_the_speculative_engine_compiles_a_hybrids_layer_functions_and_still_equ
     engine._compile_layer_functions(backend="aot_eager")
     assert engine.decoder.post_mixer is not post_mixer_hybrid and engine.attention == "dense"
     assert engine.generate(prompt, 17).tokens == ref
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_prefills_prompts_of_several_chunks_and_verifies_past_them(models, name, kind):
+    """Prompts of 140 and 150 tokens: the chunked delta rule runs three 64-token chunks, the shorter
+    prompt's padding masked out of its state; a verify from there equals the forward."""
+    _verify_past_a_block(static_decoder(models[name], slots=2, max_len=256, attention=kind, width=4), models[name])
