@@ -21,6 +21,8 @@ layer keeps a ring of its last W + 2B positions (W its window, B the widest bloc
 generate/attention.py `ring_rule`) where that is shorter than the cache, so a rejected draft is
 still rolled back by position alone, as in full layers, and the mask applies the window. Gemma 2's
 soft-capped attention scores and gpt-oss's attention sinks attend through an explicit softmax.
+The hybrids Qwen3-Next and Qwen3.5 take a subclass with linear-attention states beside the cache
+(generate/hybrid_decoder.py; `static_decoder` picks the class).
 """
 
 from __future__ import annotations
