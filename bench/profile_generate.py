@@ -2,8 +2,8 @@
 
     # on a GPU: the generate target's shape (SmolLM2-135M, random weights) at 1,536 slots
     python bench/profile_generate.py preset:smollm2-135m --slots 1536 --prompt-len 256 --out gen_smollm2.json
-    # Qwen3-8B's shape at 256 slots, against the H200's HBM bandwidth (4.8 TB/s)
-    python bench/profile_generate.py preset:qwen3-8b --slots 256 --prompt-len 512 --peak-gbs 4800 --out gen_qwen3_8b.json
+    # Qwen3-8B's shape at 256 slots, against the GPU's HBM bandwidth (4.8 TB/s on an H200)
+    python bench/profile_generate.py preset:qwen3-8b --slots 256 --prompt-len 512 --out gen_qwen3_8b.json
     # CPU smoke check of the script itself (the table's plumbing, not a speed):
     python bench/profile_generate.py preset:tiny --slots 4 --prompt-len 24 --steps 4 --device cpu --out /tmp/p.json
 
@@ -148,6 +148,18 @@ def profiled_kernels(prof, cuda: bool) -> list[tuple[str, float, float]]:
     return out
 
 
+# Memory bandwidth of the GPUs the bound is asked of most, GB/s from their data sheets, the
+# first name that occurs in torch's device name (more specific names first).
+PEAK_GBS = (("GH200", 4000.0), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+            ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+            ("L40", 864.0), ("L4", 300.0))
+
+
+def peak_gbs_of(device_name: str) -> float | None:
+    """The bandwidth for the bound of a GPU named `device_name` (torch.cuda.get_device_name), None if unknown."""
+    return next((gbs for name, gbs in PEAK_GBS if name in device_name), None)
+
+
 def weight_bytes(model, slots: int = 1) -> int:
     """Bytes of weights a decode step reads: every parameter once (tied ones once), except an
     input embedding that is not also the LM head: a step gathers only one row of it per slot;
@@ -214,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--peak-gbs", type=float, default=None,
-                   help="the device's memory bandwidth in GB/s for the bound (default: 4800 on CUDA, the H200's)")
+                   help="the device's memory bandwidth in GB/s for the bound (default: the data sheet's for a GPU "
+                        "named in PEAK_GBS, e.g. 4800 for an H200, 3350 for an H100 SXM; else no bound)")
     p.add_argument("--prefill-shapes", nargs="*", default=None, metavar="ROWSxWIDTH",
                    help="prefill chunks timed after the decode steps (rows x tokens, at most --slots x --prompt-len; "
                         "default: the engine's 16,384-token chunks of 64 and of --prompt-len tokens a row, and one row)")
@@ -291,7 +304,8 @@ def measure(engine: BuiltinEngine, args, device: torch.device) -> dict:
     bucket = bucket_of(1 + max(mid), engine.buckets)
     per_position = 2 * dec.n_kv * dec.head_dim * dec.embed_w.element_size()  # one layer's K and V
     weights = weight_bytes(engine.model, engine.slots)
-    peak = args.peak_gbs if args.peak_gbs is not None else (4800.0 if device.type == "cuda" else None)
+    peak = args.peak_gbs if args.peak_gbs is not None else \
+        peak_gbs_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     # a hybrid's linear-attention layers read and write every slot's float32 state each step
     states = 2 * sum(t.numel() * t.element_size() for t in dec.states.states) if hasattr(dec, "states") else 0
     table = step_table(kernels, args.steps, wall_s, timed_s, engine.slots, weights,

@@ -143,3 +143,12 @@ def test_weight_bytes_of_a_mixture_count_the_experts_some_slot_is_routed_to():
     assert experts == 2 * 8 * 3 * 16 * 4 * 4  # layers x experts x (gate, up, down) x hidden x inter x fp32
     assert profile_generate.weight_bytes(model, 1) == rest + round(experts * 2 / 8)
     assert profile_generate.weight_bytes(model, 4) == rest + round(experts * (1 - 0.75 ** 4))
+
+
+def test_the_bound_takes_the_bandwidth_of_the_gpu_it_runs_on():
+    peak = profile_generate.peak_gbs_of
+    assert peak("NVIDIA H200") == 4800.0 and peak("NVIDIA H100 80GB HBM3") == 3350.0
+    assert peak("NVIDIA H100 PCIe") == 2000.0 and peak("NVIDIA H100 NVL") == 3900.0
+    assert peak("NVIDIA A100-SXM4-80GB") == 2039.0 and peak("NVIDIA A100-SXM4-40GB") == 1555.0
+    assert peak("NVIDIA GH200 480GB") == 4000.0 and peak("NVIDIA L40S") == 864.0
+    assert peak("NVIDIA GeForce RTX 4090") is None
