@@ -118,8 +118,8 @@ def routing_of(mlp: nn.Module) -> dict:
 
 
 def router_bias(mlp: nn.Module) -> Tensor | None:
-    """The bias a sigmoid router adds to its scores to choose experts (never to weigh them): the
-    router's (GLM-4.5, DeepSeek-V3) or the block's (MiniMax-M2)."""
+    """The bias a router adds to its scores to choose experts (never to weigh them): a sigmoid
+    router's (GLM-4.5, DeepSeek-V3), the block's (MiniMax-M2), or ERNIE 4.5's softmax router's statics."""
     statics = getattr(mlp.gate, "moe_statics", None)  # ERNIE 4.5's, [1, E]
     if statics is not None:
         return statics.e_score_correction_bias[0]
