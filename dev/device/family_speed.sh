@@ -70,7 +70,7 @@ case "$PART" in
     case " ${TUNED_RUNS:-overlap plain} " in *" plain "*)
       stage bench_${PART} 280 "${B[@]}" --preset $P "${TUNE[@]}" --profile --out "$OUT/bench_${PART}.json" ;; esac ;;
   fla)
-    PQ=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-qwen3.5-27b}"); N=${PQ//[.-]/_}
+    PQ=$([ "${DRY:-0}" = 1 ] && echo tiny-qwen3.5 || echo "${PRESET:-qwen3.5-27b}"); N=${PQ//[.-]/_}
     FEW=(--warmup 2 --measure 4)  # (bench takes the last --warmup/--measure given)
     stage bench_${N}_fallback 280 "${B[@]}" --warmup 1 --measure 2 --preset $PQ --target-forward hf \
       --out "$OUT/bench_${N}_fallback.json"
@@ -93,7 +93,7 @@ case "$PART" in
     stage generate_glm4_7_flash 250 $PY bench/profile_generate.py preset:$PL --slots 64 --prompt-len 256 $GEN \
       --out "$OUT/generate_glm4_7_flash.json" ;;
   hybrid_gen)
-    PH=$([ "${DRY:-0}" = 1 ] && echo tiny || echo "${PRESET:-qwen3.5-27b}"); N=${PH//[.-]/_}
+    PH=$([ "${DRY:-0}" = 1 ] && echo tiny-qwen3.5 || echo "${PRESET:-qwen3.5-27b}"); N=${PH//[.-]/_}
     stage generate_${N} 400 $PY bench/profile_generate.py preset:$PH --slots 64 --prompt-len 256 $GEN \
       --out "$OUT/generate_${N}.json" ;;
   moe_gen)

@@ -152,3 +152,12 @@ def test_the_bound_takes_the_bandwidth_of_the_gpu_it_runs_on():
     assert peak("NVIDIA A100-SXM4-80GB") == 2039.0 and peak("NVIDIA A100-SXM4-40GB") == 1555.0
     assert peak("NVIDIA GH200 480GB") == 4000.0 and peak("NVIDIA L40S") == 864.0
     assert peak("NVIDIA GeForce RTX 4090") is None
+
+
+def test_a_hybrids_step_reads_its_attention_layers_cache_and_its_linear_states(tmp_path):
+    """A hybrid's decode step reads the KV cache of its one attention layer and reads and writes
+    each of its three linear-attention layers' float32 states: 4 slots x [4 value heads, 16 x 16]."""
+    t = profile_generate.main(["preset:tiny-qwen3.5", "--slots", "4", "--prompt-len", "24", "--warmup", "2",
+                               "--steps", "3", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "p.json")])
+    assert t["bytes_per_step"]["kv"] == 4 * 64 * 2 * 1 * 2 * 16 * 4 + 2 * 3 * 4 * 4 * 16 * 16 * 4
+    assert t["new_tok_per_s"] > 0

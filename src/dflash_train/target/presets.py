@@ -117,6 +117,12 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True),
+    # the same for a hybrid stack (Qwen3.5's kind: three linear-attention layers, then gated attention)
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, vocab_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=True),
 }
 
 PREFIX = "preset:"
