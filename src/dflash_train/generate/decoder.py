@@ -39,9 +39,9 @@ from dflash_train.generate.attention import (AttentionKind, CacheAttention, Rule
 from dflash_train.generate.linear_state import mixer_layout_problem
 from dflash_train.generate.layers import (LayerWeights, eps_of, final_logits, layer_kind, mlp_laid_out_as_expected,
                                           post_attention, pre_attention, q_writing_kv)
-from dflash_train.target.language_model import (attention_projections, final_logit_softcap, language_model,
-                                                 layer_rope_tables, layer_windows, mlp_projections, rope_table,
-                                                 rope_types, text_config)
+from dflash_train.target.language_model import (attention_projections, final_logit_softcap, first_attention,
+                                                 language_model, layer_rope_tables, layer_windows, mlp_projections,
+                                                 rope_table, rope_types, text_config)
 from dflash_train.target.moe import grouped_mm_syncs
 from dflash_train.target.packed_hybrid import HYBRID_MODEL_TYPES
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, latent_head_dim
@@ -109,7 +109,7 @@ def check_supported(model) -> None:
         raise UnsupportedModelError(f"{problem}{_HINT}")
     if not all(mlp_laid_out_as_expected(layer.mlp, kind) for layer in inner.layers):
         raise UnsupportedModelError(f"experts laid out other than as transformers 5 stores them{_HINT}")
-    attn = _first_attention(inner)
+    attn = first_attention(inner)
     head_dim = head_dim_of(model)
     if head_dim is None or head_dim % 2:
         raise UnsupportedModelError(f"odd head_dim {head_dim} is not supported{_HINT}")
@@ -127,17 +127,12 @@ def check_supported(model) -> None:
                                     "with the model's own bf16 weights; load the target without target.fp8")
 
 
-def _first_attention(inner) -> torch.nn.Module:
-    """The first decoder layer's attention module (a hybrid stack's first attention layer)."""
-    return next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))
-
-
 def head_dim_of(model: torch.nn.Module) -> int | None:
     """The width of the attention heads of a decoder laid out as this module expects, as its
     cache holds them (latent attention: the one shared head of latent and rotary key; None
     otherwise: `check_supported` says what is wrong)."""
     try:
-        attn = _first_attention(language_model(model))
+        attn = first_attention(language_model(model))
         return latent_head_dim(attn) if hasattr(attn, "kv_lora_rank") else int(attn.head_dim)
     except (AttributeError, IndexError, TypeError, StopIteration):
         return None
@@ -164,7 +159,7 @@ class StaticDecoder:
         # latent attention caches one head that every query head reads (target/packed_mla.py)
         self.n_heads, self.n_kv = cfg.num_attention_heads, 1 if self.kind == "mla" else cfg.num_key_value_heads
         self.head_dim = head_dim_of(model)
-        self.scale = float(_first_attention(inner).scaling)
+        self.scale = float(first_attention(inner).scaling)
         # Gemma 2 caps its attention scores (Gemma 3's forward ignores the field), Gemma its logits where
         # set; gpt-oss's layers carry sinks
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None

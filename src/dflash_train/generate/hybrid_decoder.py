@@ -22,6 +22,7 @@ from dflash_train.generate.attention import AttentionKind, cache_index, masked_a
 from dflash_train.generate.decoder import StaticDecoder
 from dflash_train.generate.linear_state import LinearMixerWeights, LinearStates, linear_mixer
 from dflash_train.target.language_model import text_config
+from dflash_train.target.ops import repeat_kv
 from dflash_train.target.packed_hybrid import (HYBRID_MODEL_TYPES, HybridLayerWeights, gated_qkv,
                                                post_attention_hybrid, post_mixer_hybrid, zero_centred_norm)
 
@@ -75,7 +76,6 @@ class HybridDecoder(StaticDecoder):
         b, t = ids.shape
         x = self._embed(ids)
         cos, sin = (table[:t, None, :] for table in self.ropes[None])  # [T, 1, D] over [B, T, heads, D]
-        rep = self.n_heads // self.n_kv
         taps: dict[int, Tensor] = {}
         for i, lay in enumerate(self.stack):
             j = self.slot_of[i]
@@ -85,10 +85,9 @@ class HybridDecoder(StaticDecoder):
                                       **lay.post_kwargs)
             else:
                 q, k, v, gate = gated_qkv(x, cos, sin, *lay.pre, **self._qkv_kw(lay))
-                k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv, T, D]
-                self._write_prompts(j, k, v, lengths, slot_ids)
-                k, v = (c.repeat_interleave(rep, dim=1) for c in (k, v))  # as transformers' repeat_kv
-                o = masked_attention(q.transpose(1, 2), k, v, None, scale=self.scale)
+                self._write_prompts(j, k.transpose(1, 2), v.transpose(1, 2), lengths, slot_ids)  # [B, kv, T, D]
+                k, v = repeat_kv(k, v, self.n_heads)
+                o = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scale=self.scale)
                 x = post_attention_hybrid(x, o.transpose(1, 2).reshape(b, t, -1), gate, *lay.post, **lay.post_kwargs)
             if i in tap_layers:
                 taps[i] = x

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dflash_train.generate.attention import write_cache
 from dflash_train.target.language_model import PAIRED_ROPE_MODEL_TYPES, attention_projections, mlp_projections
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
-from dflash_train.target.ops import apply_rope, rms_norm, soft_cap
+from dflash_train.target.ops import apply_rope, normed_qk, rms_norm, soft_cap
 from dflash_train.target.projections import gated_mlp, projection_of
 from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
 from dflash_train.target.packed_hybrid import HYBRID_MODEL_TYPES, experts_with_gated_shared_expert
@@ -83,15 +83,10 @@ def pre_attention(
         return olmo2_qkv(x, cos, sin, wq, bq, wk, bk, wv, bv, qn_w, kn_w, eps=qk_eps, n_heads=n_heads, n_kv=n_kv,
                          head_dim=head_dim, scale_in_float32=kind == "olmo2")
     h = norm(x, ln1_w, eps, kind)
-    lead = h.shape[:-1]
     q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
-    whole = qn_w is not None and qn_w.shape[-1] != head_dim  # MiniMax-M2: q/k normed over the whole projection
-    if whole:
-        q, k = norm(q, qn_w, qk_eps, kind), norm(k, kn_w, qk_eps, kind)
-    q, k, v = q.view(*lead, n_heads, head_dim), k.view(*lead, n_kv, head_dim), v.view(*lead, n_kv, head_dim)
-    if qn_w is not None and not whole:  # Qwen3, Gemma 3: a norm over head_dim before RoPE
-        q = norm(q, qn_w, qk_eps, kind)
-        k = norm(k, kn_w, qk_eps, kind)
+    q, k = normed_qk(q, k, qn_w, kn_w, lambda t, w: norm(t, w, qk_eps, kind), n_heads=n_heads, n_kv=n_kv,
+                     head_dim=head_dim)  # Qwen3, Gemma 3: per head; MiniMax-M2: over the whole projection
+    v = v.view(*h.shape[:-1], n_kv, head_dim)
     return apply_rope(q, cos, sin, paired_rope), apply_rope(k, cos, sin, paired_rope), v
 
 

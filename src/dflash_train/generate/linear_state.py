@@ -29,6 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_train.target.ops import rms_norm
+
+
+def conv_width(nk: int, nv: int, dk: int, dv: int) -> int:
+    """Channels of the short convolution: q and k of every key head, v of every value head."""
+    return 2 * nk * dk + nv * dv
+
 
 def _qwen3_next_order(mixer: nn.Module) -> tuple[Tensor, Tensor]:
     """Column orders turning Qwen3-Next's fused projections (per key head: q, k, v, z; b, a) into
@@ -49,7 +56,7 @@ class LinearMixerWeights:
     def __init__(self, mixer: nn.Module) -> None:
         self.nk, self.nv = mixer.num_k_heads, mixer.num_v_heads
         self.dk, self.dv, self.kernel = mixer.head_k_dim, mixer.head_v_dim, mixer.conv_kernel_size
-        self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        self.conv_dim = conv_width(self.nk, self.nv, self.dk, self.dv)
         fused = hasattr(mixer, "in_proj_qkvz")  # Qwen3-Next
         if fused:
             device = mixer.out_proj.weight.device
@@ -87,7 +94,7 @@ def convolve(rows: Tensor, conv_w: Tensor, conv_b: Tensor | None, count: int, co
 def heads(conv: Tensor, rows: Tensor, a_log: Tensor, dt_bias: Tensor, *, nk: int, nv: int, dk: int, dv: int):
     """q, k [S, T, nk, dk], v [S, T, nv, dv], g and beta [S, T, nv] (float32 g) from the convolution's
     outputs and the rows' b and a, as the module computes them."""
-    lead, conv_dim = conv.shape[:-1], 2 * nk * dk + nv * dv
+    lead, conv_dim = conv.shape[:-1], conv_width(nk, nv, dk, dv)
     q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
     b, a = rows[..., conv_dim:conv_dim + nv], rows[..., conv_dim + nv:]
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
@@ -105,12 +112,9 @@ def recurrence_inputs(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 
 def gated_output(core: Tensor, z: Tensor, norm_w: Tensor, out_w: Tensor, norm_eps: float) -> Tensor:
-    """The recurrence's output [..., nv, dv] through the gated RMSNorm (z the gate) and out_proj."""
-    dtype = core.dtype
-    x = core.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps)
-    x = norm_w * x.to(dtype)
-    x = (x * F.silu(z.view(core.shape).float())).to(dtype)
+    """The recurrence's output [..., nv, dv] through the gated RMSNorm (Llama's norm, then times
+    silu(z) in float32) and out_proj."""
+    x = (rms_norm(core, norm_w, norm_eps) * F.silu(z.view(core.shape).float())).to(core.dtype)
     return F.linear(x.flatten(-2), out_w)
 
 
@@ -130,7 +134,7 @@ def state_bytes_per_slot(cfg, width: int, dtype: torch.dtype) -> int:
     float32 state and its ring of width + K - 1 projected inputs."""
     nk, nv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
     dk, dv, kernel = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim), int(cfg.linear_conv_kernel_dim)
-    ring = (width + kernel - 1) * (2 * nk * dk + nv * dv + 2 * nv) * torch.empty((), dtype=dtype).element_size()
+    ring = (width + kernel - 1) * (conv_width(nk, nv, dk, dv) + 2 * nv) * torch.empty((), dtype=dtype).element_size()
     layers = sum(t == "linear_attention" for t in cfg.layer_types[:int(cfg.num_hidden_layers)])
     return layers * (nv * dk * dv * 4 + ring)
 
@@ -192,7 +196,7 @@ def linear_mixer(h: Tensor, positions: Tensor, done: Tensor, ring: Tensor, state
     Plain tensors in, so a compiled version serves every layer. `weights`: LinearMixerWeights.tensors."""
     p0, p1, p2, p3, conv_w, conv_b, a_log, dt_bias, norm_w, out_w = weights
     s, t = h.shape[:2]
-    kernel, conv_dim = conv_w.shape[-1], 2 * nk * dk + nv * dv
+    kernel, conv_dim = conv_w.shape[-1], conv_width(nk, nv, dk, dv)
     width, context = ring.shape[1] - kernel + 1, kernel - 1
     dims = {"nk": nk, "nv": nv, "dk": dk, "dv": dv}
     rows = ring_rows(ring, done - context, width + context)
@@ -230,10 +234,8 @@ class LinearStates:
         p0, p1, p2, p3, conv_w, conv_b, a_log, dt_bias, norm_w, out_w = lay.tensors
         b, t = h.shape[:2]
         row, z = project(h, p0, p1, p2, p3, fused=lay.dims["fused"], conv_dim=lay.conv_dim)
-        conv = F.silu(F.conv1d(row[..., :lay.conv_dim].transpose(1, 2).to(conv_w.dtype), conv_w, conv_b,
-                               padding=lay.kernel - 1, groups=lay.conv_dim)[:, :, :t])
-        q, k, v, g, beta = heads(conv.to(h.dtype).transpose(1, 2), row, a_log, dt_bias, nk=lay.nk, nv=lay.nv,
-                                 dk=lay.dk, dv=lay.dv)
+        conv = convolve(F.pad(row, (0, 0, lay.kernel - 1, 0)), conv_w, conv_b, t, lay.conv_dim)  # zeros before 0
+        q, k, v, g, beta = heads(conv, row, a_log, dt_bias, nk=lay.nk, nv=lay.nv, dk=lay.dk, dv=lay.dv)
         real = (torch.arange(t, device=h.device)[None, :] < lengths.to(h.device)[:, None])[..., None]  # [B, T, 1]
         g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
         rep = lay.nv // lay.nk  # heads repeated here: older transformers' kernels expect them so

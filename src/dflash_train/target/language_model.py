@@ -122,6 +122,12 @@ def layer_rope_tables(cfg) -> list[str | None]:
     return [None] * n
 
 
+def first_attention(inner: nn.Module) -> nn.Module:
+    """The attention module of the language model's first attention layer (a hybrid stack's first
+    layers may mix tokens otherwise)."""
+    return next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))
+
+
 def rope_table(rotary: nn.Module, x: Tensor, positions: Tensor, name: str | None) -> tuple[Tensor, Tensor]:
     """(cos, sin) [.., positions, D] of table `name` (`layer_rope_tables`) from the model's own
     rotary module; NO_ROPE: ones and zeros of the same shape, so that rotating is the identity;

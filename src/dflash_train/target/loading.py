@@ -24,7 +24,7 @@ from dflash_train.target.fp8 import convert_decoder_linears
 from dflash_train.target.gguf_cache import cached_folder
 from dflash_train.target.language_model import find_decoder_layers
 from dflash_train.target.presets import build_random_target, is_preset, preset_config
-from dflash_train.target.quantized import dequantizing_config, fp8_block, plain_rows, quantization_of
+from dflash_train.target.quantized import SCALE_SUFFIX, dequantizing_config, fp8_block, plain_rows, quantization_of
 from dflash_train.utils.errors import ModelError
 from dflash_train.utils.fs import missing_reason
 
@@ -338,16 +338,11 @@ def _layer_tensors_of_safetensors(source: ModelSource, layer_ids: list[int]) -> 
         with safe_open(str(f), "pt") as fh:
             for key in names:
                 for prefix, i in prefixes.items():
-                    if key.startswith(prefix) and not key.endswith("_scale_inv"):
-                        out[i][key[len(prefix):]] = _plain(fh, key, block)
+                    if key.startswith(prefix) and not key.endswith(SCALE_SUFFIX):
+                        # (a block-FP8 weight dequantized: target/quantized.py)
+                        out[i][key[len(prefix):]] = plain_rows(fh.get_tensor(key), 0, block, key, fh.keys(),
+                                                                 fh.get_slice)
     return out if all(out.values()) else None
-
-
-def _plain(fh, key: str, block: tuple[int, int] | None) -> torch.Tensor:
-    """Tensor `key` of an open safetensors file, a block-FP8 weight dequantized (target/quantized.py)."""
-    scales = f"{key}_scale_inv"
-    scale_rows = (lambda first, last: fh.get_slice(scales)[first:last]) if scales in fh.keys() else None
-    return plain_rows(fh.get_tensor(key), 0, block, scale_rows)
 
 
 def load_decoder_layer_tensors(spec: str, layer_ids: list[int], *, dtype, device, trust_remote_code: bool = False,

@@ -6,6 +6,8 @@ target's forward exactly, and the drafter's Qwen3-style layers (drafter/model.py
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, scale_in_float32: bool = 
     if scale_in_float32:
         return (weight * normed).to(dtype)
     return weight * normed.to(dtype)
+
+
+def normed_qk(q: Tensor, k: Tensor, qn_w: Tensor | None, kn_w: Tensor | None, norm: Callable[[Tensor, Tensor], Tensor],
+              *, n_heads: int, n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """q, k [..., heads * head_dim] -> [..., heads, head_dim], normed by `norm(x, weight)` as the norm's
+    width says: over the whole projection (MiniMax-M2, OLMo 2), per head (Qwen3, Gemma 3, EXAONE 4),
+    or not at all (no q/k norm)."""
+    lead = q.shape[:-1]
+    whole = qn_w is not None and qn_w.shape[-1] != head_dim
+    if whole:
+        q, k = norm(q, qn_w), norm(k, kn_w)
+    q, k = q.view(*lead, n_heads, head_dim), k.view(*lead, n_kv, head_dim)
+    if qn_w is not None and not whole:
+        q, k = norm(q, qn_w), norm(k, kn_w)
+    return q, k
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -64,9 +64,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_train.target.documents import DocumentLayout
 from dflash_train.target.gathered import gathered, layers_gathered, unsharded_type
-from dflash_train.target.language_model import (PAIRED_ROPE_MODEL_TYPES, attention_projections, language_model,
-                                                 layer_rope_tables, layer_windows, mlp_projections, rope_table,
-                                                 rope_types, text_config)
+from dflash_train.target.language_model import (PAIRED_ROPE_MODEL_TYPES, attention_projections, first_attention,
+                                                 language_model, layer_rope_tables, layer_windows, mlp_projections,
+                                                 rope_table, rope_types, text_config)
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.packed_gpt_oss import (
     GptOssLayerWeights,
@@ -82,7 +82,7 @@ from dflash_train.target.packed_gemma import (
     post_attention_gemma,
     pre_attention_gemma,
 )
-from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.ops import apply_rope, normed_qk, repeat_kv, rms_norm
 from dflash_train.target.packed_hybrid import (
     HYBRID_MODEL_TYPES,
     HybridLayerWeights,
@@ -168,11 +168,9 @@ def pre_attention(
     h = rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
     q, k, v = project(h, (q_p, k_p, v_p))
-    if qn_w is not None and qn_w.shape[-1] != head_dim:  # MiniMax-M2: q/k RMSNorm over the whole projection
-        q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
-    q, k, v = q.view(R, S, n_heads, head_dim), k.view(R, S, n_kv, head_dim), v.view(R, S, n_kv, head_dim)
-    if qn_w is not None and qn_w.shape[-1] == head_dim:  # Qwen3: RMSNorm over head_dim before RoPE
-        q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
+    q, k = normed_qk(q, k, qn_w, kn_w, lambda t, w: rms_norm(t, w, qk_eps), n_heads=n_heads, n_kv=n_kv,
+                     head_dim=head_dim)  # Qwen3: per head; MiniMax-M2: over the whole projection
+    v = v.view(R, S, n_kv, head_dim)
     q, k = apply_rope(q, cos, sin, paired_rope), apply_rope(k, cos, sin, paired_rope)
     return (q, *repeat_kv(k, v, n_heads))
 
@@ -312,7 +310,7 @@ class PackedForward:
         self.sharded = any(isinstance(m, FSDPModule) for m in (model, *inner.layers))
         self.layer_ids = list(layer_ids)
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        attn = next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))  # (hybrids: some)
+        attn = first_attention(inner)
         self.head_dim = getattr(attn, "head_dim", None) or attn.qk_head_dim  # (latent attention: the keys' width)
         self.scale = float(attn.scaling)
         # hybrids' linear-attention layers read whole documents: they take the gathered layout
@@ -323,11 +321,7 @@ class PackedForward:
         # what every layer calls, by the names its weights give (`pre_fn`, `post_fn`): the plain
         # functions, or their versions compiled once per process
         for name, (function, whole_graph) in LAYER_FUNCTIONS.items():
-            if not compile:
-                setattr(self, name, function)
-            else:
-                compiled = compiled_once(function) if whole_graph else compiled_once(function, fullgraph=False)
-                setattr(self, name, compiled)
+            setattr(self, name, compiled_once(function, fullgraph=whole_graph) if compile else function)
         # gpt-oss's sinks need FlexAttention's log-sum-exp, Gemma 2's soft-capped scores its
         # score_mod: every layer attends on the packed rows
         cap = getattr(cfg, "attn_logit_softcapping", None) if cfg.model_type == "gemma2" else None

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.ops import apply_rope, normed_qk, repeat_kv, rms_norm
 from dflash_train.target.projections import gated_mlp
 
 
@@ -28,14 +28,10 @@ def olmo2_qkv(x: Tensor, cos: Tensor, sin: Tensor, q_w: Tensor, q_b: Tensor | No
               head_dim: int, scale_in_float32: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """x [..., H] -> q [..., n_heads, D], k/v [..., n_kv, D]: q and k normed (over their projection, or
     per head where the norm is one head wide), then rotated."""
-    lead = x.shape[:-1]
     q, k, v = F.linear(x, q_w, q_b), F.linear(x, k_w, k_b), F.linear(x, v_w, v_b)
-    per_head = qn_w.shape[-1] == head_dim
-    if per_head:
-        q, k = q.view(*lead, n_heads, head_dim), k.view(*lead, n_kv, head_dim)
-    q = rms_norm(q, qn_w, eps, scale_in_float32=scale_in_float32).view(*lead, n_heads, head_dim)
-    k = rms_norm(k, kn_w, eps, scale_in_float32=scale_in_float32).view(*lead, n_kv, head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(*lead, n_kv, head_dim)
+    q, k = normed_qk(q, k, qn_w, kn_w, lambda t, w: rms_norm(t, w, eps, scale_in_float32=scale_in_float32),
+                     n_heads=n_heads, n_kv=n_kv, head_dim=head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(*x.shape[:-1], n_kv, head_dim)
 
 
 def pre_attention_olmo2(x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | None, eps: float, n_heads: int,

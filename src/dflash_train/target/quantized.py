@@ -22,6 +22,7 @@ from torch import Tensor
 from dflash_train.target.language_model import text_config
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"  # a block-FP8 weight's scales: `{name}_scale_inv` beside `{name}`
 
 
 def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int, int]) -> Tensor:
@@ -33,14 +34,15 @@ def dequantized_rows(rows: Tensor, scales: Tensor, start: int, block: tuple[int,
     return rows.float() * per_weight.repeat_interleave(block[1], 1)[:, :cols]
 
 
-def plain_rows(rows: Tensor, start: int, block: tuple[int, int] | None,
-               scale_rows: Callable[[int, int], Tensor] | None) -> Tensor:
-    """Rows start.. of a checkpoint tensor as the model holds them: a block-FP8 weight (float8, with
-    a scale tensor: `scale_rows(first, last)` reads those rows of blocks) dequantized, else as read."""
-    if block is None or rows.dtype not in FLOAT8_DTYPES or scale_rows is None:
+def plain_rows(rows: Tensor, start: int, block: tuple[int, int] | None, key: str, keys,
+               slice_of: Callable[[str], Any]) -> Tensor:
+    """Rows start.. of checkpoint tensor `key` as the model holds them: a block-FP8 weight (float8,
+    with its scales among `keys`, read through `slice_of(name)[first:last]`) dequantized, else as read."""
+    scales = key + SCALE_SUFFIX
+    if block is None or rows.dtype not in FLOAT8_DTYPES or scales not in keys:
         return rows
     first, last = start // block[0], -(-(start + rows.shape[0]) // block[0])
-    return dequantized_rows(rows, scale_rows(first, last), start, block)
+    return dequantized_rows(rows, slice_of(scales)[first:last], start, block)
 
 
 def quantization_of(config: Any) -> dict | None:

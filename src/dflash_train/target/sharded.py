@@ -118,9 +118,7 @@ class ShardReader:
         return self._open[f].get_slice(key)
 
     def rows(self, key: str, start: int, stop: int | None) -> torch.Tensor:
-        scales = f"{key}_scale_inv"
-        scale_rows = (lambda first, last: self._slice(scales)[first:last]) if scales in self.where else None
-        return plain_rows(self._slice(key)[start:stop], start, self.block, scale_rows)
+        return plain_rows(self._slice(key)[start:stop], start, self.block, key, self.where, self._slice)
 
     def close(self) -> None:
         self._stack.close()
