@@ -162,6 +162,9 @@ class LayerWeights:
     sinks (gpt-oss) beside them."""
 
     def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:
+        # first: Gemma's groups its projections of one input as one (target/projections.py fused_projection),
+        # which the q, k and v read below then view
+        self.post, self.post_kw = _post_weights(layer, kind)
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         ln1 = getattr(layer, "input_layernorm", None)  # (OLMo 2 has none: it norms after attention)
@@ -182,7 +185,6 @@ class LayerWeights:
             )  # fmt: skip
         self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
         self.rope = rope
-        self.post, self.post_kw = _post_weights(layer, kind)
 
 
 def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:
