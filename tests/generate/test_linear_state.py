@@ -40,12 +40,13 @@ def test_the_block_rule_equals_the_rule_token_by_token(t):
     torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
 
 
-def test_masked_tokens_change_nothing_and_the_rest_run_as_if_alone():
+@pytest.mark.parametrize("t, kept", [(6, [6, 2, 0]), (1, [1, 1, 0])])  # (1: a decoding step's replay)
+def test_masked_tokens_change_nothing_and_the_rest_run_as_if_alone(t, kept):
     """g = beta = 0 on a slot's last tokens (a replay past what it accepted): its state is exactly
     what its first tokens alone give; fully masked, bit for bit the state it had."""
-    state, q, k, v, g, beta = _inputs(6, seed=9)
-    kept = torch.tensor([6, 2, 0])
-    mask = (torch.arange(6)[None, :] < kept[:, None])[..., None]
+    state, q, k, v, g, beta = _inputs(t, seed=9)
+    kept = torch.tensor(kept)
+    mask = (torch.arange(t)[None, :] < kept[:, None])[..., None]
     masked = state.clone()
     advance_(masked, *block_rule(masked, None, k, v, torch.where(mask, g, 0.0), torch.where(mask, beta, 0.0))[1:])
     for s, n in enumerate(kept.tolist()[:2]):

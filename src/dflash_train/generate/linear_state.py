@@ -174,8 +174,13 @@ def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor,
 
 
 def advance_(state: Tensor, decay: Tensor, keys: Tensor, d: Tensor) -> None:
-    """state <- decay state + keys d (`block_rule`'s pieces), in place: one pass to scale, one to add."""
+    """state <- decay state + keys d (`block_rule`'s pieces), in place: one pass to scale, one to add.
+    A block of one token (each decoding step's replay) adds an outer product, elementwise: compiled,
+    the scale and the add are one pass over the state."""
     s, h, dk, dv = state.shape
+    if keys.shape[-1] == 1:
+        state.mul_(decay[..., None, None]).addcmul_(keys, d)  # [S, Hv, dk, 1] * [S, Hv, 1, dv]
+        return
     state.mul_(decay[..., None, None])
     state.view(s * h, dk, dv).baddbmm_(keys.reshape(s * h, dk, -1), d.reshape(s * h, -1, dv))
 
