@@ -54,3 +54,16 @@ def test_masked_tokens_change_nothing_and_the_rest_run_as_if_alone(t, kept):
                                  beta[s:s + 1, :n])
         torch.testing.assert_close(masked[s:s + 1], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(masked[2], state[2])
+
+
+@pytest.mark.parametrize("t, tq, n", [(2, 1, 1), (7, 3, 4), (16, 16, 16)])
+def test_one_block_gives_its_last_tokens_outputs_and_the_state_after_its_first(t, tq, n):
+    """A call's replay and its own tokens as one block: the outputs of the last Tq tokens, and the
+    state moved past the first n (the replay) alone."""
+    state, q, k, v, g, beta = _inputs(t, seed=11 + t)
+    want_out, _ = _by_definition(state, q, k, v, g, beta)
+    _, want_state = _by_definition(state, q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
+    out, *pieces = block_rule(state, q[:, t - tq:], k, v, g, beta, advance=n)
+    torch.testing.assert_close(out, want_out[:, t - tq:], atol=1e-5, rtol=1e-5)
+    advance_(state, *pieces)
+    torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)

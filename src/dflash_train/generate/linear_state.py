@@ -14,9 +14,10 @@ there, writing their inputs into the ring:
 
 Calls of at most W tokens move P by at most W, so the replay is a block of W tokens, masked past
 each slot's P (a fixed shape: a CUDA graph captures it), and a ring of W + K - 1 positions holds
-every input a call reads. A block, replayed or new, runs the rule in closed form (`block_rule`):
-decoding is bound by reading the states, and a block reads each once (twice more to update it),
-whatever its length. The convolution and the gated norm repeat transformers' op sequence; a prompt
+every input a call reads. The replay and the call's own tokens run as one block of the rule in
+closed form (`block_rule`): decoding is bound by reading the states, and a call reads each once,
+then updates it past the replayed tokens alone (one pass more for a one-token replay, a
+decoding step's), whatever its length. The convolution and the gated norm repeat transformers' op sequence; a prompt
 runs through the module's chunked kernel (flash-linear-attention's when installed), its padding
 masked out of the state.
 """
@@ -143,20 +144,24 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
+def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+               advance: int | None = None):
     """The gated delta rule over T tokens from `state` [S, Hv, dk, dv] in closed form, one read of the
-    state (q/k [S, T, Hv, dk], v [S, T, Hv, dv], g/beta [S, T, Hv], float32, prepared). Step t decays
-    the state by e_t = exp(g_t) and adds k_t d_t^T, d_t = beta_t (v_t - e_t s_{t-1}^T k_t). With
-    r[t, i] the decay from token i to t, every d solves one unit lower-triangular system,
+    state (k [S, T, Hv, dk], v [S, T, Hv, dv], g/beta [S, T, Hv]; q [S, Tq, Hv, dk] the queries of the
+    block's last Tq tokens; float32, prepared). Step t decays the state by e_t = exp(g_t) and adds
+    k_t d_t^T, d_t = beta_t (v_t - e_t s_{t-1}^T k_t). With r[t, i] the decay from token i to t,
+    every d solves one unit lower-triangular system,
 
         d_t + beta_t sum_{i<t} r[t, i] (k_t . k_i) d_i = beta_t (v_t - r[t, 0-] s^T k_t),
 
-    so the outputs s_t^T q_t and the state after the block, r[T, 0-] s + sum_i r[T, i] k_i d_i^T,
+    so the outputs s_t^T q_t and the state after token n, r[n, 0-] s + sum_{i<=n} r[n, i] k_i d_i^T,
     follow by small matmuls (the chunked algorithm's, for one chunk). g = beta = 0 at a token makes
-    its d zero: it changes nothing. Returns the outputs [S, T, Hv, dv] (None without q) and the
-    block's decay [S, Hv], weighted keys [S, Hv, dk, T] and d [S, Hv, T, dv] (`advance_`)."""
+    its d zero: it changes nothing. Returns the outputs [S, Tq, Hv, dv] (None without q) and, for
+    the state after the first `advance` tokens (all when None), their decay [S, Hv], weighted
+    keys [S, Hv, dk, n] and d [S, Hv, n, dv] (`advance_`)."""
     k, v, g, beta = (x.transpose(1, 2) for x in (k, v, g, beta))  # [S, Hv, T, ...]
     t = k.shape[-2]
+    n = t if advance is None else advance
     c = g.cumsum(-1)  # log of the decay since the block began
     causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
     decay = torch.where(causal, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # r[t, i], i <= t
@@ -168,9 +173,10 @@ def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor,
         d[..., i, :] -= (mix[..., i, :i, None] * d[..., :i, :]).sum(-2)
     out = None
     if q is not None:
-        qk = decay * (q.transpose(1, 2) @ k.transpose(-1, -2))
-        out = (c.exp()[..., None] * reads[..., t:, :] + qk @ d).transpose(1, 2)
-    return out, c[..., -1].exp(), (k * decay[..., -1, :, None]).transpose(-1, -2), d
+        tq = q.shape[1]
+        qk = decay[..., t - tq:, :] * (q.transpose(1, 2) @ k.transpose(-1, -2))  # [S, Hv, Tq, T]
+        out = (c[..., t - tq:].exp()[..., None] * reads[..., t:, :] + qk @ d).transpose(1, 2)
+    return out, c[..., n - 1].exp(), (k[..., :n, :] * decay[..., n - 1, :n, None]).transpose(-1, -2), d[..., :n, :]
 
 
 def advance_(state: Tensor, decay: Tensor, keys: Tensor, d: Tensor) -> None:
@@ -195,9 +201,10 @@ def ring_rows(ring: Tensor, first: Tensor, count: int) -> Tensor:
 def linear_mixer(h: Tensor, positions: Tensor, done: Tensor, ring: Tensor, state: Tensor, *weights: Tensor | None,
                  nk: int, nv: int, dk: int, dv: int, fused: bool, norm_eps: float) -> Tensor:
     """One linear-attention layer on tokens at positions[s] + 0..T-1 (h [S, T, H], normed), with the
-    slots' ring and state (module docstring): the state first catches up from `done` to `positions`
-    by a block of the ring's W = R - K + 1 inputs, masked past each slot's own count; then the
-    tokens' inputs go into the ring and their outputs come from that state, which stays before them.
+    slots' ring and state (module docstring): the replay from `done` to `positions` (a block of the
+    ring's W = R - K + 1 inputs, masked past each slot's own count), then the tokens, their inputs
+    written into the ring, run as one block from the state; their outputs come from it, and the
+    state moves past the replay alone, so it stays before them.
     Plain tensors in, so a compiled version serves every layer. `weights`: LinearMixerWeights.tensors."""
     p0, p1, p2, p3, conv_w, conv_b, a_log, dt_bias, norm_w, out_w = weights
     s, t = h.shape[:2]
@@ -208,14 +215,16 @@ def linear_mixer(h: Tensor, positions: Tensor, done: Tensor, ring: Tensor, state
     _, k, v, g, beta = heads(convolve(rows, conv_w, conv_b, width, conv_dim), rows[:, context:], a_log, dt_bias, **dims)
     _, k, v, g, beta = recurrence_inputs(None, k, v, g, beta, nv=nv)
     keep = (done[:, None] + torch.arange(width, device=h.device)[None, :] < positions[:, None])[..., None]
-    advance_(state, *block_rule(state, None, k, v, torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0))[1:])
+    replay = k, v, torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
     row, z = project(h, p0, p1, p2, p3, fused=fused, conv_dim=conv_dim)
     slots = positions[:, None] + torch.arange(t, device=h.device)[None, :]
     ring[torch.arange(s, device=h.device)[:, None], slots.remainder(ring.shape[1])] = row
     rows = ring_rows(ring, positions - context, t + context)
-    q, k, v, g, beta = recurrence_inputs(*heads(convolve(rows, conv_w, conv_b, t, conv_dim), rows[:, context:],
-                                                a_log, dt_bias, **dims), nv=nv)
-    return gated_output(block_rule(state, q, k, v, g, beta)[0].to(h.dtype), z, norm_w, out_w, norm_eps)
+    q, *own = recurrence_inputs(*heads(convolve(rows, conv_w, conv_b, t, conv_dim), rows[:, context:],
+                                       a_log, dt_bias, **dims), nv=nv)
+    out, *pieces = block_rule(state, q, *(torch.cat(pair, dim=1) for pair in zip(replay, own)), advance=width)
+    advance_(state, *pieces)
+    return gated_output(out.to(h.dtype), z, norm_w, out_w, norm_eps)
 
 
 class LinearStates:
