@@ -110,3 +110,9 @@ def test_the_packed_forward_runs_q_k_v_and_gate_up_as_one_projection_each():
             m.out_features for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
         _, _, gate_up, up, _ = lay.post
         assert up is None and gate_up[0].shape[0] == 2 * layer.mlp.up_proj.out_features
+
+
+def test_one_projection_is_itself_rows_and_all():
+    qkv = nn.Linear(16, 40, bias=True).requires_grad_(False)
+    weight, bias = fused_projection([(qkv, slice(8, 24))])
+    assert torch.equal(weight, qkv.weight[8:24]) and torch.equal(bias, qkv.bias[8:24])

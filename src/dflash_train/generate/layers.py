@@ -162,8 +162,8 @@ class LayerWeights:
     sinks (gpt-oss) beside them."""
 
     def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:
-        # first: Gemma's groups its projections of one input as one (target/projections.py fused_projection),
-        # which the q, k and v read below then view
+        # first: Gemma's weights fuse the projections of one input (target/projections.py fused_projection),
+        # and the q, k and v read below then view the fused tensor
         self.post, self.post_kw = _post_weights(layer, kind)
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)

@@ -16,10 +16,10 @@ Calls of at most W tokens move P by at most W, so the replay is a block of W tok
 each slot's P (a fixed shape: a CUDA graph captures it), and a ring of W + K - 1 positions holds
 every input a call reads. The replay and the call's own tokens run as one block of the rule in
 closed form (`block_rule`): decoding is bound by reading the states, and a call reads each once,
-then updates it past the replayed tokens alone (one pass more for a one-token replay, a
-decoding step's), whatever its length. The convolution and the gated norm repeat transformers' op sequence; a prompt
-runs through the module's chunked kernel (flash-linear-attention's when installed), its padding
-masked out of the state.
+whatever its length, then updates it past the replayed tokens alone (one pass more for a
+one-token replay, a decoding step's). The convolution and the gated norm repeat transformers' op
+sequence; a prompt runs through the module's chunked kernel (flash-linear-attention's when
+installed), its padding masked out of the state.
 """
 
 from __future__ import annotations

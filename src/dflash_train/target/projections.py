@@ -40,11 +40,13 @@ def fused_projection(parts: Sequence[tuple[nn.Module, slice | None]]) -> Project
     modules = [m for m, _ in parts]
     if not all(_frozen_plain(m) for m in modules):
         return None
+    if len(parts) == 1:
+        return projection_of(*parts[0])
     if all(m is modules[0] for m in modules):  # the row blocks of one fused module, in order
         ends = [(rows.start, rows.stop) for _, rows in parts if rows is not None]
         whole = len(ends) == len(parts) and ends[0][0] == 0 and ends[-1][1] == modules[0].out_features and \
             all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
-        return projection_of(modules[0]) if whole or len(parts) == 1 else None
+        return projection_of(modules[0]) if whole else None
     if any(rows is not None for _, rows in parts) or len({(m.weight.dtype, m.weight.device, m.in_features,
                                                            m.bias is None) for m in modules}) != 1:
         return None
