@@ -119,7 +119,9 @@ class GraphedStep:
 
     The capture is thread-local, as Inductor's CUDA graph trees capture: another thread's CUDA
     calls (the training loader pinning the next batch) cannot invalidate it. Python's cycle
-    collector runs before it and is held off during it (`quiet_collector`).
+    collector is held off during it (`quiet_collector`), and runs before the first key's capture
+    only: a full collection of a generate job's heap takes about half a second, which every
+    bucket or prefill shape first used mid-run would otherwise stall for.
 
     `shared_pool`: every key's graph allocates from one memory pool, for a step captured at
     many keys (each graph's intermediates would otherwise keep their own memory). Then a
@@ -195,7 +197,8 @@ class GraphedStep:
         if self.shared_pool and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with quiet_collector(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with quiet_collector(collect=not self._graphs), \
+                torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.fn(key)  # recorded, not run: the state is untouched until the replay
         log.log(logging.DEBUG if self.shared_pool else logging.INFO, "captured the %s step for %s in a CUDA graph",
                 self.name, self.describe(key))
@@ -203,12 +206,13 @@ class GraphedStep:
 
 
 @contextlib.contextmanager
-def quiet_collector() -> Iterator[None]:
-    """Python's cycle collector run before a capture and held off during it. Collected mid-capture,
-    a dead engine's pinned buffers, events and graphs free themselves through CUDA calls that
-    invalidate the capture."""
+def quiet_collector(collect: bool = True) -> Iterator[None]:
+    """Python's cycle collector held off during a capture (run before it when `collect`: what a dead
+    engine held is freed before a new one captures). Collected mid-capture, a dead engine's pinned
+    buffers, events and graphs free themselves through CUDA calls that invalidate the capture."""
     enabled = gc.isenabled()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         yield
