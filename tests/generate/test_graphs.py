@@ -23,29 +23,50 @@ def test_buckets_are_powers_of_two_up_to_the_cap():
         bucket_of(6, [1, 2, 4, 5])
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_chunks_are_the_longest_runs_that_fit_the_budget_padded(seed):
+def _padded(shapes, rows, width):  # brute force: the smallest power of two (or the cap) at or above each
+    r = min([2**k for k in range(12) if 2**k >= rows and 2**k < shapes.rows[-1]] + [shapes.rows[-1]])
+    w = min([shapes.widths[0] * 2**k for k in range(12)
+             if shapes.widths[0] * 2**k >= width and shapes.widths[0] * 2**k < shapes.widths[-1]] + [shapes.widths[-1]])
+    return r, w
+
+
+def _cost(shapes, lengths, cuts):  # None where a chunk of several prompts overflows the budget padded
+    total = 0
+    for start, end in cuts:
+        rows, width = _padded(shapes, end - start, lengths[end - 1])
+        if end - start > shapes.rows[-1] or (rows * width > shapes.budget and end - start > 1):
+            return None
+        total += rows * width + shapes.forward_tokens
+    return total
+
+
+@pytest.mark.parametrize("forward_tokens", [0, 64, 4096])
+@pytest.mark.parametrize("seed", range(8))
+def test_chunks_are_the_cheapest_cut_that_fits_the_budget_padded(seed, forward_tokens):
+    """Against every cut of up to 11 prompts: padded tokens plus a chunk's fixed cost, least."""
     rng = random.Random(seed)
-    max_rows, max_width, budget, min_width = rng.choice([(1, 300, 500, 16), (7, 300, 1000, 16), (64, 2048, 16384, 64)])
-    shapes = PrefillShapes(max_rows, max_width, budget, min_width)
-    lengths = sorted(rng.randint(1, max_width) for _ in range(rng.randint(1, 200)))
-
-    def padded(rows, width):  # brute force: the smallest power of two (or the cap) at or above each
-        r = min([2**k for k in range(12) if 2**k >= rows and 2**k < shapes.rows[-1]] + [shapes.rows[-1]])
-        w = min([min_width * 2**k for k in range(12) if min_width * 2**k >= width and min_width * 2**k < max_width]
-                + [max_width])
-        return r, w
-
+    max_rows, max_width, budget, min_width = rng.choice([(1, 300, 500, 16), (7, 300, 1000, 16), (64, 2048, 16384, 64),
+                                                         (5, 20, 40, 4)])
+    shapes = PrefillShapes(max_rows, max_width, budget, min_width, forward_tokens=forward_tokens)
+    lengths = sorted(rng.randint(1, max_width) for _ in range(rng.randint(1, 11)))
     chunks = shapes.chunks(lengths)
     assert [s for s, _ in chunks] == [0] + [e for _, e in chunks[:-1]] and chunks[-1][1] == len(lengths)
-    for start, end in chunks:
-        rows, width = end - start, lengths[end - 1]
-        assert shapes.shape(rows, width) == padded(rows, width)
-        pad_rows, pad_width = padded(rows, width)
-        assert rows == 1 or (rows <= shapes.rows[-1] and pad_rows * pad_width <= shapes.budget)
-        if end < len(lengths):  # one prompt more would not have fitted
-            more_rows, more_width = padded(rows + 1, lengths[end]) if rows + 1 <= shapes.rows[-1] else (None, None)
-            assert more_rows is None or more_rows * more_width > shapes.budget
+    assert all(shapes.shape(end - start, lengths[end - 1]) == _padded(shapes, end - start, lengths[end - 1])
+               for start, end in chunks)
+    every_cut = []
+    for mask in range(2 ** (len(lengths) - 1)):
+        ends = [i + 1 for i in range(len(lengths) - 1) if mask >> i & 1] + [len(lengths)]
+        every_cut.append(list(zip([0] + ends[:-1], ends)))
+    assert _cost(shapes, lengths, chunks) == min(c for c in (_cost(shapes, lengths, cut) for cut in every_cut)
+                                                 if c is not None)
+
+
+def test_a_refill_of_short_prompts_and_one_long_is_cut_before_the_long_one():
+    """Eight 10-token prompts and one of 1,000: one run would pad all nine to 16 x 1,024 (16,384
+    tokens); cut, 8 x 64 and 1 x 1,024 (1,536 tokens, two forwards)."""
+    shapes = PrefillShapes(1536, 2048, 16384, 64)
+    assert shapes.chunks([10] * 8 + [1000]) == [(0, 8), (8, 9)]
+    assert PrefillShapes(1536, 2048, 16384, 64, forward_tokens=20000).chunks([10] * 8 + [1000]) == [(0, 9)]
 
 
 class _Replay:
