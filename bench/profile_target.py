@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--need-final", action=argparse.BooleanOptionalAction, default=True,
                     help="target labels (the whole forward + final norm); --no-need-final: data labels")
-    ap.add_argument("--set", nargs="*", default=[], help="target config KEY=VALUE (forward, compile, sdpa_backend, fp8)")
+    ap.add_argument("--set", nargs="*", default=[], help="target config KEY=VALUE (forward, compile, sdpa_backend, fp8, grouped_kv)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="auto")
@@ -61,7 +61,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     ms = sorted(times)[len(times) // 2] * 1000
     result = {"preset": args.preset, "tokens": args.tokens, "settings": {k: getattr(cfg, k) for k in
-              ("forward", "compile", "sdpa_backend", "fp8")}, "need_final": args.need_final,
+              ("forward", "compile", "sdpa_backend", "fp8", "grouped_kv")}, "need_final": args.need_final,
               "forward_ms_median": ms, "first_call_s": first,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     print(json.dumps(result))

@@ -42,7 +42,7 @@ fi
 source dev/device/lib.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
-B=($PY -m dflash_train bench $SHAPE)
+B=($PY -m dflash_train bench $SHAPE ${BENCH_ARGS:-})  # BENCH_ARGS="--set target.grouped_kv=true": a lever on every bench
 FAST=(--compile --drafter-dtype bfloat16 --target-forward packed --target-compile)
 [ "${DRY:-0}" = 1 ] && FAST=(--target-forward packed)  # compiling costs minutes on a CPU
 

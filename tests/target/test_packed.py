@@ -241,8 +241,12 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
         with pytest.raises(ValueError, match="linear-attention layers read whole documents"):
             _run(model, batch, need_final, forward="packed", document_attention=documents)
         return
+    _assert_packed_equals_hf(model, batch, kind, need_final, document_attention=documents)
+
+
+def _assert_packed_equals_hf(model, batch, kind, need_final, **packed):
     ref = _run(model, batch, need_final)
-    got = _run(model, batch, need_final, forward="packed", document_attention=documents)
+    got = _run(model, batch, need_final, forward="packed", **packed)
     assert got.taps.shape == ref.taps.shape and got.taps.abs().max() > 0
     # a token's experts are summed in another order than transformers' (fp32 rounding: ~1e-6);
     # a wrong route or weight moves the states by whole percents
@@ -263,6 +267,30 @@ def test_packed_forward_equals_the_hugging_face_forward(kind, layout, need_final
         assert got.final_hidden is None and ref.final_hidden is None
 
 
+@pytest.mark.parametrize("kind", ["tiny", "qwen3_moe", "gemma3_text", "gpt_oss", "mistral_window", "olmo2", "qwen3_5",
+                                  "deepseek_v3"])
+@pytest.mark.parametrize("documents", ["gather", "flex"])
+def test_grouped_keys_give_the_taps_of_repeated_ones(kind, documents, monkeypatch):
+    """target.grouped_kv: one key/value head a group of query heads (enable_gqa) in both document
+    attentions; latent attention (deepseek_v3) has its own keys per head."""
+    monkeypatch.setattr(packed_module, "compiled_once", lambda fn, **options: fn)
+    model = _target(kind)
+    batch = _packed(*BATCHES["several-documents"], vocab=text_config(model.config).vocab_size)
+    if kind in HYBRIDS and documents == "flex":
+        return  # (refused: the test above)
+    seen = []
+    real = packed_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(packed_module.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.shape[1], k.shape[1], kw.get("enable_gqa"))) or real(
+                            q, k, v, **kw))
+    _assert_packed_equals_hf(model, batch, kind, True, document_attention=documents, grouped_kv=True)
+    cfg = text_config(model.config)
+    # the packed forward's SDPA calls take the keys' own heads (gpt-oss and the windowed Mistral attend
+    # through FlexAttention on every layer)
+    if documents == "gather" and kind not in ("deepseek_v3", "gpt_oss", "mistral_window"):
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, True) in seen
+
+
 def test_flex_document_attention_needs_the_packed_forward():
     with pytest.raises(ValueError, match="flex"):
         TargetRunner(_target("tiny"), TAPS, document_attention="flex")
@@ -270,6 +298,18 @@ def test_flex_document_attention_needs_the_packed_forward():
         TargetConfig(forward="hf", document_attention="flex")
     assert TargetConfig(document_attention="flex").forward == "auto"  # decided with the model (it takes packed)
     assert TargetConfig(forward="packed", document_attention="flex").document_attention == "flex"
+
+
+def test_grouped_keys_need_the_packed_forward_and_a_kernel_that_takes_them():
+    from dflash_train.target.config import decide_forward
+
+    with pytest.raises(ValueError, match="grouped_kv needs target.forward: packed"):
+        TargetConfig(forward="hf", grouped_kv=True)
+    with pytest.raises(ValueError, match="memory-efficient SDPA kernel takes no grouped keys"):
+        TargetConfig(forward="packed", sdpa_backend="efficient", grouped_kv=True)
+    tiny = _target("tiny").config  # auto on a CPU: the packed forward, which alone has grouped keys
+    assert decide_forward(TargetConfig(grouped_kv=True), tiny, torch.device("cpu"))[0].forward == "packed"
+    assert decide_forward(TargetConfig(), tiny, torch.device("cpu"))[0].forward == "hf"
 
 
 def test_the_document_gather_is_what_keeps_documents_apart():

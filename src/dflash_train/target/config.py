@@ -47,6 +47,10 @@ class TargetConfig:
     mask (no gathers; needs forward: packed; sdpa_backend does not apply)"""
     fp8: bool = False
     """float8 decoder matmuls in the frozen target (Hopper GPUs; see docs/performance.md)"""
+    grouped_kv: bool = False
+    """packed forward: attention reads one key/value head per group of query heads (enable_gqa: the
+    cuDNN, flash and FlexAttention kernels take it) instead of copies repeated to every query head,
+    which the step writes and attention reads; off until measured faster (docs/performance.md)"""
 
     def __post_init__(self) -> None:
         # with forward: auto these are checked once the forward is chosen (train/setup.py resolve_fast_path)
@@ -54,6 +58,11 @@ class TargetConfig:
             raise ValueError("target.compile needs target.forward: packed (the Hugging Face forward is not compiled)")
         if self.document_attention == "flex" and self.forward == "hf":
             raise ValueError("target.document_attention: flex needs target.forward: packed")
+        if self.grouped_kv and self.forward == "hf":
+            raise ValueError("target.grouped_kv needs target.forward: packed (the Hugging Face forward repeats them)")
+        if self.grouped_kv and self.sdpa_backend == "efficient":
+            raise ValueError("target.grouped_kv: the memory-efficient SDPA kernel takes no grouped keys: "
+                             "use sdpa_backend auto, cudnn or flash")
         # auto is checked once the model is known (train/setup.py check_target_options)
         if self.sdpa_backend != "auto" and self.forward == "hf" and self.attn_implementation not in ("sdpa", "auto"):
             raise ValueError(f"target.sdpa_backend={self.sdpa_backend} needs target.attn_implementation: sdpa "
@@ -63,12 +72,12 @@ class TargetConfig:
 def decide_forward(t: TargetConfig, model_config, device: torch.device) -> tuple[TargetConfig, str | None]:
     """`t` with `forward` and `compile` decided where they are `auto`, for a target of `model_config` on
     `device`: on a GPU the packed forward, compiled, where it takes the target; else the Hugging Face
-    forward, uncompiled (on a CPU compiling costs more than it saves), unless target.compile or flex
-    document attention is set, which only the packed forward has. Also why the packed forward does
+    forward, uncompiled (on a CPU compiling costs more than it saves), unless target.compile, flex
+    document attention or grouped_kv is set, which only the packed forward has. Also why the packed forward does
     not take the target, when `auto` asked and it does not (else None). ValueError for an explicit
     value the decided forward cannot run."""
     # the packed forward on a GPU, or wherever a setting asks for what only it has
-    wants_packed = device.type == "cuda" or t.compile is True or t.document_attention == "flex"
+    wants_packed = device.type == "cuda" or t.compile is True or t.document_attention == "flex" or t.grouped_kv
     why_not = None
     if t.forward == "auto" and wants_packed:
         try:
@@ -82,4 +91,6 @@ def decide_forward(t: TargetConfig, model_config, device: torch.device) -> tuple
         raise ValueError(f"target.compile: true needs the packed target forward{because}; set target.compile false")
     if t.document_attention == "flex" and forward == "hf":
         raise ValueError(f"target.document_attention: flex needs the packed target forward{because}")
+    if t.grouped_kv and forward == "hf":
+        raise ValueError(f"target.grouped_kv needs the packed target forward{because}")
     return dataclasses.replace(t, forward=forward, compile=compile_), why_not

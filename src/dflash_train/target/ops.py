@@ -69,6 +69,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, paired: bool = False) -> Ten
     return torch.cat([(rotated * cos) + (rotate(rotated) * sin), passed], dim=-1)
 
 
+def keys_for_attention(k: Tensor, v: Tensor, n_heads: int, grouped: bool) -> tuple[Tensor, Tensor]:
+    """k, v as the packed forward's attention takes them: `grouped`, one head per group of query heads
+    (the kernel reads each for its group: enable_gqa); else repeated to every query head (`repeat_kv`)."""
+    return (k, v) if grouped else repeat_kv(k, v, n_heads)
+
+
 def repeat_kv(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
     """k, v [..., n_kv, head_dim] -> [..., n_heads, head_dim], each kv head repeated over its group of
     query heads as transformers' repeat_kv does (every SDPA kernel takes the call, GQA or not)."""

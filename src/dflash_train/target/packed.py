@@ -82,7 +82,7 @@ from dflash_train.target.packed_gemma import (
     post_attention_gemma,
     pre_attention_gemma,
 )
-from dflash_train.target.ops import apply_rope, normed_qk, repeat_kv, rms_norm
+from dflash_train.target.ops import apply_rope, keys_for_attention, normed_qk, rms_norm
 from dflash_train.target.packed_hybrid import (
     HYBRID_MODEL_TYPES,
     HybridLayerWeights,
@@ -162,10 +162,11 @@ def check_packed_support(model: nn.Module) -> None:
 def pre_attention(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection | None,
     v_p: Projection | None, qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int,
-    n_kv: int, head_dim: int, paired_rope: bool = False,
+    n_kv: int, head_dim: int, paired_rope: bool = False, grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group),
-    normed and rotated (`paired_rope`: ERNIE 4.5's, target/ops.py); `cos`/`sin` [R, S, 1, head_dim].
+    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group; `grouped_kv`:
+    [R, S, n_kv, head_dim]), normed and rotated (`paired_rope`: ERNIE 4.5's, target/ops.py); `cos`/`sin`
+    [R, S, 1, head_dim].
     `k_p`, `v_p` None: `q_p` is q, k and v fused (target/projections.py fused_projection)."""
     h = rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
@@ -174,7 +175,7 @@ def pre_attention(
                      head_dim=head_dim)  # Qwen3: per head; MiniMax-M2: over the whole projection
     v = v.view(R, S, n_kv, head_dim)
     q, k = apply_rope(q, cos, sin, paired_rope), apply_rope(k, cos, sin, paired_rope)
-    return (q, *repeat_kv(k, v, n_heads))
+    return (q, *keys_for_attention(k, v, n_heads, grouped_kv))
 
 
 def post_attention(
@@ -295,7 +296,10 @@ LayerWeights = _LayerWeights | GemmaLayerWeights | GptOssLayerWeights | Olmo2Lay
 class PackedForward:
     """Tapped hidden states (and final-normed states) of packed rows, per token in one shape."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, sdpa: str = "auto", compile: bool = False,
+                 grouped_kv: bool = False):
+        """`grouped_kv`: attention takes one key/value head per group of query heads (enable_gqa), not
+        copies repeated to every query head (target.grouped_kv)."""
         check_packed_support(model)
         cfg, inner = text_config(model.config), language_model(model)  # a multimodal wrapper: its text stack
         self.gemma = cfg.model_type in _GEMMA_MODEL_TYPES
@@ -320,6 +324,8 @@ class PackedForward:
         self.window = next((lay.window for lay in self.layers if lay.window), None)
         self.sdpa = sdpa
         self.compile = compile
+        self.grouped_kv = grouped_kv
+        self._gqa = {"enable_gqa": True} if grouped_kv else {}  # (asked only then: older kernels lack it)
         # what every layer calls, by the names its weights give (`pre_fn`, `post_fn`): the plain
         # functions, or their versions compiled once per process
         for name, (function, whole_graph) in LAYER_FUNCTIONS.items():
@@ -338,9 +344,9 @@ class PackedForward:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, layout: DocumentLayout | BlockMask | None,
                   sinks: Tensor | None = None) -> Tensor:
-        """q, k, v [R, S, heads, D] -> [R, S, heads * D]: causal over each row (`layout` None),
-        over each document gathered by `layout` (target/documents.py), or under the
-        causal-within-document BlockMask of the packed rows (document_attention flex; sliding
+        """q [R, S, heads, D], k, v [R, S, heads or (grouped_kv) kv heads, D] -> [R, S, heads * D]: causal
+        over each row (`layout` None), over each document gathered by `layout` (target/documents.py), or
+        under the causal-within-document BlockMask of the packed rows (document_attention flex; sliding
         windows); `sinks` [heads]: gpt-oss's sink logits (a BlockMask only)."""
         R, S, h, d = q.shape
         if isinstance(layout, BlockMask):
@@ -349,18 +355,18 @@ class PackedForward:
             flex = compiled_once(flex_attention, dynamic=None, fullgraph=False) if q.is_cuda else flex_attention
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if sinks is None:
-                o = flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod)
+                o = flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod, **self._gqa)
                 return o.transpose(1, 2).reshape(R, S, h * d)
             o, lse = output_and_lse(flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod,
-                                         **LSE_REQUEST))
+                                         **self._gqa, **LSE_REQUEST))
             return (o.transpose(1, 2) * sink_attention_scale(lse, sinks).to(o.dtype)).reshape(R, S, h * d)
         with sdpa_backend(self.sdpa):
             if layout is None:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   is_causal=True, scale=self.scale)
+                                                   is_causal=True, scale=self.scale, **self._gqa)
                 return o.transpose(1, 2).reshape(R, S, h * d)
             docs = [layout.docs(t).transpose(1, 2) for t in (q, k, v)]  # [D, heads, L, D_head]
-            o = F.scaled_dot_product_attention(*docs, is_causal=True, scale=self.scale)
+            o = F.scaled_dot_product_attention(*docs, is_causal=True, scale=self.scale, **self._gqa)
             return layout.packed(o.transpose(1, 2)).reshape(R, S, h * d)
 
     @torch.no_grad()
@@ -408,7 +414,8 @@ class PackedForward:
             mixed = linear_attention(lay.mixer, self.zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), layout)
             return self.post_mixer_hybrid(x, mixed, *lay.post, **lay.post_kwargs)
         q, k, v, *gate = getattr(self, lay.pre_fn)(x, *ropes[lay.layer_type], *lay.pre, **lay.pre_kwargs,
-                                                   n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim)
+                                                   n_heads=self.n_heads, n_kv=self.n_kv, head_dim=self.head_dim,
+                                                   grouped_kv=self.grouped_kv)
         attn = self.attention(q, k, v, window_mask if lay.window else layout, getattr(lay, "sinks", None))
         return getattr(self, lay.post_fn)(x, attn, *gate, *lay.post, **lay.post_kwargs)  # (gate: hybrids' attention)
 

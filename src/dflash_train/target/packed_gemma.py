@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.target.language_model import attention_projections, mlp_projections
-from dflash_train.target.ops import apply_rope, repeat_kv
+from dflash_train.target.ops import apply_rope, keys_for_attention
 from dflash_train.target.projections import Projection, fused_or_each, gate_and_up, project_fused
 
 
@@ -36,10 +36,10 @@ def gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 def pre_attention_gemma(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection | None,
     v_p: Projection | None, qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, n_heads: int, n_kv: int,
-    head_dim: int,
+    head_dim: int, grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group). `k_p`,
-    `v_p` None: `q_p` is q, k and v fused (target/projections.py fused_projection)."""
+    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group, or not:
+    `grouped_kv`). `k_p`, `v_p` None: `q_p` is q, k and v fused (target/projections.py fused_projection)."""
     h = gemma_rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
     q, k, v = project_fused(h, (q_p, k_p, v_p), (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim))
@@ -47,7 +47,7 @@ def pre_attention_gemma(
     if qn_w is not None and kn_w is not None:  # Gemma 3
         q, k = gemma_rms_norm(q, qn_w, eps), gemma_rms_norm(k, kn_w, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return (q, *repeat_kv(k, v, n_heads))
+    return (q, *keys_for_attention(k, v, n_heads, grouped_kv))
 
 
 def post_attention_gemma(

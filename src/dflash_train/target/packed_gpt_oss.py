@@ -21,21 +21,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.target.moe import moe_mlp_gpt_oss
-from dflash_train.target.ops import apply_rope, repeat_kv, rms_norm
+from dflash_train.target.ops import apply_rope, keys_for_attention, rms_norm
 
 
 def pre_attention_gpt_oss(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_w: Tensor, q_b: Tensor | None, k_w: Tensor,
     k_b: Tensor | None, v_w: Tensor, v_b: Tensor | None, *, eps: float, n_heads: int, n_kv: int, head_dim: int,
+    grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group)."""
+    """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group, or not: `grouped_kv`)."""
     h = rms_norm(x, ln1_w, eps, scale_in_float32=True)
     R, S = h.shape[:2]
     q = F.linear(h, q_w, q_b).view(R, S, n_heads, head_dim)
     k = F.linear(h, k_w, k_b).view(R, S, n_kv, head_dim)
     v = F.linear(h, v_w, v_b).view(R, S, n_kv, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return (q, *repeat_kv(k, v, n_heads))
+    return (q, *keys_for_attention(k, v, n_heads, grouped_kv))
 
 
 def sink_attention_scale(lse: Tensor, sinks: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.target.moe import moe_mlp, routing_of
-from dflash_train.target.ops import apply_rope, repeat_kv
+from dflash_train.target.ops import apply_rope, keys_for_attention
 from dflash_train.target.packed_gemma import gemma_rms_norm as zero_centred_norm
 from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
 
@@ -48,10 +48,10 @@ def gated_qkv(
 
 
 def pre_attention_gated(x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | Projection, n_heads: int,
-                        **options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`gated_qkv` with k/v repeated over each GQA group (every SDPA kernel takes them)."""
+                        grouped_kv: bool = False, **options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`gated_qkv` with k/v repeated over each GQA group (every SDPA kernel takes them), or not: `grouped_kv`."""
     q, k, v, gate = gated_qkv(x, cos, sin, *weights, n_heads=n_heads, **options)
-    return (q, *repeat_kv(k, v, n_heads), gate)
+    return (q, *keys_for_attention(k, v, n_heads, grouped_kv), gate)
 
 
 def post_mixer_hybrid(x: Tensor, mixed: Tensor, ln2_w: Tensor, *mlp: Tensor | Projection, eps: float, moe: bool,

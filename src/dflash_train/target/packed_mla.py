@@ -57,9 +57,10 @@ def pre_attention_mla(
     x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_a: Projection | None, q_a_norm_w: Tensor | None,
     q_b: Projection, kv_a: Projection, kv_a_norm_w: Tensor, kv_b: Projection, *, eps: float, q_eps: float,
     kv_eps: float, n_heads: int, n_kv: int, head_dim: int, nope: int, v_dim: int, kv_rank: int, interleave: bool,
+    grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [R, S, H] -> q, k [R, S, heads, head_dim] (head_dim = nope + rope), v the same width (zeros
-    past v_dim). `cos`/`sin` [R, S, 1, rope]. (`n_kv`: every head has its own keys here.)"""
+    past v_dim). `cos`/`sin` [R, S, 1, rope]. (`n_kv`, `grouped_kv`: every head has its own keys here.)"""
     R, S = x.shape[:2]
     rope = head_dim - nope
     q_nope, q_rot, c, k_rot = queries_and_latent(x, ln1_w, q_a, q_a_norm_w, q_b, kv_a, kv_a_norm_w, eps=eps,

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_train.target.ops import apply_rope, normed_qk, repeat_kv, rms_norm
+from dflash_train.target.ops import apply_rope, keys_for_attention, normed_qk, rms_norm
 from dflash_train.target.projections import gated_mlp
 
 
@@ -35,11 +35,13 @@ def olmo2_qkv(x: Tensor, cos: Tensor, sin: Tensor, q_w: Tensor, q_b: Tensor | No
 
 
 def pre_attention_olmo2(x: Tensor, cos: Tensor, sin: Tensor, *weights: Tensor | None, eps: float, n_heads: int,
-                        n_kv: int, head_dim: int, scale_in_float32: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """The packed forward's: x [R, S, H] -> q, k, v [R, S, n_heads, D] (k/v repeated over each GQA group)."""
+                        n_kv: int, head_dim: int, scale_in_float32: bool = True,
+                        grouped_kv: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed forward's: x [R, S, H] -> q, k, v [R, S, n_heads, D] (k/v repeated over each GQA group,
+    or not: `grouped_kv`)."""
     q, k, v = olmo2_qkv(x, cos, sin, *weights, eps=eps, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,
                         scale_in_float32=scale_in_float32)
-    return (q, *repeat_kv(k, v, n_heads))
+    return (q, *keys_for_attention(k, v, n_heads, grouped_kv))
 
 
 def post_attention_olmo2(

@@ -50,7 +50,8 @@ class TargetRunner:
     """A frozen Hugging Face causal LM producing what the drafter needs, nothing more."""
 
     def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_final: bool = False,
-                 forward: str = "hf", sdpa: str = "auto", compile: bool = False, document_attention: str = "gather"):
+                 forward: str = "hf", sdpa: str = "auto", compile: bool = False, document_attention: str = "gather",
+                 grouped_kv: bool = False):
         self.model = model.eval().requires_grad_(False)
         self.layers = find_decoder_layers(model)
         self.layer_ids = list(target_layer_ids)
@@ -75,7 +76,8 @@ class TargetRunner:
         if document_attention not in ("gather", "flex") or (document_attention == "flex" and forward != "packed"):
             raise ValueError(f"document attention {document_attention!r}: use gather, or flex with forward='packed'")
         self.document_attention = document_attention
-        self.packed = PackedForward(model, self.layer_ids, sdpa=sdpa, compile=compile) if forward == "packed" else None
+        self.packed = PackedForward(model, self.layer_ids, sdpa=sdpa, compile=compile, grouped_kv=grouped_kv) \
+            if forward == "packed" else None
         if self.packed is not None and self.packed.linear_layers and document_attention == "flex":
             raise ValueError("target.document_attention: flex keeps documents apart inside attention, but this "
                              "target's linear-attention layers read whole documents: use document_attention gather")
@@ -92,7 +94,7 @@ class TargetRunner:
                     need_final: bool) -> TargetRunner:
         """The runner the `target:` section asks for."""
         return cls(model, target_layer_ids, need_final=need_final, forward=cfg.forward, sdpa=cfg.sdpa_backend,
-                   compile=cfg.compile, document_attention=cfg.document_attention)
+                   compile=cfg.compile, document_attention=cfg.document_attention, grouped_kv=cfg.grouped_kv)
 
     @property
     def hidden_size(self) -> int:
