@@ -18,15 +18,17 @@ def test_lever_table_rows_train_on_the_same_taps(tmp_path, capsys):
     """Rows of several documents per row; the packed and the look-ahead target give the
     drafter the same numbers as the Hugging Face forward, so training ends at the same loss."""
     out = tmp_path / "levers.json"
-    assert run(BenchConfig(**TINY, levers="baseline,packed", out=str(out))) == 0
+    assert run(BenchConfig(**TINY, levers="baseline,packed,packed-grouped-kv", out=str(out))) == 0
     assert run(BenchConfig(**TINY, levers="overlap,data-labels", out=str(out), append=True)) == 0  # one table
     table = json.loads(out.read_text())
     rows = {r["name"]: r for r in table["rows"]}
-    assert list(rows) == ["baseline", "packed", "overlap", "data-labels"]
+    assert list(rows) == ["baseline", "packed", "packed-grouped-kv", "overlap", "data-labels"]
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["target_ms"] > 0 and r["drafter_ms"] > 0
     assert rows["packed"]["settings"]["target_forward"] == "packed" and rows["overlap"]["settings"]["overlap"]
     assert rows["packed"]["loss_last"] == pytest.approx(rows["baseline"]["loss_last"], rel=1e-5)
+    assert rows["packed-grouped-kv"]["settings"]["grouped_kv"] and not rows["packed"]["settings"]["grouped_kv"]
+    assert rows["packed-grouped-kv"]["loss_last"] == pytest.approx(rows["baseline"]["loss_last"], rel=1e-5)
     assert rows["overlap"]["loss_last"] == pytest.approx(rows["baseline"]["loss_last"], rel=1e-5)
     assert rows["data-labels"]["loss_last"] != pytest.approx(rows["baseline"]["loss_last"], rel=1e-3)
     printed = capsys.readouterr().out

@@ -96,6 +96,8 @@ class BenchConfig:
     """target.sdpa_backend; best = the fastest of the sdpa rows measured before in a lever table"""
     overlap: bool = False
     """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
+    grouped_kv: bool = False
+    """target.grouped_kv: the packed forward's attention takes one key/value head per group of query heads"""
     levers: str = ""
     """measure a lever table instead of one setting: 'all' or comma-separated lever names
     (dflash_train/bench/levers.py)"""
@@ -156,7 +158,7 @@ def build_config(args: BenchConfig, out_dir: Path) -> TrainConfig:
         "run.drafter_dtype": args.drafter_dtype, "target.fp8": str(args.fp8_target), "run.tensorboard": "false", "run.progress": "false",
         "target.forward": args.target_forward, "target.compile": str(args.target_compile),
         "target.sdpa_backend": "auto" if args.sdpa_backend == "best" else args.sdpa_backend,
-        "pipeline.overlap_target": str(args.overlap),
+        "pipeline.overlap_target": str(args.overlap), "target.grouped_kv": str(args.grouped_kv),
         "optim.warmup_steps": "2", "pipeline.layout": args.layout, "pipeline.queue_depth": str(args.queue_depth),
         "pipeline.target_ranks": str(args.target_ranks), "pipeline.drafter_ranks": str(args.drafter_ranks),
         "pipeline.target_group_size": str(args.target_group_size),
@@ -225,6 +227,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         "target_forward": cfg.target.forward, "target_compile": cfg.target.compile,
         "target_group_size": cfg.pipeline.target_group_size,
         "sdpa_backend": cfg.target.sdpa_backend, "overlap": cfg.pipeline.overlap_target,
+        "grouped_kv": cfg.target.grouped_kv,
         "drafter_dtype": cfg.run.drafter_dtype, "tokens_per_step_per_drafter": args.tokens,
         "anchors": args.anchors, "block": args.block, "drafter_layers": args.layers, "window": args.window,
         "overrides": list(args.set), "steps_measured": steps, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
@@ -242,7 +245,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
     }
 
 
-LEVER_FIELDS = ("target_forward", "target_compile", "sdpa_backend", "overlap", "fp8_target", "labels")
+LEVER_FIELDS = ("target_forward", "target_compile", "sdpa_backend", "overlap", "fp8_target", "labels", "grouped_kv")
 
 
 def settings_of(args: BenchConfig) -> dict:

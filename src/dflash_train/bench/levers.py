@@ -18,6 +18,8 @@ LEVERS: dict[str, tuple[str, dict]] = {
     "packed-cudnn": ("packed forward, eager, SDPA forced to cuDNN", {**PACKED_EAGER, "sdpa_backend": "cudnn"}),
     "packed-compiled": ("packed forward, compiled, one fixed shape",
                         {"target_forward": "packed", "target_compile": True}),
+    "packed-grouped-kv": ("packed forward, eager, attention reading one key/value head per group of query heads",
+                          {**PACKED_EAGER, "grouped_kv": True}),
     "fp8-unfused": ("Hugging Face forward + FP8Linear (eager quantisation)", {**HF, "fp8_target": True}),
     "fp8-compiled": ("packed compiled + FP8 (quantisation fused)",
                      {"target_forward": "packed", "target_compile": True, "fp8_target": True}),
