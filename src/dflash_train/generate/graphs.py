@@ -98,10 +98,10 @@ class PrefillShapes:
 
     def chunks(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
         """Ascending prompt `lengths` -> [start, end) chunks that fit the budget padded, the cut that
-        costs least: padded tokens plus `forward_tokens` a chunk (greedy runs as long as fit padded
-        twice the tokens of a refill of short and long prompts: its widest prompt sets a run's width).
-        Dynamic programming over the ends: the cheapest cover of the first `end` prompts never falls
-        as `end` grows, so for each row count only the longest run it holds needs trying."""
+        costs least: padded tokens plus `forward_tokens` a chunk (runs as long as fit the budget
+        padded a refill of short and long prompts to about twice its tokens, since a run's longest
+        prompt sets its width). Dynamic programming over the ends: the cheapest cover of the first
+        `end` prompts never falls as `end` grows, so each row count needs only the longest run it holds."""
         best, take = [0] + [None] * len(lengths), [0] * (len(lengths) + 1)
         for end in range(1, len(lengths) + 1):
             width = bucket_of(lengths[end - 1], self.widths)
