@@ -48,7 +48,7 @@ def test_masked_tokens_change_nothing_and_the_rest_run_as_if_alone(t, kept):
     kept = torch.tensor(kept)
     mask = (torch.arange(t)[None, :] < kept[:, None])[..., None]
     masked = state.clone()
-    advance_(masked, *block_rule(masked, None, k, v, torch.where(mask, g, 0.0), torch.where(mask, beta, 0.0))[1:])
+    advance_(masked, *block_rule(masked, q, k, v, torch.where(mask, g, 0.0), torch.where(mask, beta, 0.0))[1:])
     for s, n in enumerate(kept.tolist()[:2]):
         _, want = _by_definition(state[s:s + 1], q[s:s + 1, :n], k[s:s + 1, :n], v[s:s + 1, :n], g[s:s + 1, :n],
                                  beta[s:s + 1, :n])

@@ -118,9 +118,7 @@ class HybridDecoder(StaticDecoder):
             j = self.slot_of[i]
             if lay.mixer is not None:
                 h, mix = zero_centred_norm(x, lay.ln1_w, lay.ln1_eps), self.mixers[j]
-                state, ring = self.states.states[j], self.states.rings[j]
-                if s < self.slots:
-                    state, ring = state[:s], ring[:s]
+                state, ring = self.states.states[j][:s], self.states.rings[j][:s]
                 mixed = self.linear_mixer(h, positions, self.states.done[:s], ring, state, *mix.tensors, **mix.dims)
                 x = self.post_mixer(x, mixed, *lay.post, **lay.post_kwargs)
             else:

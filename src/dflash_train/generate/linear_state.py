@@ -144,7 +144,7 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+def block_rule(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                advance: int | None = None):
     """The gated delta rule over T tokens from `state` [S, Hv, dk, dv] in closed form, one read of the
     state (k [S, T, Hv, dk], v [S, T, Hv, dv], g/beta [S, T, Hv]; q [S, Tq, Hv, dk] the queries of the
@@ -156,7 +156,7 @@ def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor,
 
     so the outputs s_t^T q_t and the state after token n, r[n, 0-] s + sum_{i<=n} r[n, i] k_i d_i^T,
     follow by small matmuls (the chunked algorithm's, for one chunk). g = beta = 0 at a token makes
-    its d zero: it changes nothing. Returns the outputs [S, Tq, Hv, dv] (None without q) and, for
+    its d zero: it changes nothing. Returns the outputs [S, Tq, Hv, dv] and, for
     the state after the first `advance` tokens (all when None), their decay [S, Hv], weighted
     keys [S, Hv, dk, n] and d [S, Hv, n, dv] (`advance_`)."""
     k, v, g, beta = (x.transpose(1, 2) for x in (k, v, g, beta))  # [S, Hv, T, ...]
@@ -165,17 +165,15 @@ def block_rule(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor,
     c = g.cumsum(-1)  # log of the decay since the block began
     causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
     decay = torch.where(causal, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # r[t, i], i <= t
-    reads = (k if q is None else torch.cat([k, q.transpose(1, 2)], dim=-2)) @ state  # s^T k_t (and s^T q_t)
+    reads = torch.cat([k, q.transpose(1, 2)], dim=-2) @ state  # s^T k_t and s^T q_t
     rhs = beta[..., None] * (v - c.exp()[..., None] * reads[..., :t, :])
     mix = beta[..., :, None] * decay * (k @ k.transpose(-1, -2))  # (its strict lower triangle is read)
     d = rhs.clone()  # forward substitution: T - 1 small steps, plain ops a CUDA graph captures
     for i in range(1, t):
         d[..., i, :] -= (mix[..., i, :i, None] * d[..., :i, :]).sum(-2)
-    out = None
-    if q is not None:
-        tq = q.shape[1]
-        qk = decay[..., t - tq:, :] * (q.transpose(1, 2) @ k.transpose(-1, -2))  # [S, Hv, Tq, T]
-        out = (c[..., t - tq:].exp()[..., None] * reads[..., t:, :] + qk @ d).transpose(1, 2)
+    tq = q.shape[1]
+    qk = decay[..., t - tq:, :] * (q.transpose(1, 2) @ k.transpose(-1, -2))  # [S, Hv, Tq, T]
+    out = (c[..., t - tq:].exp()[..., None] * reads[..., t:, :] + qk @ d).transpose(1, 2)
     return out, c[..., n - 1].exp(), (k[..., :n, :] * decay[..., n - 1, :n, None]).transpose(-1, -2), d[..., :n, :]
 
 

@@ -325,7 +325,6 @@ class PackedForward:
         self.sdpa = sdpa
         self.compile = compile
         self.grouped_kv = grouped_kv
-        self._gqa = {"enable_gqa": True} if grouped_kv else {}  # (asked only then: older kernels lack it)
         # what every layer calls, by the names its weights give (`pre_fn`, `post_fn`): the plain
         # functions, or their versions compiled once per process
         for name, (function, whole_graph) in LAYER_FUNCTIONS.items():
@@ -349,24 +348,25 @@ class PackedForward:
         under the causal-within-document BlockMask of the packed rows (document_attention flex; sliding
         windows); `sinks` [heads]: gpt-oss's sink logits (a BlockMask only)."""
         R, S, h, d = q.shape
+        gqa = {"enable_gqa": True} if self.grouped_kv else {}  # (asked only then: older kernels lack it)
         if isinstance(layout, BlockMask):
             # compiled on a GPU (eager FlexAttention builds every score); on a CPU compiling costs
             # tens of seconds a shape and cannot return the log-sum-exp: eager there
             flex = compiled_once(flex_attention, dynamic=None, fullgraph=False) if q.is_cuda else flex_attention
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if sinks is None:
-                o = flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod, **self._gqa)
+                o = flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod, **gqa)
                 return o.transpose(1, 2).reshape(R, S, h * d)
             o, lse = output_and_lse(flex(q, k, v, block_mask=layout, scale=self.scale, score_mod=self.score_mod,
-                                         **self._gqa, **LSE_REQUEST))
+                                         **gqa, **LSE_REQUEST))
             return (o.transpose(1, 2) * sink_attention_scale(lse, sinks).to(o.dtype)).reshape(R, S, h * d)
         with sdpa_backend(self.sdpa):
             if layout is None:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   is_causal=True, scale=self.scale, **self._gqa)
+                                                   is_causal=True, scale=self.scale, **gqa)
                 return o.transpose(1, 2).reshape(R, S, h * d)
             docs = [layout.docs(t).transpose(1, 2) for t in (q, k, v)]  # [D, heads, L, D_head]
-            o = F.scaled_dot_product_attention(*docs, is_causal=True, scale=self.scale, **self._gqa)
+            o = F.scaled_dot_product_attention(*docs, is_causal=True, scale=self.scale, **gqa)
             return layout.packed(o.transpose(1, 2)).reshape(R, S, h * d)
 
     @torch.no_grad()
