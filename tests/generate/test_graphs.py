@@ -144,7 +144,7 @@ class _Cycle:
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_collector_runs_before_a_first_capture_and_is_held_off_during_any(enabled, collect, monkeypatch):
     was, calls = gc.isenabled(), []
-    if not collect:  # a later key's capture: no full collection (it stalls a big job for ~0.5 s)
+    if not collect:  # a later key's capture: no full collection (it stalls a job with a big heap)
         monkeypatch.setattr(gc, "collect", lambda *generation: calls.append(generation))
     try:
         gc.enable() if enabled else gc.disable()

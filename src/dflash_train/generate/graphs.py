@@ -140,8 +140,8 @@ class GraphedStep:
     The capture is thread-local, as Inductor's CUDA graph trees capture: another thread's CUDA
     calls (the training loader pinning the next batch) cannot invalidate it. Python's cycle
     collector is held off during it (`quiet_collector`), and runs before the first key's capture
-    only: a full collection of a generate job's heap takes about half a second, which every
-    bucket or prefill shape first used mid-run would otherwise stall for.
+    only: a full collection of a generate job's large heap is slow, and every bucket or prefill
+    shape first used mid-run would otherwise stall for it.
 
     `shared_pool`: every key's graph allocates from one memory pool, for a step captured at
     many keys (each graph's intermediates would otherwise keep their own memory). Then a
