@@ -60,7 +60,7 @@ def main() -> None:
         sync()
         times.append(time.perf_counter() - t0)
     ms = sorted(times)[len(times) // 2] * 1000
-    result = {"preset": args.preset, "tokens": args.tokens, "settings": {k: getattr(cfg, k) for k in
+    result = {"preset": args.preset, "tokens": args.tokens, "settings": {k: getattr(cfg, k, None) for k in
               ("forward", "compile", "sdpa_backend", "fp8", "grouped_kv")}, "need_final": args.need_final,
               "forward_ms_median": ms, "first_call_s": first,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
