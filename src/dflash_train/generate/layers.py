@@ -162,9 +162,6 @@ class LayerWeights:
     sinks (gpt-oss) beside them."""
 
     def __init__(self, layer: nn.Module, kind: LayerKind, rope: str | None, window: int | None) -> None:
-        # first: Gemma's weights fuse the projections of one input (target/projections.py fused_projection),
-        # and the q, k and v read below then view the fused tensor
-        self.post, self.post_kw = _post_weights(layer, kind)
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         ln1 = getattr(layer, "input_layernorm", None)  # (OLMo 2 has none: it norms after attention)
@@ -185,6 +182,7 @@ class LayerWeights:
             )  # fmt: skip
         self.kind, self.window, self.sinks = kind, window, getattr(attn, "sinks", None)
         self.rope = rope
+        self.post, self.post_kw = _post_weights(layer, kind)
 
 
 def _post_weights(layer: nn.Module, kind: LayerKind) -> tuple[tuple[Tensor | None, ...], dict]:

@@ -95,8 +95,7 @@ from dflash_train.target.packed_hybrid import (
 )
 from dflash_train.target.packed_mla import MLA_MODEL_TYPES, mla_attention_weights, pre_attention_mla, values_only
 from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, post_attention_olmo2, pre_attention_olmo2
-from dflash_train.target.projections import (Projection, fused_or_each, gated_mlp, project, project_fused,
-                                             projection_of)
+from dflash_train.target.projections import Projection, gated_mlp, project, projection_of
 from dflash_train.target.quantized import stays_quantized
 from dflash_train.target.sdpa import sdpa_backend
 from dflash_train.utils.compile import compiled_once
@@ -160,17 +159,16 @@ def check_packed_support(model: nn.Module) -> None:
 
 
 def pre_attention(
-    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection | None,
-    v_p: Projection | None, qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int,
-    n_kv: int, head_dim: int, paired_rope: bool = False, grouped_kv: bool = False,
+    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection, v_p: Projection,
+    qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, qk_eps: float, n_heads: int, n_kv: int, head_dim: int,
+    paired_rope: bool = False, grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group; `grouped_kv`:
     [R, S, n_kv, head_dim]), normed and rotated (`paired_rope`: ERNIE 4.5's, target/ops.py); `cos`/`sin`
-    [R, S, 1, head_dim].
-    `k_p`, `v_p` None: `q_p` is q, k and v fused (target/projections.py fused_projection)."""
+    [R, S, 1, head_dim]."""
     h = rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
-    q, k, v = project_fused(h, (q_p, k_p, v_p), (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim))
+    q, k, v = project(h, (q_p, k_p, v_p))
     q, k = normed_qk(q, k, qn_w, kn_w, lambda t, w: rms_norm(t, w, qk_eps), n_heads=n_heads, n_kv=n_kv,
                      head_dim=head_dim)  # Qwen3: per head; MiniMax-M2: over the whole projection
     v = v.view(R, S, n_kv, head_dim)
@@ -228,7 +226,7 @@ class _LayerWeights:
         if latent:
             self.pre, self.pre_kwargs = mla_attention_weights(layer, self.ln1_eps)
         else:
-            self.pre = (layer.input_layernorm.weight, *fused_or_each(attention_projections(attn)),
+            self.pre = (layer.input_layernorm.weight, *(projection_of(*p) for p in attention_projections(attn)),
                         q_norm.weight if q_norm is not None else None,
                         k_norm.weight if k_norm is not None else None)
             qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
@@ -245,7 +243,7 @@ class _LayerWeights:
             self.moe_kwargs = routing_of(mlp)
         else:
             self.post = (projection_of(attn.o_proj), layer.post_attention_layernorm.weight,
-                         *fused_or_each(mlp_projections(mlp)), projection_of(mlp.down_proj))
+                         *(projection_of(*p) for p in mlp_projections(mlp)), projection_of(mlp.down_proj))
             self.moe_kwargs = {}
         self.ln2_eps = float(layer.post_attention_layernorm.variance_epsilon)
         # how PackedForward calls this layer: which of its functions, with which options

@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_train.target.language_model import attention_projections, mlp_projections
 from dflash_train.target.ops import apply_rope, keys_for_attention
-from dflash_train.target.projections import Projection, fused_or_each, gate_and_up, project_fused
 
 
 def gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -34,16 +32,16 @@ def gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def pre_attention_gemma(
-    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_p: Projection, k_p: Projection | None,
-    v_p: Projection | None, qn_w: Tensor | None, kn_w: Tensor | None, *, eps: float, n_heads: int, n_kv: int,
-    head_dim: int, grouped_kv: bool = False,
+    x: Tensor, cos: Tensor, sin: Tensor, ln1_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, qn_w: Tensor | None,
+    kn_w: Tensor | None, *, eps: float, n_heads: int, n_kv: int, head_dim: int, grouped_kv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [R, S, H] -> q, k, v [R, S, n_heads, head_dim] (k/v repeated over each GQA group, or not:
-    `grouped_kv`). `k_p`, `v_p` None: `q_p` is q, k and v fused (target/projections.py fused_projection)."""
+    `grouped_kv`)."""
     h = gemma_rms_norm(x, ln1_w, eps)
     R, S = h.shape[:2]
-    q, k, v = project_fused(h, (q_p, k_p, v_p), (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim))
-    q, k, v = q.view(R, S, n_heads, head_dim), k.view(R, S, n_kv, head_dim), v.view(R, S, n_kv, head_dim)
+    q = F.linear(h, q_w).view(R, S, n_heads, head_dim)
+    k = F.linear(h, k_w).view(R, S, n_kv, head_dim)
+    v = F.linear(h, v_w).view(R, S, n_kv, head_dim)
     if qn_w is not None and kn_w is not None:  # Gemma 3
         q, k = gemma_rms_norm(q, qn_w, eps), gemma_rms_norm(k, kn_w, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -51,14 +49,13 @@ def pre_attention_gemma(
 
 
 def post_attention_gemma(
-    x: Tensor, attn_out: Tensor, o_w: Tensor, post_attn_w: Tensor, pre_ff_w: Tensor, gate_p: Projection,
-    up_p: Projection | None, down_w: Tensor, post_ff_w: Tensor, *, eps: float,
+    x: Tensor, attn_out: Tensor, o_w: Tensor, post_attn_w: Tensor, pre_ff_w: Tensor, gate_w: Tensor, up_w: Tensor,
+    down_w: Tensor, post_ff_w: Tensor, *, eps: float,
 ) -> Tensor:  # fmt: skip
-    """Output projection, its norm and residual; the MLP between its two norms, residual. `up_p`
-    None: `gate_p` is gate and up fused."""
+    """Output projection, its norm and residual; the MLP between its two norms, residual."""
     x = x + gemma_rms_norm(F.linear(attn_out, o_w), post_attn_w, eps)
-    gate, up = gate_and_up(gemma_rms_norm(x, pre_ff_w, eps), gate_p, up_p)
-    h = F.linear(F.gelu(gate, approximate="tanh") * up, down_w)
+    h = gemma_rms_norm(x, pre_ff_w, eps)
+    h = F.linear(F.gelu(F.linear(h, gate_w), approximate="tanh") * F.linear(h, up_w), down_w)
     return x + gemma_rms_norm(h, post_ff_w, eps)
 
 
@@ -72,18 +69,18 @@ def soft_capped(cap: float):
 
 
 class GemmaLayerWeights:
-    """One Gemma 2 or 3 layer's weights as the two functions' arguments (no copies: q, k and v, and
-    gate and up, are each one projection where target/projections.py fused_projection can make one)."""
+    """One Gemma 2 or 3 layer's weights as the two functions' arguments (no copies)."""
 
     def __init__(self, layer: nn.Module, layer_type: str | None, window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.pre: Sequence[Tensor | Projection | None] = (
-            layer.input_layernorm.weight, *fused_or_each(attention_projections(attn)),
-            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None)
-        self.post: Sequence[Tensor | Projection | None] = (
-            attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-            *fused_or_each(mlp_projections(mlp)), mlp.down_proj.weight, layer.post_feedforward_layernorm.weight)
+        self.pre: Sequence[Tensor | None] = (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+                                             attn.v_proj.weight, q_norm.weight if q_norm is not None else None,
+                                             k_norm.weight if k_norm is not None else None)
+        self.post: Sequence[Tensor] = (attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                                       layer.pre_feedforward_layernorm.weight, mlp.gate_proj.weight,
+                                       mlp.up_proj.weight, mlp.down_proj.weight,
+                                       layer.post_feedforward_layernorm.weight)
         eps = float(layer.input_layernorm.eps)
         # how PackedForward calls this layer: which of its functions, with which options
         self.pre_fn, self.pre_kwargs = "pre_attention_gemma", {"eps": eps}
