@@ -1,0 +1,107 @@
+"""The MoE layer's combine step alone (target/moe.py `weighted_sum_by_token` and the residual add
+after it), compiled, against variants that move the same bytes, at Qwen3-30B-A3B's shapes (N 8,192
+tokens, k 8, H 2,048, E 128). In the packed forward this kernel took 418 us a layer on an H100
+(20 ms of a 168 ms forward) where reading the k gathered rows once is ~100 us.
+    python3 dev/device/moe_combine_ab.py                 # GPU: each variant's median us and GB/s
+    python3 dev/device/moe_combine_ab.py --tokens 256    # CPU: the variants agree (no timing)
+Variants: `current` (y[inverse] x weights, summed over k, + x), `weights_first` (the weights
+applied to the activation before `down`, so the combine is a gather and a sum), `contiguous`
+(the same sum over rows already in token order: the floor a gather cannot beat), `gather_only`
+(y[inverse] copied out: the gather's own rate), `no_index_asserts` (the current one compiled
+without Inductor's device-side bounds check of each gathered index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from dflash_train.target.moe import grouped_offsets, weighted_sum_by_token
+
+
+def inputs(n: int, k: int, h: int, e: int, device: torch.device) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    experts = torch.rand(n, e, generator=g).topk(k, dim=-1)[1].to(device)
+    weights = torch.rand(n, k, generator=g).softmax(-1).to(device, torch.bfloat16)
+    grouping = grouped_offsets(experts, e)
+    y = torch.randn(n * k, h, generator=g).to(device, torch.bfloat16)  # the down projection's rows, by expert
+    x = torch.randn(n, h, generator=g).to(device, torch.bfloat16)  # the residual stream
+    w_grouped = weights.reshape(-1)[grouping.order]  # each grouped row's routing weight
+    return {"y": y, "x": x, "weights": weights, "inverse": grouping.inverse, "w_grouped": w_grouped}
+
+
+def current(y, x, weights, inverse, w_grouped):
+    return x + weighted_sum_by_token(y, inverse, weights)
+
+
+def weights_first(y, x, weights, inverse, w_grouped):
+    # in the real layer the weight scales silu(gate) * up before `down` (down is linear), fused
+    # into that kernel; here the scaled rows stand in for its output
+    n, k = weights.shape
+    return x + y[inverse].view(n, k, -1).sum(dim=1)
+
+
+def contiguous(y, x, weights, inverse, w_grouped):
+    n, k = weights.shape
+    return x + y.view(n, k, -1).sum(dim=1)
+
+
+def gather_only(y, x, weights, inverse, w_grouped):
+    return y[inverse]
+
+
+# name -> (function, Inductor settings it compiles under); `no_index_asserts`: the current combine
+# without the device-side bounds check Inductor adds to each gathered index
+VARIANTS = {"current": (current, {}), "no_index_asserts": (current, {"assert_indirect_indexing": False}),
+            "weights_first": (weights_first, {}), "contiguous": (contiguous, {}), "gather_only": (gather_only, {})}
+
+
+def time_us(fn, args: dict, iters: int) -> float:
+    for _ in range(3):
+        fn(**args)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(**args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    a = inputs(args.tokens, args.top_k, args.hidden, args.experts, device)
+    ref = current(**a).float()
+    scaled = dict(a, y=a["y"] * a["w_grouped"][:, None])  # weights_first's rows: scaled before the sum
+    assert torch.allclose(weights_first(**scaled).float(), ref, atol=0.05, rtol=0.02), "weights_first differs"
+    if device.type != "cuda":
+        print("the variants agree (no timing without a GPU)")
+        return
+    n, k, h = args.tokens, args.top_k, args.hidden
+    summed = (n * k * h + 2 * n * h) * 2  # bytes read + written: k rows and x in, one row out, a token
+    results = {}
+    for name, (fn, settings) in VARIANTS.items():
+        moved = 2 * n * k * h * 2 if name == "gather_only" else summed
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(settings):
+            compiled = torch.compile(fn, dynamic=False)
+            us = time_us(compiled, scaled if name == "weights_first" else a, args.iters)
+        results[name] = {"us": round(us, 1), "GB_per_s": round(moved / us / 1e3, 1)}
+        print(f"{name:16s} {us:8.1f} us  {moved / us / 1e3:7.1f} GB/s", flush=True)
+    print(json.dumps({"tokens": n, "top_k": k, "hidden": h, "device": torch.cuda.get_device_name(), **results}))
+
+
+if __name__ == "__main__":
+    main()
