@@ -4,11 +4,13 @@ tokens, k 8, H 2,048, E 128). In the packed forward this kernel took 418 us a la
 (20 ms of a 168 ms forward) where reading the k gathered rows once is ~100 us.
     python3 dev/device/moe_combine_ab.py                 # GPU: each variant's median us and GB/s
     python3 dev/device/moe_combine_ab.py --tokens 256    # CPU: the variants agree (no timing)
-Variants: `current` (y[inverse] x weights, summed over k, + x), `weights_first` (the weights
+Variants: `current` (target/moe.py: k row gathers x weights added up, + x), `sum_over_k` (the
+earlier combine: y[inverse] viewed [N, k, H] x weights, summed over k, + x), `weights_first` (the weights
 applied to the activation before `down`, so the combine is a gather and a sum), `contiguous`
 (the same sum over rows already in token order: the floor a gather cannot beat), `gather_only`
 (y[inverse] copied out: the gather's own rate), `no_index_asserts` (the current one compiled
-without Inductor's device-side bounds check of each gathered index).
+without Inductor's device-side bounds check of each gathered index), `with_next_norm` (the
+current one and the next layer's RMSNorm on its output, as the forward compiles them together).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def current(y, x, weights, inverse, w_grouped):
     return x + weighted_sum_by_token(y, inverse, weights)
 
 
+def sum_over_k(y, x, weights, inverse, w_grouped):
+    # the earlier combine: a reduction over the k axis of the gathered [N, k, H]
+    n, k = weights.shape
+    return x + (y[inverse].view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+
 def weights_first(y, x, weights, inverse, w_grouped):
     # in the real layer the weight scales silu(gate) * up before `down` (down is linear), fused
     # into that kernel; here the scaled rows stand in for its output
@@ -53,10 +61,18 @@ def gather_only(y, x, weights, inverse, w_grouped):
     return y[inverse]
 
 
+def with_next_norm(y, x, weights, inverse, w_grouped):
+    # as the packed forward compiles it: the next layer's RMSNorm reads the new residual stream,
+    # and Inductor may fuse its reduction over H with the combine's over k
+    r = x + weighted_sum_by_token(y, inverse, weights)
+    return r, r * torch.rsqrt(r.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(r.dtype)
+
+
 # name -> (function, Inductor settings it compiles under); `no_index_asserts`: the current combine
 # without the device-side bounds check Inductor adds to each gathered index
-VARIANTS = {"current": (current, {}), "no_index_asserts": (current, {"assert_indirect_indexing": False}),
-            "weights_first": (weights_first, {}), "contiguous": (contiguous, {}), "gather_only": (gather_only, {})}
+VARIANTS = {"current": (current, {}), "sum_over_k": (sum_over_k, {}), "no_index_asserts": (current, {"assert_indirect_indexing": False}),
+            "with_next_norm": (with_next_norm, {}), "weights_first": (weights_first, {}),
+            "contiguous": (contiguous, {}), "gather_only": (gather_only, {})}
 
 
 def time_us(fn, args: dict, iters: int) -> float:
@@ -86,6 +102,7 @@ def main() -> None:
     ref = current(**a).float()
     scaled = dict(a, y=a["y"] * a["w_grouped"][:, None])  # weights_first's rows: scaled before the sum
     assert torch.allclose(weights_first(**scaled).float(), ref, atol=0.05, rtol=0.02), "weights_first differs"
+    assert torch.allclose(sum_over_k(**a).float(), ref, atol=0.05, rtol=0.02), "sum_over_k differs"
     if device.type != "cuda":
         print("the variants agree (no timing without a GPU)")
         return

@@ -132,3 +132,22 @@ def test_inverse_permutation_undoes_the_order():
     inverse = inverse_permutation(order)
     assert torch.equal(inverse, order.argsort())
     assert torch.equal(order[inverse], torch.arange(97)) and torch.equal(inverse[order], torch.arange(97))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_combine_weighs_each_tokens_rows_and_rounds_once(dtype):
+    """weighted_sum_by_token against a token-by-token float64 sum of the token's k grouped rows
+    (row inverse[t*k + j]): bf16 output within one rounding of the exact sum."""
+    from dflash_train.target.moe import grouped_offsets, weighted_sum_by_token
+
+    g = torch.Generator().manual_seed(7)
+    N, k, E, H = 23, 4, 5, 33
+    experts = torch.rand(N, E, generator=g).topk(k, dim=-1)[1]
+    inverse = grouped_offsets(experts, E).inverse
+    y = torch.randn(N * k, H, generator=g).to(dtype)
+    weights = torch.rand(N, k, generator=g).softmax(-1).to(dtype)
+    exact = torch.stack([sum(weights[t, j].double() * y[inverse[t * k + j]].double() for j in range(k))
+                         for t in range(N)])
+    got = weighted_sum_by_token(y, inverse, weights)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), atol=1e-6, rtol=0)
