@@ -1,9 +1,9 @@
 """The MoE layer's combine step alone (target/moe.py `weighted_sum_by_token` and the residual add
 after it), compiled, against variants that move the same bytes, at Qwen3-30B-A3B's shapes (N 8,192
-tokens, k 8, H 2,048, E 128). In the packed forward this kernel took 418 us a layer on an H100
-(20 ms of a 168 ms forward) where reading the k gathered rows once is ~100 us.
-    python3 dev/device/moe_combine_ab.py                 # GPU: each variant's median us and GB/s
-    python3 dev/device/moe_combine_ab.py --tokens 256    # CPU: the variants agree (no timing)
+tokens, k 8, H 2,048, E 128; docs/performance.md, "Mixture-of-experts and Gemma 3 targets"). On
+an H100 the current combine takes 173 us, the earlier sum over the gathered [N, k, H] 440 us.
+    python bench/moe_combine_kernels.py                 # GPU: each variant's median us and GB/s
+    python bench/moe_combine_kernels.py --tokens 256    # CPU: the variants agree (no timing)
 Variants: `current` (target/moe.py: k row gathers x weights added up, + x), `sum_over_k` (the
 earlier combine: y[inverse] viewed [N, k, H] x weights, summed over k, + x), `weights_first` (the weights
 applied to the activation before `down`, so the combine is a gather and a sum), `contiguous`
