@@ -182,6 +182,18 @@ def decide_auto_settings(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return cfg
 
 
+def measured_rows(args: BenchConfig, summary: dict, metrics: Path) -> list[dict]:
+    """The run's metrics rows of the measured steps (after the warm-up); an error where a signal or
+    a limit stopped the run before all of them."""
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
+    measured = [r for r in rows if r["kind"] == "train" and args.warmup < r["step"] <= args.warmup + args.measure]
+    if summary["steps"] < args.warmup + args.measure or not measured:
+        raise TrainingError(f"bench: the run stopped at step {summary['steps']} (interrupted by "
+                            f"{summary.get('interrupted_by') or 'a limit'}) before its measured steps "
+                            f"{args.warmup + 1}-{args.warmup + args.measure} were done: nothing to report")
+    return measured
+
+
 def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | None:
     """One setting: train on synthetic batches, return the result (None on a non-reporting rank)."""
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:  # the run's metrics, read here
@@ -191,13 +203,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
         summary = run_rank(cfg, resume=False)
         if summary is None:  # not the main drafter: it reports
             return None
-        metrics = out_dir / "metrics.jsonl"
-        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
-        measured = [r for r in rows if r["kind"] == "train" and args.warmup < r["step"] <= args.warmup + args.measure]
-        if summary["steps"] < args.warmup + args.measure or not measured:  # a signal stopped it early
-            raise TrainingError(f"bench: the run stopped at step {summary['steps']} (interrupted by "
-                                f"{summary.get('interrupted_by') or 'a limit'}) before its measured steps "
-                                f"{args.warmup + 1}-{args.warmup + args.measure} were done: nothing to report")
+        measured = measured_rows(args, summary, out_dir / "metrics.jsonl")
         if args.profile:
             kernels = next((out_dir / "profile").glob("steps-*.txt"))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
