@@ -134,10 +134,12 @@ def test_inverse_permutation_undoes_the_order():
     assert torch.equal(order[inverse], torch.arange(97)) and torch.equal(inverse[order], torch.arange(97))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_combine_weighs_each_tokens_rows_and_rounds_once(dtype):
-    """weighted_sum_by_token against a token-by-token float64 sum of the token's k grouped rows
-    (row inverse[t*k + j]): bf16 output within one rounding of the exact sum."""
+def test_the_combine_weighs_each_tokens_rows_and_rounds_once(dtype, compiled):
+    """weighted_sum_by_token, eager and as traced for the compiler (its k row gathers, the traced
+    graph run without code generation), against a token-by-token float64 sum of the token's k
+    grouped rows (row inverse[t*k + j]): within one rounding."""
     from dflash_train.target.moe import grouped_offsets, weighted_sum_by_token
 
     g = torch.Generator().manual_seed(7)
@@ -148,6 +150,18 @@ def test_the_combine_weighs_each_tokens_rows_and_rounds_once(dtype):
     weights = torch.rand(N, k, generator=g).softmax(-1).to(dtype)
     exact = torch.stack([sum(weights[t, j].double() * y[inverse[t * k + j]].double() for j in range(k))
                          for t in range(N)])
-    got = weighted_sum_by_token(y, inverse, weights)
+    graphs = []
+
+    def record(gm, example_inputs):  # the traced graph, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    combine = torch.compile(weighted_sum_by_token, backend=record, fullgraph=True) if compiled \
+        else weighted_sum_by_token
+    got = combine(y, inverse, weights)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), atol=1e-6, rtol=0)
+    if compiled:  # the traced form: the k row gathers added up, no reduction over a gathered [N, k, H]
+        targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+        assert targets.count("<built-in function add>") == k - 1 and not any("sum" in t for t in targets)

@@ -217,14 +217,19 @@ def weighted_sum_by_token(y: Tensor, inverse: Tensor, weights: Tensor) -> Tensor
     """Rows [N*k, H] grouped by expert -> each token's k rows weighed and summed [N, H], in
     float32 and rounded once. Back to token order by the inverse permutation: a gather, where a
     scatter-add into the tokens would contend on atomics (53 ms against 5 a step of
-    Qwen3-30B-A3B on an H200). Written as k row gathers added up, not a sum over a gathered
-    [N, k, H]: compiled, that is one pointwise kernel reading each row once along H."""
+    Qwen3-30B-A3B on an H200)."""
     N, k = weights.shape
-    rows = inverse.view(N, k)
-    total = y[rows[:, 0]].float() * weights[:, :1].float()
-    for slot in range(1, k):
-        total = total + y[rows[:, slot]].float() * weights[:, slot:slot + 1].float()
-    return total.to(y.dtype)
+    if torch.compiler.is_compiling():
+        # k row gathers added up: Inductor makes one pointwise kernel reading each row along H
+        # (150 us a layer at Qwen3-30B-A3B's 8,192 tokens on an H100, where its reduction over
+        # the k axis of a gathered [N, k, H] took 418)
+        rows = inverse.view(N, k)
+        total = y[rows[:, 0]].float() * weights[:, :1].float()
+        for slot in range(1, k):
+            total = total + y[rows[:, slot]].float() * weights[:, slot:slot + 1].float()
+        return total.to(y.dtype)
+    # eager (prefill, CPU): one gather and one reduction, where the k gathers would be 4k kernels
+    return (y[inverse].view(N, k, -1) * weights[..., None].float()).sum(dim=1).to(y.dtype)
 
 
 def route_gpt_oss(h: Tensor, router_w: Tensor, router_b: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
