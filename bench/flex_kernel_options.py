@@ -1,4 +1,5 @@
-"""The drafter's FlexAttention under different Triton kernel options (docs/performance.md, "The drafter step").
+"""FlexAttention under different Triton kernel options (docs/performance.md, "The drafter step"):
+the drafter's attention, or (`--shape gemma3-local`) a target's sliding-window layers.
 
 The bench's drafter attention shape (qwen3-8b preset: one row of S = 8192 tokens, 512
 sorted anchors, B = 16, window 2048, 32 query heads, 8 KV heads, head dim 128; the mask of
@@ -13,6 +14,14 @@ kernel's by relative error, so an option that changes the numbers shows.
 `--mask-mods` keeps the tiles and swaps the element-wise rule of the partial ones: `ranges`
 (what the drafter uses), `rule` (the spec's `make_mask_mod`, used before),
 `noop` (no masking inside the tiles: wrong numbers, the bound on what cheaper masking can save).
+
+`--shape gemma3-local`: the packed target's sliding-window layers at Gemma-3-27B's shape (one row
+of 8192 tokens, 32 query heads, 16 KV heads, head dim 128, window 1024; the BlockMask of
+utils/flex_masks.causal_document_block_mask), forward only as the frozen target runs it, beside
+cuDNN's causal attention over the whole row (`sdpa-causal`, what the global layers run: 8x the
+scores, a reference for the kernel's rate, not the same numbers):
+
+    python bench/flex_kernel_options.py --shape gemma3-local --rows default fwd128x64w8 fwd64x64w4 fwd128x128w8 --autotune
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_ma
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.masks import flex_block_mask, make_mask_mod
+from dflash_train.utils.flex_masks import causal_document_block_mask
 from drafter_flex_vs_dense import log, rel_err  # the sibling bench's helpers (bench/ is on sys.path)
 
 # Named option sets. `rows-safe` (ROWS_GUARANTEED_SAFE) gave NaN against the default on an
@@ -69,26 +79,12 @@ def with_mask_mod(tiles: BlockMask, name: str, doc, pos, anchors, valid, B: int,
                                     seq_lengths=tiles.seq_lengths)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU check (forward only)")
-    ap.add_argument("--rows", nargs="*", default=list(OPTIONS), help=f"option sets, of {list(OPTIONS)}")
-    ap.add_argument("--autotune", action="store_true", help="also a row compiled with mode=max-autotune-no-cudagraphs")
-    ap.add_argument("--mask-mods", nargs="*", default=["ranges"], choices=["ranges", "rule", "noop"],
-                    help="element-wise rules on the partial tiles (rows named MASK:OPTIONS when more than one)")
-    ap.add_argument("--tiles", nargs="*", type=int, default=[128],
-                    help="BlockMask tile sizes (query and key; rows named MASK@TILE:OPTIONS when more than one). "
-                         "At the qwen3-8b shape 128 computes 1.18x the visible scores, 64 1.08x")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default="flex_kernel_options.json")
-    args = ap.parse_args()
-    device = torch.device(args.device)
+def drafter_inputs(args, device, g) -> tuple[dict, tuple, dict]:
+    """The drafter's attention: BlockMasks by row name, (q, k, v), the shape."""
     if args.tiny:
         S, N, B, heads, kv, hd, window = 512, 32, 8, 4, 2, 64, 128
     else:
         S, N, B, heads, kv, hd, window = 8192, 512, 16, 32, 8, 128, 2048
-    g = torch.Generator(device=device).manual_seed(0)
     doc = torch.zeros(1, S, dtype=torch.long, device=device)
     pos = torch.arange(S, device=device)[None]
     anchors, valid = select_anchors(torch.ones_like(doc, dtype=torch.bool), doc, N, B, generator=g, fixed_shape=True)
@@ -98,16 +94,83 @@ def main() -> None:
         for m in args.mask_mods:
             masks[m + (f"@{tile}" if len(args.tiles) > 1 else "")] = with_mask_mod(
                 tiles, m, doc, pos, anchors, valid, B, window)
-    Q = N * B
-    dtype = torch.bfloat16
-    q = torch.randn(1, heads, Q, hd, device=device, dtype=dtype, generator=g)
-    k = torch.randn(1, kv, S + Q, hd, device=device, dtype=dtype, generator=g)
-    v = torch.randn(1, kv, S + Q, hd, device=device, dtype=dtype, generator=g)
-    gout = torch.randn(1, heads, Q, hd, device=device, dtype=dtype, generator=g)
-    backward = device.type == "cuda"  # FlexAttention has no backward on CPU
+    qkv = random_qkv(N * B, S + N * B, heads, kv, hd, device, g)
+    return masks, qkv, dict(S=S, anchors=N, block=B, heads=heads, kv_heads=kv, head_dim=hd, window=window)
+
+
+def target_window_inputs(args, device, g) -> tuple[dict, tuple, dict]:
+    """A packed target's sliding-window layer (Gemma-3-27B): one document per row."""
+    S, heads, kv, hd, window = (512, 4, 2, 64, 128) if args.tiny else (8192, 32, 16, 128, 1024)
+    doc = torch.zeros(1, S, dtype=torch.long)
+    masks = {f"window{window}@{tile}" if len(args.tiles) > 1 else "window":
+             causal_document_block_mask(doc, tile=tile, window=window, device=device) for tile in args.tiles}
+    return masks, random_qkv(S, S, heads, kv, hd, device, g), dict(S=S, heads=heads, kv_heads=kv, head_dim=hd,
+                                                                   window=window)
+
+
+def random_qkv(queries: int, keys: int, heads: int, kv: int, hd: int, device, g) -> tuple:
+    shape = {"q": (1, heads, queries, hd), "k": (1, kv, keys, hd), "v": (1, kv, keys, hd)}
+    return tuple(torch.randn(*shape[n], device=device, dtype=torch.bfloat16, generator=g) for n in "qkv")
+
+
+def timed_ms(step, device, iters: int) -> float:
+    """Mean milliseconds of `step()`: CUDA events on a GPU, the wall clock on a CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - t0) * 1000 / iters
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def sdpa_causal_row(qkv: tuple, device, iters: int) -> dict:
+    """cuDNN's (or the default backend's) causal attention over the whole row, forward only."""
+    q, k, v = qkv
+
+    def step():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    step()
+    ms = timed_ms(step, device, iters)
+    log(f"sdpa-causal: {ms:.3f} ms")
+    return {"fwd_ms": ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=["drafter", "gemma3-local"], default="drafter",
+                    help="the drafter's attention (qwen3-8b preset), or a target's sliding-window layers")
+    ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU check (forward only)")
+    ap.add_argument("--rows", nargs="*", default=list(OPTIONS), help=f"option sets, of {list(OPTIONS)}")
+    ap.add_argument("--autotune", action="store_true", help="also a row compiled with mode=max-autotune-no-cudagraphs")
+    ap.add_argument("--mask-mods", nargs="*", default=["ranges"], choices=["ranges", "rule", "noop"],
+                    help="drafter shape: element-wise rules on the partial tiles (rows named MASK:OPTIONS "
+                         "when more than one)")
+    ap.add_argument("--tiles", nargs="*", type=int, default=[128],
+                    help="BlockMask tile sizes (query and key; rows named MASK@TILE:OPTIONS when more than one). "
+                         "At the qwen3-8b shape 128 computes 1.18x the visible scores, 64 1.08x")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="flex_kernel_options.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = drafter_inputs if args.shape == "drafter" else target_window_inputs
+    masks, qkv, shape = inputs(args, device, g)
+    # the frozen target runs forward only; FlexAttention has no backward on CPU
+    backward = device.type == "cuda" and args.shape == "drafter"
+    gout = torch.randn_like(qkv[0]) if backward else None
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-               "shape": dict(S=S, anchors=N, block=B, heads=heads, kv_heads=kv, head_dim=hd, window=window),
-               "rows": {}}
+               "shape": {"name": args.shape, **shape}, "rows": {}}
+    if args.shape != "drafter" and device.type == "cuda":
+        results["rows"]["sdpa-causal"] = sdpa_causal_row(qkv, device, args.iters)
     rows = [(name, OPTIONS[name], "default") for name in args.rows]
     if args.autotune:
         rows.append(("max-autotune", {}, "max-autotune-no-cudagraphs"))
@@ -117,7 +180,7 @@ def main() -> None:
     for name, options, mode, mask in rows:
         torch._dynamo.reset()
         fn = torch.compile(flex_attention, mode=mode if mode != "default" else None)
-        leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+        leaves = [t.detach().clone().requires_grad_(backward) for t in qkv]
 
         def step():
             out = fn(*leaves, block_mask=mask, enable_gqa=True, kernel_options=options or None)
@@ -134,20 +197,7 @@ def main() -> None:
             errs = [rel_err(a, b) for a, b in zip(got, reference)]
             for t in leaves:
                 t.grad = None
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                for _ in range(args.iters):
-                    step()
-                end.record()
-                end.synchronize()
-                ms = begin.elapsed_time(end) / args.iters
-            else:
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    step()
-                ms = (time.perf_counter() - t0) * 1000 / args.iters
+            ms = timed_ms(step, device, args.iters)
             results["rows"][name] = {"options": options, "mode": mode, "fwd_bwd_ms" if backward else "fwd_ms": ms,
                                      "rel_err_vs_first": errs}
             log(f"{name}: {ms:.3f} ms, rel err vs first row {['%.1e' % e for e in errs]}")

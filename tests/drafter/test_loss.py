@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.labels import IGNORE, build_block_labels
-from dflash_train.drafter.head_kernel import _hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager
+from dflash_train.drafter import head_kernel
+from dflash_train.drafter.head_kernel import (_hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager,
+                                              group_aligned_chunk, weighted_head_cross_entropy)
 from dflash_train.drafter.loss import LossConfig, default_gamma, drafter_loss, head_cross_entropy, slot_weights, summarize
 from dflash_train.drafter.row_stats import row_stats
 
@@ -34,6 +36,39 @@ def test_head_cross_entropy_matches_full_logits(chunk):
     assert torch.equal(pred, logits.argmax(-1))
     torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-6, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("chunk_rows,group_rows,expected", [
+    (4096, 15, 4080),  # whole blocks of 15 slots and a multiple of 16: not 4095
+    (4096, 1, 4096), (100, 1, 96), (5, 1, 5),
+    (64, 15, 60),  # below lcm(15, 16) = 240: whole groups only
+    (7, 15, 15),  # at least one group
+    (480, 15, 480), (479, 15, 240),
+])
+def test_group_aligned_chunk(chunk_rows, group_rows, expected):
+    got = group_aligned_chunk(chunk_rows, group_rows)
+    assert got == expected
+    assert got % group_rows == 0 and (got <= chunk_rows or got == group_rows)
+
+
+@pytest.mark.parametrize("weigher", [False, True])
+def test_chunks_follow_blocks_only_for_a_weigher(weigher, monkeypatch):
+    """Fixed row weights leave the chunks as asked (their matmuls stay aligned); a weigher, which
+    reads its chunk's CEs a block at a time, gets whole blocks; the sum is the same either way."""
+    rows = []
+    head_logits = head_kernel._head_logits
+    monkeypatch.setattr(head_kernel, "_head_logits", lambda h, *a: rows.append(h.shape[0]) or head_logits(h, *a))
+    g = torch.Generator().manual_seed(3)
+    M, H, V, group = 150, 8, 29, 15
+    hidden = torch.randn(M, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (M,), generator=g)
+    weights = torch.rand(M, generator=g, dtype=torch.float64)
+    row_weights = (lambda ce, sl: weights[sl]) if weigher else weights
+    ce, _, weighted, _ = weighted_head_cross_entropy(hidden, w, labels, row_weights, chunk_rows=64, group_rows=group)
+    assert rows == ([60, 60, 30] if weigher else [64, 64, 22])
+    ref = F.cross_entropy(hidden @ w.T, labels, reduction="none")
+    torch.testing.assert_close(weighted.double(), (ref * weights).sum(), rtol=1e-5, atol=1e-5)
 
 @pytest.mark.parametrize("scale", [1e2, 1e4])
 def test_head_cross_entropy_with_large_logits(scale):

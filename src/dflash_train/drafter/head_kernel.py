@@ -21,6 +21,7 @@ Shapes: M rows, H hidden, V vocabulary, r the tail's rank, c rows in a chunk (<=
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -270,18 +271,33 @@ def weighted_head_cross_entropy(
     chunk_rows: int = 4096,
     compiled: bool = False,
     tail: torch.Tensor | None = None,  # [V, r]
-    group_rows: int = 1,  # rows kept in one chunk (a block's slots): chunk_rows is rounded down to a multiple
+    group_rows: int = 1,  # rows a RowWeigher reads together (a block's slots): chunks hold whole groups
     target_softcap: float | None = None,  # the target's final_logit_softcapping (distillation)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """head_cross_entropy plus the differentiable sum row_weights @ ce and the weights [M]; a
     loss built on that sum alone trains a tail without computing the logits a second time
     (_HeadCrossEntropy). `row_weights` as a function (RowWeigher) weighs each chunk from its
     own detached CEs as they are computed, a whole group of `group_rows` rows at a time."""
-    chunk_rows = max(group_rows, chunk_rows // group_rows * group_rows)
-    if not callable(row_weights):
+    if callable(row_weights):
+        chunk_rows = group_aligned_chunk(chunk_rows, group_rows)
+    else:
         row_weights = row_weights.detach()
     return _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights,
                     target_softcap)
+
+
+# rows of a chunk are kept a multiple of this where groups allow: an odd row count (4095 = 273
+# blocks of 15 slots) sends the chunk's two matmuls to other, slower cuBLAS kernels
+MATMUL_ROW_ALIGN = 16
+
+
+def group_aligned_chunk(chunk_rows: int, group_rows: int) -> int:
+    """The largest chunk of at most `chunk_rows` rows holding whole groups of `group_rows`, a multiple
+    of MATMUL_ROW_ALIGN too when that still fits (4096 rows in groups of 15: 4080); at least one group."""
+    both = math.lcm(group_rows, MATMUL_ROW_ALIGN)
+    if chunk_rows >= both:
+        return chunk_rows // both * both
+    return max(group_rows, chunk_rows // group_rows * group_rows)
 
 
 def _head_ce(hidden, lm_head_weight, labels, target_hidden, chunk_rows, compiled, tail, row_weights,
