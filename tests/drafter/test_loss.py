@@ -1,6 +1,7 @@
 import math
 import random
 import re
+import weakref
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from dflash_train.drafter.anchors import select_anchors
 from dflash_train.drafter.labels import IGNORE, build_block_labels
 from dflash_train.drafter import head_kernel
 from dflash_train.drafter.head_kernel import (_hard_label_chunk, _softmax_minus_onehot, _softmax_minus_onehot_eager,
-                                              group_aligned_chunk, weighted_head_cross_entropy)
+                                              _softmax_minus_onehot_into_logits, group_aligned_chunk,
+                                              weighted_head_cross_entropy)
 from dflash_train.drafter.loss import LossConfig, default_gamma, drafter_loss, head_cross_entropy, slot_weights, summarize
 from dflash_train.drafter.row_stats import row_stats
 
@@ -70,6 +72,41 @@ def test_chunks_follow_blocks_only_for_a_weigher(weigher, monkeypatch):
     ref = F.cross_entropy(hidden @ w.T, labels, reduction="none")
     torch.testing.assert_close(weighted.double(), (ref * weights).sum(), rtol=1e-5, atol=1e-5)
 
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_chunk_frees_its_logits_before_the_next_chunk_is_made(tail, monkeypatch):
+    """The [c, V] logits and gradient of a chunk are gone when the next chunk's logits are made
+    (forward loop and, with a trainable tail read per row, the backward's second pass): the head's
+    peak is one chunk's pair, not two."""
+    alive, seen = [], []  # weak references to every chunk's [c, V] tensors; earlier ones alive at each new chunk
+    head_logits, chunk_ce = head_kernel._head_logits, head_kernel._chunk_ce
+
+    def logits_fn(*args):
+        seen.append(sum(ref() is not None for ref in alive))
+        out = head_logits(*args)
+        alive.append(weakref.ref(out))
+        return out
+
+    def chunk_ce_fn(*args):
+        ce, pred, grad = chunk_ce(*args)
+        if grad is not None:
+            alive.append(weakref.ref(grad))
+        return ce, pred, grad
+
+    monkeypatch.setattr(head_kernel, "_head_logits", logits_fn)
+    monkeypatch.setattr(head_kernel, "_chunk_ce", chunk_ce_fn)
+    g = torch.Generator().manual_seed(5)
+    M, H, V, r = 40, 8, 29, 3
+    hidden = torch.randn(M, H + (r if tail else 0), generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    tail_w = torch.randn(V, r, generator=g, dtype=torch.float64, requires_grad=True) if tail else None
+    labels = torch.randint(0, V, (M,), generator=g)
+    ce, _, weighted, _ = weighted_head_cross_entropy(hidden, w, labels, torch.rand(M, generator=g, dtype=torch.float64),
+                                                     chunk_rows=16, tail=tail_w)
+    (weighted + ce.sum()).backward()  # the per-row CEs too: a tail's gradient is then computed chunk by chunk again
+    assert len(seen) == 3 * (2 if tail else 1)
+    assert seen == [0] * len(seen)
+
 @pytest.mark.parametrize("scale", [1e2, 1e4])
 def test_head_cross_entropy_with_large_logits(scale):
     """Logits of +-1e4 and more: the max-shifted log-sum-exp neither overflows nor loses the label."""
@@ -116,6 +153,20 @@ def test_the_eager_gradient_equals_the_one_hot_form_bit_for_bit(dtype):
     want = _softmax_minus_onehot(logits, lse, labels)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     assert torch.equal(got[2], torch.exp(logits[2].float() - lse[2]).to(dtype))  # an ignored row: no 1 taken off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_modes_gradient_is_written_over_the_logits(dtype):
+    """What compiled mode runs: the one-hot form's numbers bit for bit, stored in the logits' own
+    buffer (no second [c, V] tensor)."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(12, 53, generator=g) * 5).to(dtype)
+    labels = torch.randint(0, 53, (12,), generator=g)
+    labels[3] = IGNORE
+    lse = torch.logsumexp(logits.float(), -1)
+    want = _softmax_minus_onehot(logits, lse, labels)
+    got = _softmax_minus_onehot_into_logits(logits, lse, labels)
+    assert got.data_ptr() == logits.data_ptr() and torch.equal(got, want)
 
 
 def test_head_cross_entropy_soft_targets():

@@ -224,7 +224,7 @@ def test_step_backward_reaches_drafter_parameters_only():
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
-@pytest.mark.parametrize("fixed_shape,fused_head,wrapped", [(True, True, ["_softmax_minus_onehot"]), (True, False, []),
+@pytest.mark.parametrize("fixed_shape,fused_head,wrapped", [(True, True, ["_softmax_minus_onehot_into_logits"]), (True, False, []),
                                                             (False, True, [])])
 def test_compiled_mode_compiles_the_tested_head_chunk_math(monkeypatch, fixed_shape, fused_head, wrapped):
     """Compiled mode (fixed shapes) with loss.fused_head runs the LM head's chunk math through
