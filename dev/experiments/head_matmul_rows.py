@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-
-def timed(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters + 2):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return sorted(times[2:])[len(times[2:]) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from drafter_flex_vs_dense import timed  # noqa: E402 -- the benches' median of CUDA-event timings
 
 
 def main() -> None:
@@ -34,14 +27,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="head_matmul_rows.json")
     args = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(args.vocab, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     rows = {}
     for m in args.rows:
         h = torch.randn(m, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         grad = torch.randn(m, args.vocab, device="cuda", dtype=torch.bfloat16, generator=g)
-        fwd = timed(lambda: h @ w.T, args.iters)
-        back = timed(lambda: grad @ w, args.iters)
+        fwd = timed(lambda: h @ w.T, device, repeat=args.iters, warmup=2)
+        back = timed(lambda: grad @ w, device, repeat=args.iters, warmup=2)
         tflop = 2 * m * args.hidden * args.vocab / 1e12
         rows[m] = {"logits_ms": fwd, "grad_ms": back, "logits_tflops": tflop / fwd * 1e3, "grad_tflops": tflop / back * 1e3}
         print(f"rows {m:6d}  logits {fwd:7.3f} ms ({rows[m]['logits_tflops']:5.0f} TFLOP/s)  "
