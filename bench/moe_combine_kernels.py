@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from dflash_train.target.moe import grouped_offsets, weighted_sum_by_token
+from drafter_flex_vs_dense import timed  # the benches' median of CUDA-event timings (bench/ is on sys.path)
 
 
 def inputs(n: int, k: int, h: int, e: int, device: torch.device) -> dict:
@@ -75,20 +75,6 @@ VARIANTS = {"current": (current, {}), "sum_over_k": (sum_over_k, {}), "no_index_
             "contiguous": (contiguous, {}), "gather_only": (gather_only, {})}
 
 
-def time_us(fn, args: dict, iters: int) -> float:
-    for _ in range(3):
-        fn(**args)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(**args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -114,7 +100,8 @@ def main() -> None:
         torch._dynamo.reset()
         with torch._inductor.config.patch(settings):
             compiled = torch.compile(fn, dynamic=False)
-            us = time_us(compiled, scaled if name == "weights_first" else a, args.iters)
+            inputs_ = scaled if name == "weights_first" else a
+            us = timed(lambda: compiled(**inputs_), device, repeat=args.iters, warmup=3) * 1000
         results[name] = {"us": round(us, 1), "GB_per_s": round(moved / us / 1e3, 1)}
         print(f"{name:16s} {us:8.1f} us  {moved / us / 1e3:7.1f} GB/s", flush=True)
     print(json.dumps({"tokens": n, "top_k": k, "hidden": h, "device": torch.cuda.get_device_name(), **results}))
