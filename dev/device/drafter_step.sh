@@ -11,6 +11,7 @@
 #   overlap     + pipeline.overlap_target
 #   autotune    + run.compile_autotune (the recommended configuration; registry throughput.qwen3_8b.*)
 #   autotune_fusedopt  autotune with torch's fused AdamW instead of the compiled step
+#   autotune_chunk8k   autotune with the LM head's 7,680 drafter rows in one chunk (loss.chunk_rows 8192)
 # A row named twice (ROWS="autotune autotune autotune") runs twice: <row>, <row>_2, ...
 #     ROWS=autotune bash dev/device/drafter_step.sh                 # default ROWS="fused unfused"
 #     PRESET=dense-27b ROWS=overlap bash dev/device/drafter_step.sh  # registry throughput.dense_27b.tok_per_s
@@ -35,6 +36,7 @@ declare -A ARGS=(
   [overlap]="--overlap"
   [autotune]="--set run.compile_autotune=true"
   [autotune_fusedopt]="--set run.compile_autotune=true --set optim.compiled_step=false"
+  [autotune_chunk8k]="--set run.compile_autotune=true --set loss.chunk_rows=8192"
 )
 # A row named twice (ROWS="autotune autotune") is run twice; each run gets its own files
 # (<row>, <row>_2, ...) so a repeat for the spread keeps every result.
