@@ -57,11 +57,9 @@ case "$PART" in
     stage bench_gemma 280 "${B[@]}" --preset $PG --out "$OUT/bench_gemma3_27b.json"
     stage bench_gemma_overlap 280 "${B[@]}" --preset $PG --overlap --out "$OUT/bench_gemma3_27b_overlap.json" ;;
   gemma_gkv)
-    GKV=(--set target.grouped_kv=true); [ "${DRY:-0}" = 1 ] && GKV=()
     stage bench_gemma_overlap 200 "${B[@]}" --preset $PG --overlap --profile --out "$OUT/bench_gemma3_27b_overlap.json"
-    stage bench_gemma_overlap_gkv 200 "${B[@]}" --preset $PG --overlap "${GKV[@]}" --profile \
-      --out "$OUT/bench_gemma3_27b_overlap_gkv.json"
-    stage bench_gemma_gkv 170 "${B[@]}" --preset $PG "${GKV[@]}" --out "$OUT/bench_gemma3_27b_gkv.json" ;;
+    stage bench_gemma_overlap_gkv 200 "${B[@]}" --preset $PG --overlap --grouped-kv --profile --out "$OUT/bench_gemma3_27b_overlap_gkv.json"
+    stage bench_gemma_gkv 170 "${B[@]}" --preset $PG --grouped-kv --out "$OUT/bench_gemma3_27b_gkv.json" ;;
   gemma_gen)
     stage generate_gemma 300 $PY bench/profile_generate.py preset:$PG --slots 64 --prompt-len 512 $GEN \
       --out "$OUT/generate_gemma3_27b.json" ;;
