@@ -5,8 +5,8 @@
 #                                                      # the recommended flags, one after the other
 #     PART=gemma     ...   # gemma3-27b: bench (auto = packed compiled bf16), then the same with the
 #                            # next batch's target forward overlapped (--overlap, as dense-27b's 8,140 was)
-#     PART=gemma_gkv ...   # gemma3-27b with --overlap, then the same with target.grouped_kv (one key/value head
-#                            # a group of query heads), then grouped_kv without overlap (its peak memory);
+#     PART=gemma_gkv ...   # gemma3-27b with --overlap and repeated key/value heads (--no-grouped-kv), then the
+#                            # same with grouped ones (auto's choice for Gemma), then grouped without overlap;
 #                            # each with --profile (the kernel table of 3 steps after the measured ones)
 #     PART=gemma_gen ...   # gemma3-27b: profile_generate, 64 slots
 #     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
@@ -57,7 +57,7 @@ case "$PART" in
     stage bench_gemma 280 "${B[@]}" --preset $PG --out "$OUT/bench_gemma3_27b.json"
     stage bench_gemma_overlap 280 "${B[@]}" --preset $PG --overlap --out "$OUT/bench_gemma3_27b_overlap.json" ;;
   gemma_gkv)
-    stage bench_gemma_overlap 200 "${B[@]}" --preset $PG --overlap --profile --out "$OUT/bench_gemma3_27b_overlap.json"
+    stage bench_gemma_overlap 200 "${B[@]}" --preset $PG --overlap --no-grouped-kv --profile --out "$OUT/bench_gemma3_27b_overlap.json"
     stage bench_gemma_overlap_gkv 200 "${B[@]}" --preset $PG --overlap --grouped-kv --profile --out "$OUT/bench_gemma3_27b_overlap_gkv.json"
     stage bench_gemma_gkv 170 "${B[@]}" --preset $PG --grouped-kv --out "$OUT/bench_gemma3_27b_gkv.json" ;;
   gemma_gen)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, MambaConfig
+from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, MambaConfig
 
 from dflash_train.cli import main
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
@@ -19,6 +19,8 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda:0")  # only the device's type
 LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=100)
 MAMBA = MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=100)  # no attention: never the packed forward's
+GEMMA3 = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=32)
 
 
 def _why_not_packed(config) -> str:
@@ -38,11 +40,11 @@ def _fast(cfg: TrainConfig) -> tuple:
 def test_auto_is_the_packed_compiled_bf16_path_on_a_gpu_and_the_plain_one_on_a_cpu():
     cfg, line = resolve_fast_path(_cfg(), LLAMA, GPU)
     assert _fast(cfg) == ("packed", True, True, "bfloat16")
-    assert line == ("auto settings: target.forward packed, target.compile true, run.compile true, run.drafter_dtype "
+    assert line == ("auto settings: target.forward packed, target.compile true, target.grouped_kv false, run.compile true, run.drafter_dtype "
                     "bfloat16 (the fast path on cuda:0; set any of them to choose)")
     cfg, line = resolve_fast_path(_cfg(), LLAMA, CPU)
     assert _fast(cfg) == ("hf", False, False, "float32")
-    assert line == ("auto settings: target.forward hf, target.compile false, run.compile false, run.drafter_dtype "
+    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, run.compile false, run.drafter_dtype "
                     "float32 (on a CPU the uncompiled float32 path: compiling pays only on a GPU; set any of them "
                     "to choose)")
 
@@ -52,13 +54,33 @@ def test_a_family_the_packed_forward_does_not_take_keeps_the_hf_forward_and_says
     assert "mamba" in why
     cfg, line = resolve_fast_path(_cfg(), MAMBA, GPU)
     assert _fast(cfg) == ("hf", False, True, "bfloat16")
-    assert line == ("auto settings: target.forward hf, target.compile false, run.compile true, run.drafter_dtype "
+    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, run.compile true, run.drafter_dtype "
                     f"bfloat16 (on cuda:0; the Hugging Face target forward, since the packed one does not take this "
                     f"target ({why}); set any of them to choose)")
     with pytest.raises(ConfigError) as exc:
         resolve_fast_path(_cfg(**{"target.compile": "true"}), MAMBA, GPU)
     assert str(exc.value) == (f"target.compile: true needs the packed target forward, and it does not take this "
                               f"target ({why}); set target.compile false")
+
+
+def test_auto_gives_gemma_grouped_keys_on_the_packed_forward_only():
+    """Gemma's windowed FlexAttention layers read one key/value head per group of query heads
+    (target.grouped_kv auto): on wherever the packed forward runs it, a multimodal checkpoint's text
+    stack included; off on the Hugging Face forward, with the kernel that takes no grouped keys,
+    on other families, and where the config says so."""
+    def grouped(config, device=GPU, **overrides) -> bool:
+        return resolve_fast_path(_cfg(**overrides), config, device)[0].target.grouped_kv
+
+    assert grouped(GEMMA3) is True and grouped(Gemma3Config(text_config=GEMMA3.to_dict())) is True
+    cfg, line = resolve_fast_path(_cfg(), GEMMA3, GPU)
+    assert "target.compile true, target.grouped_kv true, run.compile" in line
+    assert grouped(GEMMA3, CPU) is False  # the Hugging Face forward: auto on a CPU
+    assert grouped(GEMMA3, CPU, **{"target.forward": "packed"}) is True
+    assert grouped(GEMMA3, **{"target.forward": "hf"}) is False
+    assert grouped(GEMMA3, **{"target.sdpa_backend": "efficient"}) is False
+    assert grouped(GEMMA3, **{"target.grouped_kv": "false"}) is False
+    assert grouped(LLAMA) is False and grouped(LLAMA, **{"target.grouped_kv": "true"}) is True
+    assert resolve_fast_path(_cfg(**{"target.grouped_kv": "false"}), GEMMA3, GPU)[1].count("grouped_kv") == 0
 
 
 def test_a_target_sharded_over_a_group_gets_the_fast_path_too():
@@ -74,8 +96,8 @@ def test_a_target_sharded_over_a_group_gets_the_fast_path_too():
 
 
 def test_explicit_values_are_kept_and_not_announced():
-    explicit = _cfg(**{"target.forward": "hf", "target.compile": "false", "run.compile": "false",
-                       "run.drafter_dtype": "float32"})
+    explicit = _cfg(**{"target.forward": "hf", "target.compile": "false", "target.grouped_kv": "false",
+                       "run.compile": "false", "run.drafter_dtype": "float32"})
     assert resolve_fast_path(explicit, LLAMA, GPU) == (explicit, None)
     cfg, line = resolve_fast_path(_cfg(**{"run.drafter_dtype": "float32"}), LLAMA, GPU)
     assert _fast(cfg) == ("packed", True, True, "float32") and "drafter_dtype" not in line
@@ -107,7 +129,8 @@ def _train_args(tiny_targets, tiny_datasets, out, *extra) -> list[str]:
 
 def test_a_run_says_and_saves_what_auto_chose(tiny_targets, tiny_datasets, tmp_path, capsys):
     assert main(_train_args(tiny_targets, tiny_datasets, tmp_path / "run")) == 0
-    assert "auto settings: target.forward hf, target.compile false, run.compile false" in capsys.readouterr().err
+    assert ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, run.compile false"
+            in capsys.readouterr().err)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert (saved["target"]["forward"], saved["target"]["compile"], saved["run"]["compile"],
             saved["run"]["drafter_dtype"]) == ("hf", False, False, "float32")

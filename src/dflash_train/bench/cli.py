@@ -96,8 +96,9 @@ class BenchConfig:
     """target.sdpa_backend; best = the fastest of the sdpa rows measured before in a lever table"""
     overlap: bool = False
     """pipeline.overlap_target: the next batch's target forward on a second CUDA stream"""
-    grouped_kv: bool = False
-    """target.grouped_kv: the packed forward's attention takes one key/value head per group of query heads"""
+    grouped_kv: bool | Literal["auto"] = "auto"
+    """target.grouped_kv: the packed forward's attention takes one key/value head per group of query heads
+    (auto: on for Gemma 2/3 in the packed forward)"""
     levers: str = ""
     """measure a lever table instead of one setting: 'all' or comma-separated lever names
     (dflash_train/bench/levers.py)"""

@@ -7,8 +7,8 @@ the defaults (auto) would otherwise give the baseline the fast path.
 
 from __future__ import annotations
 
-HF = {"target_forward": "hf", "target_compile": False}
-PACKED_EAGER = {"target_forward": "packed", "target_compile": False}
+HF = {"target_forward": "hf", "target_compile": False, "grouped_kv": False}
+PACKED_EAGER = {"target_forward": "packed", "target_compile": False, "grouped_kv": False}
 LEVERS: dict[str, tuple[str, dict]] = {
     "baseline": ("Hugging Face forward, PyTorch's SDPA choice", HF),
     "hf-flash": ("Hugging Face forward, SDPA forced to flash", {**HF, "sdpa_backend": "flash"}),

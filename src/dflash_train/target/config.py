@@ -10,10 +10,16 @@ from typing import Literal
 import torch
 
 from dflash_train.target.attn_impl import AttnImplementation
+from dflash_train.target.language_model import text_config
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
 from dflash_train.utils.device import DtypeName
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+# where target.grouped_kv: auto turns grouped keys on. Gemma's sliding-window layers attend through
+# FlexAttention, which reads every key/value head it is given: one per group of query heads halves
+# what Gemma-3-27B's windowed layers read (0.54 -> 0.43 ms a layer) and the step gains ~0.9% with
+# --overlap (docs/performance.md). Elsewhere the difference stayed within one run's spread.
+GROUPED_KV_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclass
@@ -47,10 +53,11 @@ class TargetConfig:
     mask (no gathers; needs forward: packed; sdpa_backend does not apply)"""
     fp8: bool = False
     """float8 decoder matmuls in the frozen target (Hopper GPUs; see docs/performance.md)"""
-    grouped_kv: bool = False
+    grouped_kv: bool | Literal["auto"] = "auto"
     """packed forward: attention reads one key/value head per group of query heads (enable_gqa: the
     cuDNN, flash and FlexAttention kernels take it) instead of copies repeated to every query head,
-    which the step writes and attention reads; off until measured faster (docs/performance.md)"""
+    which the step writes and attention reads; auto = on for Gemma 2/3 in the packed forward, where it
+    was measured faster (docs/performance.md), off elsewhere"""
 
     def __post_init__(self) -> None:
         # with forward: auto these are checked once the forward is chosen (train/setup.py resolve_fast_path)
@@ -58,9 +65,9 @@ class TargetConfig:
             raise ValueError("target.compile needs target.forward: packed (the Hugging Face forward is not compiled)")
         if self.document_attention == "flex" and self.forward == "hf":
             raise ValueError("target.document_attention: flex needs target.forward: packed")
-        if self.grouped_kv and self.forward == "hf":
+        if self.grouped_kv is True and self.forward == "hf":
             raise ValueError("target.grouped_kv needs target.forward: packed (the Hugging Face forward repeats them)")
-        if self.grouped_kv and self.sdpa_backend == "efficient":
+        if self.grouped_kv is True and self.sdpa_backend == "efficient":
             raise ValueError("target.grouped_kv: the memory-efficient SDPA kernel takes no grouped keys: "
                              "use sdpa_backend auto, cudnn or flash")
         # auto is checked once the model is known (train/setup.py check_target_options)
@@ -70,14 +77,16 @@ class TargetConfig:
 
 
 def decide_forward(t: TargetConfig, model_config, device: torch.device) -> tuple[TargetConfig, str | None]:
-    """`t` with `forward` and `compile` decided where they are `auto`, for a target of `model_config` on
-    `device`: on a GPU the packed forward, compiled, where it takes the target; else the Hugging Face
-    forward, uncompiled (on a CPU compiling costs more than it saves), unless target.compile, flex
-    document attention or grouped_kv is set, which only the packed forward has. Also why the packed forward does
-    not take the target, when `auto` asked and it does not (else None). ValueError for an explicit
-    value the decided forward cannot run."""
+    """`t` with `forward`, `compile` and `grouped_kv` decided where they are `auto`, for a target of
+    `model_config` on `device`: on a GPU the packed forward, compiled, where it takes the target; else the
+    Hugging Face forward, uncompiled (on a CPU compiling costs more than it saves), unless target.compile,
+    flex document attention or grouped_kv is set, which only the packed forward has; grouped keys with
+    the packed forward on the families of GROUPED_KV_MODEL_TYPES. Also why the packed forward does not
+    take the target, when `auto` asked and it does not (else None). ValueError for an explicit value the
+    decided forward cannot run."""
     # the packed forward on a GPU, or wherever a setting asks for what only it has
-    wants_packed = device.type == "cuda" or t.compile is True or t.document_attention == "flex" or t.grouped_kv
+    wants_packed = (device.type == "cuda" or t.compile is True or t.document_attention == "flex"
+                    or t.grouped_kv is True)
     why_not = None
     if t.forward == "auto" and wants_packed:
         try:
@@ -91,6 +100,9 @@ def decide_forward(t: TargetConfig, model_config, device: torch.device) -> tuple
         raise ValueError(f"target.compile: true needs the packed target forward{because}; set target.compile false")
     if t.document_attention == "flex" and forward == "hf":
         raise ValueError(f"target.document_attention: flex needs the packed target forward{because}")
-    if t.grouped_kv and forward == "hf":
+    if t.grouped_kv is True and forward == "hf":
         raise ValueError(f"target.grouped_kv needs the packed target forward{because}")
-    return dataclasses.replace(t, forward=forward, compile=compile_), why_not
+    grouped = t.grouped_kv if t.grouped_kv != "auto" else (
+        forward == "packed" and t.sdpa_backend != "efficient"
+        and getattr(text_config(model_config), "model_type", None) in GROUPED_KV_MODEL_TYPES)
+    return dataclasses.replace(t, forward=forward, compile=compile_, grouped_kv=grouped), why_not

@@ -94,7 +94,8 @@ class TargetRunner:
                     need_final: bool) -> TargetRunner:
         """The runner the `target:` section asks for."""
         return cls(model, target_layer_ids, need_final=need_final, forward=cfg.forward, sdpa=cfg.sdpa_backend,
-                   compile=cfg.compile, document_attention=cfg.document_attention, grouped_kv=cfg.grouped_kv)
+                   compile=cfg.compile, document_attention=cfg.document_attention,
+                   grouped_kv=cfg.grouped_kv is True)  # (auto is decided before: target/config.py decide_forward)
 
     @property
     def hidden_size(self) -> int:

@@ -97,10 +97,10 @@ def check_target_options(cfg: TrainConfig, target_config) -> None:
             raise ConfigError(f"target.forward=packed: {exc}") from None
 
 
-# The settings `auto` picks (docs/training.md, "Fast by default"): the packed compiled target, the
-# compiled drafter and bf16 master weights on a GPU; the uncompiled fp32 path on a CPU, where
-# compiling costs minutes and every step (and the suite's exact comparisons are fp32's).
-FAST_PATH_FIELDS = ("target.forward", "target.compile", "run.compile", "run.drafter_dtype")
+# The settings `auto` picks (docs/training.md, "Fast by default"): the packed compiled target (with
+# grouped keys on Gemma), the compiled drafter and bf16 master weights on a GPU; the uncompiled fp32
+# path on a CPU, where compiling costs minutes and every step (and the suite's exact comparisons are fp32's).
+FAST_PATH_FIELDS = ("target.forward", "target.compile", "target.grouped_kv", "run.compile", "run.drafter_dtype")
 
 
 def resolve_fast_path(cfg: TrainConfig, target_config, device: torch.device) -> tuple[TrainConfig, str | None]:
