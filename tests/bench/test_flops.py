@@ -11,7 +11,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from dflash_train.bench.cli import BenchConfig, build_config, model_flops_utilisation, run
-from dflash_train.bench.flops import expected_label_rows, step_flops, causal_pairs_per_layer, mlp_flops_per_token
+from dflash_train.bench.flops import (best_peaks, causal_pairs_per_layer, expected_label_rows, mlp_flops_per_token,
+                                      step_flops)
 from dflash_train.target.presets import preset_config
 from dflash_train.target.runner import find_decoder_layers
 from dflash_train.utils.errors import TrainingError
@@ -63,6 +64,29 @@ def test_utilisation_with_fp8_counts_the_target_matmuls_at_the_fp8_peak():
     mfu = model_flops_utilisation(flops, 30_000, {"bf16": 750.0, "fp8": 1500.0})
     assert mfu == pytest.approx((20e9 / 1500e12 + 10e9 / 750e12) * 30_000)
     assert mfu == pytest.approx(0.8)
+
+
+def test_the_peak_is_the_best_measured_before_and_after_the_run():
+    """A GPU whose clocks sat lower after a heavy run measured 678 TFLOP/s then, 789 before: the
+    MFU is taken against 789, each kind (bf16, fp8) on its own; nothing measured (a CPU) is None."""
+    assert best_peaks({"bf16": 789.0}, {"bf16": 678.0}) == {"bf16": 789.0}
+    assert best_peaks({"bf16": 700.0, "fp8": 1500.0}, {"bf16": 780.0, "fp8": 1400.0}) == {"bf16": 780.0, "fp8": 1500.0}
+    assert best_peaks(None, {"bf16": 750.0}) == {"bf16": 750.0}
+    assert best_peaks(None, None) is None
+
+
+def test_a_run_takes_the_better_of_its_peaks_and_a_lever_table_its_own(monkeypatch):
+    from dflash_train.bench import cli
+
+    monkeypatch.setattr(cli, "matmul_peaks_tflops",
+                        lambda device, fp8=False: {"bf16": 678.0, **({"fp8": 1300.0} if fp8 else {})})
+    cpu, bf16, fp8 = torch.device("cpu"), BenchConfig(preset="tiny"), BenchConfig(preset="tiny", fp8_target=True)
+    assert cli.run_peaks(bf16, cpu, None, {"bf16": 789.0}) == {"bf16": 789.0}  # measured after: lower
+    assert cli.run_peaks(fp8, cpu, None, {"bf16": 600.0, "fp8": 1500.0}) == {"bf16": 678.0, "fp8": 1500.0}
+    table = {"bf16": 760.0, "fp8": 1450.0}  # a lever table's, measured once before its rows
+    assert cli.run_peaks(bf16, cpu, table, None) == {"bf16": 760.0}  # the float8 peak only for an FP8 row
+    assert cli.run_peaks(fp8, cpu, table, None) == table
+    assert cli.run_peaks(fp8, cpu, {"bf16": 760.0}, None) == {"bf16": 678.0, "fp8": 1300.0}  # no fp8 given: measured
 
 
 def test_bench_profile_records_three_steps_after_the_measured_ones(tmp_path):

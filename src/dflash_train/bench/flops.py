@@ -202,6 +202,18 @@ def matmul_peaks_tflops(device, fp8: bool = False) -> dict[str, float] | None:
     return peaks
 
 
+def best_peaks(*measured: dict[str, float] | None) -> dict[str, float] | None:
+    """Per kind (bf16, fp8), the best of several measurements of the matmul peaks; None where none
+    was measured (a CPU). A GPU's clocks may sit lower for a while after a long, heavy run (one
+    H100: 678-789 bf16 TFLOP/s measured after Gemma-3-27B runs, 787-791 after qwen3-8b's), and a
+    peak measured then would flatter the MFU: the best of one before and one after the run does not."""
+    best: dict[str, float] = {}
+    for peaks in measured:
+        for kind, tflops in (peaks or {}).items():
+            best[kind] = max(best.get(kind, 0.0), tflops)
+    return best or None
+
+
 def model_flops_utilisation(flops: dict, tokens_per_s_per_gpu: float, peaks: dict[str, float] | None) -> float | None:
     """The time the step's counted FLOPs would take at the measured peaks, over the time it
     took: float8 target matmuls (when measured with FP8) at the float8 peak, the rest at the
