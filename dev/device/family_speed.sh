@@ -10,6 +10,7 @@
 #                            # each with --profile (the kernel table of 3 steps after the measured ones)
 #     PART=gemma_gen ...   # gemma3-27b: profile_generate, 64 slots
 #     PART=gpt_oss   ...   # gpt-oss-20b: bench on the Hugging Face forward, then packed compiled
+#     PART=gpt_oss_gen ... # gpt-oss-20b: profile_generate, 64 slots
 #     PART=moe_gen   ...   # qwen3-30b-a3b: profile_generate at 256 slots against the HBM bound
 #     PART=moe_train ...   # qwen3-30b-a3b: bench (auto), then with --overlap
 #     PART=moe_tuned ...   # qwen3-30b-a3b: --overlap with run.compile_autotune (the recommended
@@ -63,6 +64,9 @@ case "$PART" in
   gemma_gen)
     stage generate_gemma 300 $PY bench/profile_generate.py preset:$PG --slots 64 --prompt-len 512 $GEN \
       --out "$OUT/generate_gemma3_27b.json" ;;
+  gpt_oss_gen)
+    stage generate_gpt_oss 300 $PY bench/profile_generate.py preset:$PO --slots 64 --prompt-len 512 $GEN \
+      --out "$OUT/generate_gpt_oss_20b.json" ;;
   gpt_oss)
     stage bench_gpt_oss_hf 250 "${B[@]}" --preset $PO --target-forward hf --out "$OUT/bench_gpt_oss_20b_hf.json"
     stage bench_gpt_oss_packed 300 "${B[@]}" --preset $PO "${FAST[@]}" --out "$OUT/bench_gpt_oss_20b_packed.json" ;;
