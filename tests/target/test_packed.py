@@ -267,8 +267,8 @@ def _assert_packed_equals_hf(model, batch, kind, need_final, **packed):
         assert got.final_hidden is None and ref.final_hidden is None
 
 
-@pytest.mark.parametrize("kind", ["tiny", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "mistral_window", "olmo2", "qwen3_5",
-                                  "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["tiny", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "mistral_window", "olmo2",
+                                  "qwen3_5", "deepseek_v3"])
 @pytest.mark.parametrize("documents", ["gather", "flex"])
 def test_grouped_keys_give_the_taps_of_repeated_ones(kind, documents, monkeypatch):
     """target.grouped_kv: one key/value head a group of query heads (enable_gqa) in both document

@@ -40,11 +40,13 @@ def _fast(cfg: TrainConfig) -> tuple:
 def test_auto_is_the_packed_compiled_bf16_path_on_a_gpu_and_the_plain_one_on_a_cpu():
     cfg, line = resolve_fast_path(_cfg(), LLAMA, GPU)
     assert _fast(cfg) == ("packed", True, True, "bfloat16")
-    assert line == ("auto settings: target.forward packed, target.compile true, target.grouped_kv false, run.compile true, run.drafter_dtype "
+    assert line == ("auto settings: target.forward packed, target.compile true, target.grouped_kv false, "
+                    "run.compile true, run.drafter_dtype "
                     "bfloat16 (the fast path on cuda:0; set any of them to choose)")
     cfg, line = resolve_fast_path(_cfg(), LLAMA, CPU)
     assert _fast(cfg) == ("hf", False, False, "float32")
-    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, run.compile false, run.drafter_dtype "
+    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, "
+                    "run.compile false, run.drafter_dtype "
                     "float32 (on a CPU the uncompiled float32 path: compiling pays only on a GPU; set any of them "
                     "to choose)")
 
@@ -54,7 +56,8 @@ def test_a_family_the_packed_forward_does_not_take_keeps_the_hf_forward_and_says
     assert "mamba" in why
     cfg, line = resolve_fast_path(_cfg(), MAMBA, GPU)
     assert _fast(cfg) == ("hf", False, True, "bfloat16")
-    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, run.compile true, run.drafter_dtype "
+    assert line == ("auto settings: target.forward hf, target.compile false, target.grouped_kv false, "
+                    "run.compile true, run.drafter_dtype "
                     f"bfloat16 (on cuda:0; the Hugging Face target forward, since the packed one does not take this "
                     f"target ({why}); set any of them to choose)")
     with pytest.raises(ConfigError) as exc:

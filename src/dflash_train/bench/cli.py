@@ -201,7 +201,7 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:  # the run's metrics, read here
         out_dir = Path(tmp)
         device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))  # this rank's GPU
-        before = matmul_peaks_tflops(device, fp8=args.fp8_target) if _measures_peaks(args, peaks) else None
+        before = _peaks_before_run(args, device, peaks)
         cfg = decide_auto_settings(build_config(args, out_dir), device)
         summary = run_rank(cfg, resume=False)
         if summary is None:  # not the main drafter: it reports
@@ -254,6 +254,17 @@ def measure(args: BenchConfig, peaks: dict[str, float] | None = None) -> dict | 
 def _measures_peaks(args: BenchConfig, given: dict[str, float] | None) -> bool:
     """Whether a run measures its own matmul peaks (a lever table passes the ones it measured)."""
     return given is None or bool(args.fp8_target and "fp8" not in given)
+
+
+def _peaks_before_run(args: BenchConfig, device: torch.device, given: dict[str, float] | None):
+    """The matmul peaks measured before the run (None where the run does not measure its own), their
+    buffers handed back to the GPU so the run's memory starts as it would without them."""
+    if not _measures_peaks(args, given):
+        return None
+    peaks = matmul_peaks_tflops(device, fp8=args.fp8_target)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peaks
 
 
 def run_peaks(args: BenchConfig, device: torch.device, given: dict[str, float] | None,

@@ -38,7 +38,8 @@ from dflash_train.target.language_model import PAIRED_ROPE_MODEL_TYPES, attentio
 from dflash_train.target.moe import experts_as_tensors, moe_mlp, router_bias, routing_of
 from dflash_train.target.ops import apply_rope, normed_qk, rms_norm, soft_cap
 from dflash_train.target.projections import gated_mlp, projection_of
-from dflash_train.target.packed_gemma import GemmaLayerWeights, gemma_rms_norm, post_attention_gemma
+from dflash_train.target.packed_gemma import (GEMMA_MODEL_TYPES, GemmaLayerWeights, gemma_rms_norm,
+                                              post_attention_gemma)
 from dflash_train.target.packed_hybrid import HYBRID_MODEL_TYPES, experts_with_gated_shared_expert
 from dflash_train.target.packed_gpt_oss import (GptOssLayerWeights, experts_as_gpt_oss_stores_them,
                                                 post_attention_gpt_oss)
@@ -47,7 +48,6 @@ from dflash_train.target.packed_olmo2 import Olmo2LayerWeights, olmo2_qkv, post_
 
 LayerKind = Literal["llama", "gemma", "gpt_oss", "olmo2", "exaone4", "mla", "hybrid"]
 POST_NORM_KINDS = ("olmo2", "exaone4")  # norms after attention and the MLP (target/packed_olmo2.py)
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 def layer_kind(model_type: str) -> LayerKind:

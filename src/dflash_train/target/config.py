@@ -12,6 +12,7 @@ import torch
 from dflash_train.target.attn_impl import AttnImplementation
 from dflash_train.target.language_model import text_config
 from dflash_train.target.packed import UnsupportedTarget, check_packed_config
+from dflash_train.target.packed_gemma import GEMMA_MODEL_TYPES
 from dflash_train.utils.device import DtypeName
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
@@ -19,7 +20,7 @@ SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 # FlexAttention, which reads every key/value head it is given: one per group of query heads halves
 # what Gemma-3-27B's windowed layers read (0.54 -> 0.43 ms a layer) and the step gains ~0.9% with
 # --overlap (docs/performance.md). Elsewhere the difference stayed within one run's spread.
-GROUPED_KV_MODEL_TYPES = ("gemma2", "gemma3_text")
+GROUPED_KV_MODEL_TYPES = GEMMA_MODEL_TYPES
 
 
 @dataclass

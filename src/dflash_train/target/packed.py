@@ -76,6 +76,7 @@ from dflash_train.target.packed_gpt_oss import (
     sink_attention_scale,
 )
 from dflash_train.target.packed_gemma import (
+    GEMMA_MODEL_TYPES,
     GemmaLayerWeights,
     gemma_rms_norm,
     soft_capped,
@@ -102,9 +103,8 @@ from dflash_train.utils.compile import compiled_once
 from dflash_train.utils.flex_masks import LSE_REQUEST, causal_document_block_mask, output_and_lse
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "phi3", "olmo2",
-                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", "gemma2", "gemma3_text",
+                         "smollm3", "seed_oss", "minimax_m2", "exaone4", "ernie4_5_moe", *GEMMA_MODEL_TYPES,
                          "gpt_oss", *MLA_MODEL_TYPES, *HYBRID_MODEL_TYPES)
-_GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -128,7 +128,7 @@ def check_packed_config(cfg) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedTarget(f"the packed target forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                                 f"decoders, not {model_type!r}{_HINT}")
-    gemma = model_type in _GEMMA_MODEL_TYPES
+    gemma = model_type in GEMMA_MODEL_TYPES
     act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", None) or "silu"
     if act != ("gelu_pytorch_tanh" if gemma else "silu") and not (not gemma and act == "swish"):
         raise UnsupportedTarget(f"activation {act!r} is not supported{_HINT}")  # (gpt-oss's experts: their own)
@@ -148,7 +148,7 @@ def check_packed_support(model: nn.Module) -> None:
     cfg, inner = text_config(model.config), language_model(model)
     if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise UnsupportedTarget(f"unexpected module layout of {type(model).__name__}{_HINT}")
-    scaled = cfg.model_type in _GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
+    scaled = cfg.model_type in GEMMA_MODEL_TYPES and hasattr(inner.embed_tokens, "embed_scale")
     if unsharded_type(inner.embed_tokens) is not nn.Embedding and not scaled:  # a kind not reproduced
         raise UnsupportedTarget(f"embedding {unsharded_type(inner.embed_tokens).__name__} is not supported{_HINT}")
     laid_out = experts_as_gpt_oss_stores_them if cfg.model_type == "gpt_oss" else \
@@ -268,7 +268,7 @@ def _layer_weights(layer: nn.Module, cfg, window: int | None, rope: str | None) 
         return Olmo2LayerWeights(layer, window, rope, scale_in_float32=cfg.model_type == "olmo2")
     if cfg.model_type == "gpt_oss":
         return GptOssLayerWeights(layer, window)
-    if cfg.model_type in _GEMMA_MODEL_TYPES:
+    if cfg.model_type in GEMMA_MODEL_TYPES:
         return GemmaLayerWeights(layer, rope, window)
     weights = _LayerWeights(layer, latent=cfg.model_type in MLA_MODEL_TYPES)
     weights.window, weights.layer_type = window, rope
@@ -300,7 +300,7 @@ class PackedForward:
         copies repeated to every query head (target.grouped_kv)."""
         check_packed_support(model)
         cfg, inner = text_config(model.config), language_model(model)  # a multimodal wrapper: its text stack
-        self.gemma = cfg.model_type in _GEMMA_MODEL_TYPES
+        self.gemma = cfg.model_type in GEMMA_MODEL_TYPES
         # a target sharded with FSDP2 (target/sharded.py): each module's weights are gathered while
         # they are read (target/gathered.py); the references below are then its shards, for shapes
         self.model, self.inner, self.cfg = model, inner, cfg

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from dflash_train.target.ops import apply_rope, keys_for_attention
 
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")  # the text stacks this module reproduces
+
 
 def gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     xf = x.float()
