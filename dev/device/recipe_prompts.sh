@@ -6,8 +6,8 @@
 # recipe's steps: recipe_prompts.sh, recipe_generate.sh, recipe_train.sh, recipe_resume.sh,
 # recipe_eval.sh (recipe_full.sh and recipe_levers.sh build on them). One or two H200s, ~3 min:
 #     ENGINE=0 bash dev/device/recipe_prompts.sh     # prompts in /tmp/recipe/prompts, log in $OUT/recipe_prompts.log
-# Carried files, where the GPU host cannot download: .smol1/part_aa (part one of the SmolLM2 GGUF,
-# copied to /tmp/smol for lib.sh smol_hf), .whl/ (wheels installed into /tmp/site).
+# Carried files, where the GPU host cannot download: .smol*/part_* (parts of the SmolLM2 GGUF,
+# kept in /tmp/smol for lib.sh smol_hf), .whl/ (wheels installed into /tmp/site).
 # RECIPE_FROM=.recipe: unpack conversations exported by an earlier recipe_generate.sh, so the next
 # generation adds to them (cat .recipe/recipe.tar.xz.part_* | xz -d | tar -C /tmp/recipe -xf -).
 set -u
@@ -15,7 +15,7 @@ NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l); [ "$NGPU" -ge 1 ] || NGPU=
 OUT=${OUT:-/tmp/out}; LOG=$OUT/recipe_prompts.log; W=/tmp/recipe; mkdir -p $OUT $W /tmp/smol
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 source dev/device/lib.sh
-[ -f .smol1/part_aa ] && cp .smol1/part_aa /tmp/smol/ && ls -la /tmp/smol >> $LOG
+smol_keep
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a $LOG
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src

@@ -9,7 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; LOG=$OUT/restore.log; mkdir -p $OUT /tmp/smol /tmp/recipe
 if [ "${RESTORE:-2}" = 1 ]; then
-  cp .smol1/part_aa /tmp/smol/ && cp .recipe1/recipe.tar.xz.part_* /tmp/smol/ && ls -la /tmp/smol | tee -a $LOG; exit
+  source dev/device/lib.sh; smol_keep; cp .recipe1/recipe.tar.xz.part_* /tmp/smol/ && ls -la /tmp/smol | tee -a $LOG; exit
 fi
 [ -f /tmp/smol/part_aa ] || { echo "FRESH MACHINE: run RESTORE=1 first" | tee -a $LOG; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $LOG 2>&1
