@@ -233,6 +233,37 @@ def test_package_documents_read_only_permissive_distributions_never_gensim_or_hu
     assert licences == {"goodpkg": "MIT"}
 
 
+def test_package_documents_add_the_long_api_docstrings_of_a_distribution_at_most_max_api_docs(tmp_path, monkeypatch):
+    """The long public docstrings of an installed package's Python files are API documents (tests,
+    vendored code, private names and short docstrings left out); a package with more than
+    MAX_API_DOCS keeps that many, the same ones whatever else it holds, listed by name."""
+    rng = random.Random(5)
+    module = (f'"""{_long("Tools for tables", rng)}"""\n\n\n'
+              f'def load(path):\n    """{_long("Load a table", rng)}"""\n\n\n'
+              'def short():\n    """Short."""\n\n\n'
+              f'def _private():\n    """{_long("Private", rng)}"""\n\n\n'
+              f'class Table:\n    """{_long("A table", rng)}"""\n\n    def rows(self):\n        """{_long("Rows", rng)}"""\n')
+    _dist(tmp_path, "tablepkg", "License-Expression: BSD-3-Clause", "", {
+        "tablepkg/__init__.py": module, "tablepkg/io/csv.py": module, "tablepkg/tests/test_io.py": module,
+        "tablepkg/_vendor/six.py": module, "tablepkg/plain.py": "x = 1\n"})
+    docs = list(package_documents({}, [str(tmp_path)]))
+    names = [d.name for d in docs]
+    per_module = ["", ".load", ".Table", ".Table.rows"]
+    assert names == sorted([f"api:tablepkg/tablepkg{q}" for q in per_module]
+                           + [f"api:tablepkg/tablepkg.io.csv{q}" for q in per_module])
+    load = docs[names.index("api:tablepkg/tablepkg.io.csv.load")]
+    assert load.title == "the documentation of `tablepkg.io.csv.load` from the Python package `tablepkg`"
+    assert load.kind == "python" and load.text.startswith("Load a table.\n\n")
+    monkeypatch.setattr(long_docs, "MAX_API_DOCS", 3)
+    kept = [d.name for d in package_documents({}, [str(tmp_path)])]
+    assert len(kept) == 3 and kept == sorted(kept) and set(kept) < set(names)
+    (tmp_path / "tablepkg/zzz.py").write_text(module)  # more documents: the three kept are drawn again by name
+    record = tmp_path / "tablepkg-1.0.dist-info/RECORD"
+    record.write_text(record.read_text() + "tablepkg/zzz.py,,\n")
+    again = [d.name for d in package_documents({}, [str(tmp_path)])]
+    assert len(again) == 3 and set(again) <= set(kept) | {f"api:tablepkg/tablepkg.zzz{q}" for q in per_module}
+
+
 # -- inside `dflash-train prompts` -------------------------------------------------------------------------
 
 

@@ -9,7 +9,9 @@ Documents, read from the machine, never imported or fetched:
   standard library (parsed with `ast`);
 * installed distributions with a permissive licence (`licences.py`): their READMEs (metadata
   long descriptions) and the documentation files (`.md`, `.rst`, `.txt`) they install, outside
-  their metadata folder, tests and vendored code, licence and author lists left out.
+  their metadata folder, tests and vendored code, licence and author lists left out; and the long
+  module, class and public function docstrings of their Python files (API references: argument
+  lists, examples), at most `MAX_API_DOCS` of one distribution, drawn by a hash of their names.
 
 Badges, images and HTML lines are removed; a document longer than `MAX_CHARS` is cut at
 paragraph breaks (never inside a code fence) into parts of at most `MAX_CHARS`, and at most
@@ -37,8 +39,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from dflash_train.data.prompt_sources.items import PromptItem
+from dflash_train.data.prompt_sources.items import PromptItem, group_hash
 from dflash_train.data.prompt_sources.licences import NEVER_READ, permissive_distributions
+from dflash_train.data.prompt_sources.python_code import MAX_FILE_BYTES as MAX_PY_BYTES
 from dflash_train.data.prompt_sources.python_code import iter_py_files, skipped
 
 # a part of a document: 1,500..6,000 characters and at most 1,300 estimated tokens (`estimated_tokens`), so
@@ -47,6 +50,9 @@ MIN_CHARS, MAX_CHARS, MAX_TOKENS = 1500, 6000, 1300
 LINE_CHARS = 1000  # a longer line (minified text, a table row) is cut
 MAX_PARTS = 4  # parts kept of one long document (a 140K-char changelog must not dominate)
 MAX_FILE_BYTES = 200_000
+# API docstrings kept of one distribution: a large library (torch, transformers) has thousands, and
+# its argument lists must not crowd out the READMEs and guides of the others
+MAX_API_DOCS = 300
 DOC_SUFFIXES = (".md", ".rst", ".txt")
 # installed files that are not documentation: licences, author lists, metadata, build lists
 _NOT_DOCS = re.compile(r"^(licen[cs]e|copying|notice|authors|contributors|entry_points|top_level|requirements|"
@@ -183,12 +189,13 @@ def _doc_files(dist: metadata.Distribution) -> list[Path]:
 
 
 def package_documents(licences: dict[str, str], path: list[str] | None = None) -> Iterator[Document]:
-    """READMEs and documentation files of the installed distributions with a permissive licence
-    (`path`: where to look instead of sys.path); `licences` gets name -> licence of each one read."""
+    """READMEs, documentation files and API docstrings (`api_documents`) of the installed
+    distributions with a permissive licence (`path`: where to look instead of sys.path);
+    `licences` gets name -> licence of each one read."""
     for name, dist, licence in permissive_distributions(path):
         readme = dist.metadata.get("Description") or dist.metadata.get_payload() or ""
-        files = _doc_files(dist)
-        if not (isinstance(readme, str) and readme.strip()) and not files:
+        files, api = _doc_files(dist), api_documents(name, dist)
+        if not (isinstance(readme, str) and readme.strip()) and not files and not api:
             continue
         licences[name] = licence
         if isinstance(readme, str) and readme.strip():
@@ -199,6 +206,39 @@ def package_documents(licences: dict[str, str], path: list[str] | None = None) -
                 text = file.read_text(encoding="utf-8", errors="replace")
                 yield Document(f"file:{name}/{rel.as_posix()}", f"`{rel.as_posix()}` from the Python package `{name}`",
                                "package", text)
+        yield from api
+
+
+def _has_long_string(text: str) -> bool:
+    """Whether two like triple quotes stand at least MIN_CHARS apart: a cheap test before parsing."""
+    for quote in ('"""', "'''"):
+        marks = [m.start() for m in re.finditer(quote, text)]
+        if any(b - a >= MIN_CHARS for a, b in zip(marks, marks[1:])):
+            return True
+    return False
+
+
+def api_documents(name: str, dist: metadata.Distribution) -> list[Document]:
+    """The long docstrings (>= MIN_CHARS) of the Python files a distribution installs (tests and
+    vendored code left out), at most MAX_API_DOCS of them, drawn by a hash of their names and
+    returned in name order."""
+    docs = []
+    for file in dist.files or []:
+        rel = Path(str(file))
+        if rel.suffix != ".py" or skipped(rel) or rel.parts[0].endswith((".dist-info", ".egg-info", ".data")):
+            continue
+        path = Path(str(dist.locate_file(rel)))
+        if not path.is_file() or path.stat().st_size > MAX_PY_BYTES:
+            continue
+        if not _has_long_string(path.read_text(encoding="utf-8", errors="replace")):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        docs.extend(Document(f"api:{name}/{qualname}", f"the documentation of `{qualname}` from the Python package "
+                             f"`{name}`", "python", doc)
+                    for qualname, doc in _docstrings(path, module) if len(doc) >= MIN_CHARS)
+    if len(docs) > MAX_API_DOCS:
+        docs = sorted(docs, key=lambda d: group_hash("long-docs", d.name))[:MAX_API_DOCS]
+    return sorted(docs, key=lambda d: d.name)
 
 
 # -- requests ------------------------------------------------------------------------------------------
