@@ -7,7 +7,7 @@
 # HumanEval (164 x 256 and x 2048 new tokens), the held-out chat prompts, and held-out and
 # training prompts of every source (memorisation check).
 #
-# The model travels in two halves (64 MiB a call), so the parts are calls chained at once on one
+# The model travels in three parts (64 MiB a call), so the parts are calls chained at once on one
 # warm machine (it keeps /tmp between calls):
 #   PART=setup  carry .smol1 .whl/...   GGUF part one, the prompt files, the engines' GPU
 #                                       tests (tests/*/test_*_gpu.py, pinned copies)   (~3 min)

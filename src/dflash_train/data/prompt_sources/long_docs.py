@@ -225,7 +225,8 @@ def api_documents(name: str, dist: metadata.Distribution) -> list[Document]:
     docs = []
     for file in dist.files or []:
         rel = Path(str(file))
-        if rel.suffix != ".py" or skipped(rel) or rel.parts[0].endswith((".dist-info", ".egg-info", ".data")):
+        if (rel.suffix != ".py" or skipped(rel) or rel.parts[0].endswith((".dist-info", ".egg-info", ".data"))
+                or rel.parts[0].lower() in NEVER_READ):
             continue
         path = Path(str(dist.locate_file(rel)))
         if not path.is_file() or path.stat().st_size > MAX_PY_BYTES:
