@@ -23,7 +23,8 @@ stages_status() {
 SMOL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 smol_keep() {
   compgen -G ".smol*/part_*" > /dev/null || return 0
-  mkdir -p /tmp/smol && cp .smol*/part_* /tmp/smol/ && ls -l /tmp/smol/part_* >> "$LOG"
+  # (-u: a part kept already by this call, e.g. by keep_carried before smol_hf, is not copied again)
+  mkdir -p /tmp/smol && cp -u .smol*/part_* /tmp/smol/ && ls -l /tmp/smol/part_* >> "$LOG"
 }
 smol_hf() {
   [ -f /tmp/smol/hf/model.safetensors ] && return 0

@@ -139,11 +139,11 @@ def _readable(text: str) -> bool:
     return sum(c.isalpha() for c in dense) >= 0.55 * len(dense) and text.count("http") <= 12
 
 
-def _docstrings(path: Path, module: str) -> Iterator[tuple[str, str]]:
+def _docstrings(path: Path, module: str, source: str | None = None) -> Iterator[tuple[str, str]]:
     """(qualified name, docstring) of a module and its public classes and functions (top level
-    and methods of public classes), in source order."""
+    and methods of public classes), in source order (`source`: the file's text, where read already)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return
     if doc := ast.get_docstring(tree):
@@ -231,12 +231,16 @@ def api_documents(name: str, dist: metadata.Distribution) -> list[Document]:
         path = Path(str(dist.locate_file(rel)))
         if not path.is_file() or path.stat().st_size > MAX_PY_BYTES:
             continue
-        if not _has_long_string(path.read_text(encoding="utf-8", errors="replace")):
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if not _has_long_string(source):
             continue
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         docs.extend(Document(f"api:{name}/{qualname}", f"the documentation of `{qualname}` from the Python package "
                              f"`{name}`", "python", doc)
-                    for qualname, doc in _docstrings(path, module) if len(doc) >= MIN_CHARS)
+                    for qualname, doc in _docstrings(path, module, source) if len(doc) >= MIN_CHARS)
     if len(docs) > MAX_API_DOCS:
         docs = sorted(docs, key=lambda d: group_hash("long-docs", d.name))[:MAX_API_DOCS]
     return sorted(docs, key=lambda d: d.name)
