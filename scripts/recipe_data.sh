@@ -15,13 +15,16 @@
 #   bash scripts/recipe_data.sh rows FILE.jsonl               rows of FILE no export holds yet (by id)
 #   bash scripts/recipe_data.sh store-drafter NAME DIR [NOTE] keep a trained drafter (DIR: a run's
 #                                                             final/, config.json + model.safetensors)
-#   bash scripts/recipe_data.sh restore-drafter DIR [NAME]    the newest kept drafter (or NAME) into DIR
+#   bash scripts/recipe_data.sh restore-drafter DIR [NAME]    the current drafter (or NAME) into DIR
 #                                                             (a new folder, or one an earlier restore made)
 #
 # Drafters are kept the same way (recipe-drafter/<NAME>/: its files and a manifest with their
 # sha256), so a drafter trained on a short-lived machine outlives it and starts the next stage of
 # a long run (`--drafter.init_from DIR`); ~39 MB each for SmolLM2's, so keep the stages worth
-# resuming.
+# resuming. The current drafter, the one the README's numbers were measured with, is named below
+# (CURRENT_DRAFTER): restore-drafter gives it unless told another, so a stage kept since does not
+# replace it by being newer. RECIPE_CURRENT_DRAFTER=NAME names another for one command, and
+# RECIPE_CURRENT_DRAFTER= (empty) means the newest kept drafter.
 #
 # Restore writes DIR/<k>-<NAME>.jsonl.xz (k = 001, 002, ... in the order kept), so
 # `xz -dc DIR/*.jsonl.xz > gen-0.jsonl` rebuilds the whole set in order; `generate` then resumes
@@ -40,6 +43,7 @@ MARK="recipe data:"
 DRAFTER_MARK="recipe drafter:"
 RESTORED=.recipe-drafter  # in a folder restore-drafter made: the drafter's name and commit
 NAME_RE='^[A-Za-z0-9_][A-Za-z0-9._-]*$'
+CURRENT_DRAFTER=${RECIPE_CURRENT_DRAFTER-2026-12-03-smollm2-second-stage-all-exports}
 
 valid_name() { [[ $1 =~ $NAME_RE ]]; }
 check_name() {  # WHAT NAME: one line naming what is wrong with a name
@@ -154,9 +158,10 @@ PY
     python3 -c "$(cat <<'PY'
 import json, sys
 for m in (json.loads(line) for line in sys.stdin if line.strip()):
-    print(f"drafter  {m['date']}  {m['name']:<32} {m['bytes'] / 1e6:>6.1f} MB  {m.get('note', '')}")
+    mark = " (current)" if m["name"] == sys.argv[1] else ""
+    print(f"drafter  {m['date']}  {m['name']:<32} {m['bytes'] / 1e6:>6.1f} MB  {m.get('note', '')}{mark}")
 PY
-)"
+)" "$CURRENT_DRAFTER"
 }
 
 cmd_restore() {  # DIR
@@ -204,8 +209,8 @@ PY
   echo "kept the drafter $dir as $name in $commit"
 }
 
-cmd_restore_drafter() {  # DIR [NAME]: the newest kept drafter, or NAME, its files checked against its manifest
-  local dir=$1 want=${2:-} c found= name
+cmd_restore_drafter() {  # DIR [NAME]: NAME, else the current drafter (else the newest), its files checked against its manifest
+  local dir=$1 want=${2:-$CURRENT_DRAFTER} c found= name
   dir=${dir%"${dir##*[!/]}"}  # DIR/ is DIR
   [ -n "$dir" ] || die "DIR '$1': name the folder to restore into"
   [ -z "$want" ] || check_name NAME "$want"

@@ -8,7 +8,9 @@
 #                                   keeps each on the machine, smol_hf joins them)
 #   .whl/                           the wheels the machine lacks (dev/fetch_wheels.sh)
 #   .recipe/NNN-NAME.jsonl.xz       the kept conversations (scripts/recipe_data.sh restore)
-#   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter)
+#   .drafter/final                  the newest kept drafter, if one is kept (restore-drafter with
+#                                   RECIPE_CURRENT_DRAFTER empty: the next stage's start, which may
+#                                   be newer than the current drafter)
 # The GGUF halves and wheels are skipped when there already. The conversations and the drafter are
 # restored every time (under a second), so they follow history: an export or drafter kept since the
 # last run is never left behind. FINAL_DRAFTER=NAME restores that kept drafter as .drafter/final
@@ -41,7 +43,7 @@ fi
 rm -f .recipe/*.jsonl.xz && bash scripts/recipe_data.sh restore .recipe > /dev/null
 # (not `git log | grep -q`: under pipefail, grep's early exit can fail git log with SIGPIPE)
 if [ -n "$(git log HEAD --format=%H --grep='^recipe drafter: ' -n 1)" ]; then
-  bash scripts/recipe_data.sh restore-drafter .drafter/final ${FINAL_DRAFTER:+"$FINAL_DRAFTER"} > /dev/null
+  RECIPE_CURRENT_DRAFTER= bash scripts/recipe_data.sh restore-drafter .drafter/final ${FINAL_DRAFTER:+"$FINAL_DRAFTER"} > /dev/null
 fi
 du -b .smol*/part_* .whl/*.whl .recipe/*.jsonl.xz .drafter/* 2>/dev/null | awk '{printf "%8.1f MB  %s\n", $1 / 1e6, $2}'
 # the space files take on disk (whole 4 KB blocks), as the device call counts the 64 MiB: for the

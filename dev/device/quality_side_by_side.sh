@@ -19,7 +19,8 @@
 #                                       GEN_SECONDS (default 320; 0 with kept ones unless set),
 #                                       the new rows back as $OUT/recipe/new-rows-N.jsonl.xz*
 #                                       (keep them: scripts/recipe_data.sh store), prepare (~2-8 min;
-#                                       PREPARE=0: no prepare, for a run that only generates)
+#                                       PREPARE=0: no prepare, for a run that only generates;
+#                                       EVAL_BESIDE_PREPARE=NAME: a carried drafter's evals meanwhile)
 # Kept conversations (`bash scripts/recipe_data.sh restore .recipe`: .recipe/NNN-NAME.jsonl.xz) travel
 # with any part: each part first keeps the .recipe files it carries in /tmp/recipe-kept, and data
 # restores them all in name order (EXPECT_ROWS=N: stop unless N rows came). A call carries 64 MiB in
@@ -351,7 +352,15 @@ data)
   [ "$GEN_SECONDS" -gt 0 ] && generate_more
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
   [ "${PREPARE:-1}" = 0 ] && exit 0  # generation alone: PART=generate calls follow, no training here
+  # EVAL_BESIDE_PREPARE=NAME: the carried drafter .drafter/NAME's evals as PART=eval's (no source
+  # sets: they are made after prepare) while prepare holds the CPUs and leaves the GPU idle
+  beside=
+  if [ -n "${EVAL_BESIDE_PREPARE:-}" ]; then
+    need "/tmp/drafter-kept/$EVAL_BESIDE_PREPARE"
+    (SOURCE_SETS=0 eval_sets "$EVAL_BESIDE_PREPARE" "/tmp/drafter-kept/$EVAL_BESIDE_PREPARE") & beside=$!
+  fi
   stage prepare 300 env TARGET=$T WORK=$W STEPS=prepare bash scripts/smollm2_recipe_x2.sh
+  [ -z "$beside" ] || wait "$beside"
   # the eval's source sets: the first 16 held-out and training prompts of each of EVAL_SOURCES
   mkdir -p $W/eval-sets
   for s in $EVAL_SOURCES; do head -n 16 $W/prompts/heldout/$s-heldout.jsonl; done > $W/eval-sets/sources-heldout.jsonl

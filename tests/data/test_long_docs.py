@@ -260,8 +260,9 @@ def test_package_documents_add_the_long_api_docstrings_of_a_distribution_at_most
     (tmp_path / "tablepkg/zzz.py").write_text(module)  # more documents: the three kept are drawn again by name
     record = tmp_path / "tablepkg-1.0.dist-info/RECORD"
     record.write_text(record.read_text() + "tablepkg/zzz.py,,\n")
-    again = [d.name for d in package_documents({}, [str(tmp_path)])]
-    assert len(again) == 3 and set(again) <= set(kept) | {f"api:tablepkg/tablepkg.zzz{q}" for q in per_module}
+    again = list(package_documents({}, [str(tmp_path)]))
+    assert len(again) == 3 and {d.name for d in again} <= set(kept) | {f"api:tablepkg/tablepkg.zzz{q}" for q in per_module}
+    assert list(package_documents({}, [str(tmp_path)], workers=2)) == again  # four files parsed in two processes
 
 
 # -- inside `dflash-train prompts` -------------------------------------------------------------------------
@@ -274,7 +275,7 @@ def test_long_docs_is_a_default_source_after_the_others():
 def _fixture_sources(monkeypatch, tmp_path: Path) -> Path:
     """The fake site-packages instead of the machine's (the fake stdlib comes through --stdlib)."""
     site = _site(tmp_path / "site", random.Random(4))
-    monkeypatch.setattr(build_mod, "package_documents", lambda lic: package_documents(lic, [str(site)]))
+    monkeypatch.setattr(build_mod, "package_documents", lambda lic, workers=1: package_documents(lic, [str(site)], workers))
     return _stdlib(tmp_path / "lib", random.Random(3))
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,8 +21,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "recipe_data.sh"
 pytestmark = pytest.mark.skipif(not (shutil.which("git") and shutil.which("xz")), reason="needs git and xz")
 
 
-def run(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", "scripts/recipe_data.sh", *args], cwd=repo, capture_output=True, text=True)
+def run(repo: Path, *args: str, check: bool = True, current: str = "") -> subprocess.CompletedProcess:
+    """The script in `repo`; `current` names its current drafter ("": the newest kept one)."""
+    env = {**os.environ, "RECIPE_CURRENT_DRAFTER": current}
+    proc = subprocess.run(["bash", "scripts/recipe_data.sh", *args], cwd=repo, capture_output=True, text=True, env=env)
     if check and proc.returncode:
         raise AssertionError(f"{args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -194,6 +198,30 @@ def test_drafter_refusals_exit_2_and_keep_nothing(repo: Path, tmp_path: Path, ca
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("recipe_data: ") and len(proc.stderr.strip().splitlines()) == 1
     assert git(repo, "rev-parse", "HEAD") == head
+
+
+def test_the_current_drafter_is_restored_over_a_newer_stage(repo: Path, tmp_path: Path) -> None:
+    run(repo, "store-drafter", "stage1", str(drafter_dir(tmp_path / "stage1", b"1" * 10)))
+    run(repo, "store-drafter", "stage2", str(drafter_dir(tmp_path / "stage2", b"2" * 10)))
+    assert run(repo, "restore-drafter", "out", current="stage1").stdout == "restored the drafter stage1 into out\n"
+    assert (repo / "out" / "model.safetensors").read_bytes() == b"1" * 10
+    listing = run(repo, "list", current="stage1").stdout.splitlines()
+    assert [line.endswith("(current)") for line in listing[1:]] == [True, False]
+    run(repo, "restore-drafter", "out", "stage2", current="stage1")  # a name given wins
+    assert (repo / "out" / "model.safetensors").read_bytes() == b"2" * 10
+    proc = run(repo, "restore-drafter", "other", current="gone", check=False)
+    assert (proc.returncode, proc.stderr) == (2, "recipe_data: no drafter named gone kept in this repository's history\n")
+
+
+def test_the_scripts_current_drafter_is_kept_in_this_repositorys_history() -> None:
+    """CURRENT_DRAFTER names a drafter this checkout's history keeps (a typo would fail every restore)."""
+    top = SCRIPT.parents[1]
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=top, capture_output=True, text=True)
+    if shallow.returncode or shallow.stdout.strip() == "true":
+        pytest.skip("not a git checkout, or a shallow clone: no kept drafter to find")
+    name = re.search(r"^CURRENT_DRAFTER=\$\{RECIPE_CURRENT_DRAFTER-([^}]+)\}$", SCRIPT.read_text(), re.M).group(1)
+    kept = git(top, "log", "HEAD", "--format=%s", "--grep=^recipe drafter: ").splitlines()
+    assert any(subject.startswith(f"recipe drafter: {name}:") for subject in kept), (name, kept)
 
 
 @pytest.mark.parametrize("case", ["other checksum", "file missing"])

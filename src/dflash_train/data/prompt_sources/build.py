@@ -120,7 +120,7 @@ def collect(cfg: PromptsConfig, name: str, report: SourceReport) -> list[PromptI
         return math_prompts(cfg.math_count, seed=cfg.seed, source=name)
     if name == "long-docs":
         report.provenance[f"Python {platform.python_version()} documentation, docstrings ({stdlib})"] = "PSF-2.0"
-        docs = itertools.chain(python_documents(stdlib), package_documents(report.provenance))
+        docs = itertools.chain(python_documents(stdlib), package_documents(report.provenance, workers=workers))
         return long_doc_prompts(docs, source=name, seed=cfg.seed, per_document=cfg.styles_per_document)
     raise ValueError(f"unknown source {name!r}")
 

@@ -43,6 +43,7 @@ from dflash_train.data.prompt_sources.items import PromptItem, group_hash
 from dflash_train.data.prompt_sources.licences import NEVER_READ, permissive_distributions
 from dflash_train.data.prompt_sources.python_code import MAX_FILE_BYTES as MAX_PY_BYTES
 from dflash_train.data.prompt_sources.python_code import iter_py_files, skipped
+from dflash_train.utils.parallel import ordered_map
 
 # a part of a document: 1,500..6,000 characters and at most 1,300 estimated tokens (`estimated_tokens`), so
 # that with the request a prompt stays under ~1,800 tokens (the recipe's `generate` skips prompts over 2,048)
@@ -103,8 +104,8 @@ def estimated_tokens(text: str) -> float:
     is ~1/4 token, any other non-space character ~3/4 (digits, punctuation and code split
     finely). Within 0.7-1.35x of SmolLM2's count on this source's prompts; characters alone
     were 2.3-5.6 per token (changelogs, tables)."""
-    letters = sum(c.isalpha() for c in text)
-    return letters / 4 + (sum(not c.isspace() for c in text) - letters) * 0.75
+    letters = sum(map(str.isalpha, text))  # a map over str methods: the same counts, several times faster
+    return letters / 4 + (len(text) - sum(map(str.isspace, text)) - letters) * 0.75
 
 
 def _pack(pieces: list[str], sep: str) -> list[str]:
@@ -136,7 +137,7 @@ def parts(text: str) -> list[str]:
 def _readable(text: str) -> bool:
     """Mostly words (code samples are fine, tables of numbers and link lists are not)."""
     dense = "".join(text.split())
-    return sum(c.isalpha() for c in dense) >= 0.55 * len(dense) and text.count("http") <= 12
+    return sum(map(str.isalpha, dense)) >= 0.55 * len(dense) and text.count("http") <= 12
 
 
 def _docstrings(path: Path, module: str, source: str | None = None) -> Iterator[tuple[str, str]]:
@@ -188,13 +189,15 @@ def _doc_files(dist: metadata.Distribution) -> list[Path]:
     return sorted(out)
 
 
-def package_documents(licences: dict[str, str], path: list[str] | None = None) -> Iterator[Document]:
-    """READMEs, documentation files and API docstrings (`api_documents`) of the installed
-    distributions with a permissive licence (`path`: where to look instead of sys.path);
-    `licences` gets name -> licence of each one read."""
-    for name, dist, licence in permissive_distributions(path):
+def package_documents(licences: dict[str, str], path: list[str] | None = None, workers: int = 1) -> Iterator[Document]:
+    """READMEs, documentation files and API docstrings (`api_documents`, parsed in `workers`
+    processes) of the installed distributions with a permissive licence (`path`: where to look
+    instead of sys.path); `licences` gets name -> licence of each one read."""
+    dists = list(permissive_distributions(path))
+    apis = api_documents([(name, dist) for name, dist, _ in dists], workers)
+    for (name, dist, licence), api in zip(dists, apis):
         readme = dist.metadata.get("Description") or dist.metadata.get_payload() or ""
-        files, api = _doc_files(dist), api_documents(name, dist)
+        files = _doc_files(dist)
         if not (isinstance(readme, str) and readme.strip()) and not files and not api:
             continue
         licences[name] = licence
@@ -218,32 +221,49 @@ def _has_long_string(text: str) -> bool:
     return False
 
 
-def api_documents(name: str, dist: metadata.Distribution) -> list[Document]:
-    """The long docstrings (>= MIN_CHARS) of the Python files a distribution installs (tests and
-    vendored code left out), at most MAX_API_DOCS of them, drawn by a hash of their names and
-    returned in name order."""
-    docs = []
+def _api_files(dist: metadata.Distribution) -> list[tuple[str, str]]:
+    """(path, module) of the Python files a distribution installs that may hold API docstrings
+    (tests, vendored code and files over MAX_PY_BYTES left out), in the distribution's order."""
+    out = []
     for file in dist.files or []:
         rel = Path(str(file))
         if (rel.suffix != ".py" or skipped(rel) or rel.parts[0].endswith((".dist-info", ".egg-info", ".data"))
                 or rel.parts[0].lower() in NEVER_READ):
             continue
         path = Path(str(dist.locate_file(rel)))
-        if not path.is_file() or path.stat().st_size > MAX_PY_BYTES:
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        if not _has_long_string(source):
-            continue
-        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        docs.extend(Document(f"api:{name}/{qualname}", f"the documentation of `{qualname}` from the Python package "
-                             f"`{name}`", "python", doc)
-                    for qualname, doc in _docstrings(path, module, source) if len(doc) >= MIN_CHARS)
-    if len(docs) > MAX_API_DOCS:
-        docs = sorted(docs, key=lambda d: group_hash("long-docs", d.name))[:MAX_API_DOCS]
-    return sorted(docs, key=lambda d: d.name)
+        if path.is_file() and path.stat().st_size <= MAX_PY_BYTES:
+            out.append((str(path), ".".join(rel.with_suffix("").parts).removesuffix(".__init__")))
+    return out
+
+
+def _file_api_documents(task: tuple[str, str, str]) -> list[Document]:
+    """The long docstrings (>= MIN_CHARS) of one file; `task`: (distribution name, path, module)."""
+    name, path, module = task
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return []
+    if not _has_long_string(source):
+        return []
+    return [Document(f"api:{name}/{qualname}", f"the documentation of `{qualname}` from the Python package `{name}`",
+                     "python", doc)
+            for qualname, doc in _docstrings(Path(path), module, source) if len(doc) >= MIN_CHARS]
+
+
+def api_documents(dists: list[tuple[str, metadata.Distribution]], workers: int = 1) -> list[list[Document]]:
+    """For each (name, distribution): the long docstrings of the Python files it installs, at most
+    MAX_API_DOCS, drawn by a hash of their names and returned in name order. Parsing is most of
+    the source's time, so the files of all distributions are parsed in `workers` processes."""
+    tasks = [(k, name, path, module) for k, (name, dist) in enumerate(dists) for path, module in _api_files(dist)]
+    found = ordered_map(_file_api_documents, [task[1:] for task in tasks], workers)
+    per_dist: list[list[Document]] = [[] for _ in dists]
+    for (k, *_), docs in zip(tasks, found):
+        per_dist[k].extend(docs)
+    for k, docs in enumerate(per_dist):
+        if len(docs) > MAX_API_DOCS:
+            docs = sorted(docs, key=lambda d: group_hash("long-docs", d.name))[:MAX_API_DOCS]
+        per_dist[k] = sorted(docs, key=lambda d: d.name)
+    return per_dist
 
 
 # -- requests ------------------------------------------------------------------------------------------

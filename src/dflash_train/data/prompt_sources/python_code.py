@@ -21,19 +21,18 @@ All prompts of one function form one group: the held-out split keeps them on one
 from __future__ import annotations
 
 import ast
-import multiprocessing as mp
 import random
 import re
 import sysconfig
 import textwrap
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from dflash_train.data.prompt_sources.items import PromptItem, group_hash
 from dflash_train.data.prompt_sources.licences import permissive_licence
+from dflash_train.utils.parallel import ordered_map
 
 MIN_LINES, MAX_LINES, MAX_CHARS = 4, 60, 3000
 MAX_FILE_BYTES = 1 << 20  # generated tables (unicode data, encodings) are not code worth asking about
@@ -211,11 +210,7 @@ def parse_files(tasks: list[tuple[Path, Path, str]], workers: int) -> list[list[
     """`functions_in(path, root, label)` of every task, in the tasks' order. Parsing is most of
     the job's time (tens of thousands of files on a machine with many packages), so with
     `workers` > 1 the files are parsed in that many processes; the result is the same."""
-    if workers <= 1 or len(tasks) < 2 * workers:
-        return [functions_in(*task) for task in tasks]
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        return list(pool.map(_functions_in_task, tasks, chunksize=max(1, min(64, len(tasks) // (8 * workers)))))
+    return ordered_map(_functions_in_task, tasks, workers)
 
 
 def code_prompts(roots: list[tuple[str, Path]], *, source: str, seed: int, styles_per_function: int,
