@@ -32,6 +32,8 @@ def test_the_dspark_recipe_is_the_diverse_recipe_with_the_variant_on():
     assert dspark.run.output_dir != base.run.output_dir
     dspark.drafter.variant, dspark.drafter.markov_rank = base.drafter.variant, base.drafter.markov_rank
     dspark.run.output_dir = base.run.output_dir
+    assert (dspark.run.compile, base.run.compile) == (False, True)  # dspark: the eager drafter it was measured with
+    dspark.run.compile = base.run.compile
     assert dspark == base  # nothing else differs
 
 
@@ -48,9 +50,10 @@ def test_the_recipes_keep_the_settings_they_were_measured_with():
     """The defaults moved to `auto` (the fast path on a GPU); a shipped recipe states what it measured with."""
     from dflash_train.data.prompts import asset_path
 
-    for name in ("smollm2-135m.yaml", "smollm2-135m-diverse.yaml", "smollm2-135m-diverse-dspark.yaml"):
+    compiled = {"smollm2-135m.yaml": False, "smollm2-135m-diverse.yaml": True, "smollm2-135m-diverse-dspark.yaml": False}
+    for name, compile_drafter in compiled.items():
         cfg = load_config(TrainConfig, str(CONFIGS[0].parent / name), {})
-        assert (cfg.run.compile, cfg.run.drafter_dtype) == (False, "float32"), name
+        assert (cfg.run.compile, cfg.run.drafter_dtype) == (compile_drafter, "float32"), name
         assert "auto" not in (cfg.target.forward, cfg.target.compile), name
     gpu_demo = load_config(TrainConfig, str(asset_path("demo_gpu.yaml")), {})
     assert (gpu_demo.target.forward, gpu_demo.target.compile, gpu_demo.run.compile, gpu_demo.run.drafter_dtype) == \

@@ -337,3 +337,15 @@ def test_heldout_drops_near_duplicates_of_training_prompts(tmp_path, monkeypatch
 def test_cli_rejects_an_unknown_source(tmp_path, capsys):
     assert main(["prompts", "--output", str(tmp_path / "x"), "--sources", "stdlib-code", "wiki"]) == 2
     assert "unknown prompt source" in capsys.readouterr().err
+
+
+def test_word_ids_are_the_crc32_of_each_lower_cased_word_stable_across_processes():
+    import zlib
+
+    from dflash_train.data.prompt_sources.items import word_ids
+
+    ids = word_ids("Hello, World!  hello_2 héllo")
+    assert ids.dtype == np.uint64
+    assert ids.tolist() == [zlib.crc32(w.encode()) for w in ("hello", "world", "hello_2", "héllo")]
+    assert ids.tolist() == [0x3610A686, 0x3A771143, zlib.crc32(b"hello_2"), zlib.crc32("héllo".encode())]
+    assert word_ids("  ,. ").shape == (0,)

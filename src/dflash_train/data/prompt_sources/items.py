@@ -38,8 +38,10 @@ def normalize(text: str) -> str:
 
 
 def word_ids(text: str) -> np.ndarray:
-    """uint64 [W]: one id per lower-cased word (CRC-32: stable across processes, unlike hash())."""
-    return np.fromiter((zlib.crc32(w.encode()) for w in _WORD.findall(text.lower())), np.uint64)
+    """uint64 [W]: one id per lower-cased word (CRC-32: stable across processes, unlike hash()).
+    Maps over builtins, not a generator: the de-duplication passes call it for every row."""
+    words = _WORD.findall(text.lower())
+    return np.fromiter(map(zlib.crc32, map(str.encode, words)), np.uint64, count=len(words))
 
 
 def group_hash(source: str, group: str) -> int:
