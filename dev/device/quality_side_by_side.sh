@@ -343,11 +343,12 @@ setup)
   [ -n "$check" ] && { wait $check; tail -n 3 "$OUT/engine_check.log" | tee -a "$LOG"; }
   grep -E "^===|wrote|rror|Traceback" "$LOG" | tail -8 ;;
 data)
-  install_wheels; smol_hf; need $T/model.safetensors; need_prompts
+  install_wheels; smol_hf; need $T/model.safetensors
   if compgen -G "$KEPT/*.jsonl.xz" > /dev/null; then  # the kept conversations, in the order kept: generate resumes this file
-    restore_kept "*" $W
+    restore_kept "*" $W  # (while setup's prompt build may still run)
     GEN_SECONDS=${GEN_SECONDS_SET:-0}
   fi
+  need_prompts
   [ -f $W/gen/shipped ] || cat $W/gen/gen-0.jsonl 2>/dev/null | wc -l > $W/gen/shipped  # kept already
   [ "$GEN_SECONDS" -gt 0 ] && generate_more
   wc -l $W/gen/gen-*.jsonl | tee -a "$LOG"
