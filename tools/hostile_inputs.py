@@ -137,8 +137,9 @@ def train_args(target: Path, data: Path, out: Path, steps: int = 2) -> list[str]
 
 
 def _env(fsize: int | None = None) -> dict:
+    # RECIPE_CURRENT_DRAFTER empty: a scratch repository keeps its own drafters, restore-drafter gives its newest
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "RECIPE_CURRENT_DRAFTER": ""}
     env.pop("PROBE_FSIZE", None)
     if fsize:
         env["PROBE_FSIZE"] = str(fsize)
@@ -836,7 +837,7 @@ def recipe_cases(fx: dict) -> list[Case]:
 
     def second(w: Path) -> None:  # an earlier restore, then another drafter kept
         subprocess.run(["bash", str(RECIPE_DATA), "restore-drafter", "out"], cwd=w / "repo", check=True,
-                       capture_output=True)
+                       capture_output=True, env=_env())
         other = _copy(fx["drafter"], w / "other")
         (other / "model.safetensors").write_bytes(b"another drafter")
         subprocess.run(["bash", str(RECIPE_DATA), "store-drafter", "second", str(other)], cwd=w / "repo", check=True,
