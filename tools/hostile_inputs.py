@@ -180,8 +180,14 @@ def run_case(case: Case, root: Path) -> Result:
     where = root / "cases" / re.sub(r"[^A-Za-z0-9_.-]", "_", case.name)
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
-    argv = case.argv(where) if callable(case.argv) else list(case.argv)
-    protected = case.protect(where) if case.protect else []
+    try:  # a case whose own setup fails is reported as that case's DEFECT; the other cases still run
+        argv = case.argv(where) if callable(case.argv) else list(case.argv)
+        protected = case.protect(where) if case.protect else []
+    except Exception as exc:  # noqa: BLE001 - any setup error, named in the report
+        detail = (getattr(exc, "stderr", None) or b"")
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
+        return Result(None, "", detail, 0.0, verdict="DEFECT",
+                      why=f"the case's setup failed: {type(exc).__name__}: {exc} {detail.strip()[-300:]}".strip())
     before = _digest(protected)
     t0 = time.perf_counter()
     if case.kind == "twice":
