@@ -140,12 +140,12 @@ def _readable(text: str) -> bool:
     return sum(map(str.isalpha, dense)) >= 0.55 * len(dense) and text.count("http") <= 12
 
 
-def _docstrings(path: Path, module: str, source: str | None = None) -> Iterator[tuple[str, str]]:
-    """(qualified name, docstring) of a module and its public classes and functions (top level
-    and methods of public classes), in source order (`source`: the file's text, where read already)."""
+def _docstrings(source: str, module: str) -> Iterator[tuple[str, str]]:
+    """(qualified name, docstring) of a module (`source`: its text) and its public classes and
+    functions (top level and methods of public classes), in source order."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
         return
     if doc := ast.get_docstring(tree):
         yield module, doc
@@ -171,7 +171,11 @@ def python_documents(stdlib: Path) -> Iterator[Document]:
         yield Document(f"topic:{name}", f'the Python language reference topic "{name}"', "python", topics[name])
     for path in iter_py_files(stdlib):
         module = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
-        for qualname, doc in _docstrings(path, module):
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for qualname, doc in _docstrings(source, module):
             if len(doc) >= MIN_CHARS:
                 what = "module" if qualname == module else "API"
                 yield Document(f"doc:{qualname}", f"the documentation of Python's `{qualname}` {what}", "python", doc)
@@ -247,7 +251,7 @@ def _file_api_documents(task: tuple[str, str, str]) -> list[Document]:
         return []
     return [Document(f"api:{name}/{qualname}", f"the documentation of `{qualname}` from the Python package `{name}`",
                      "python", doc)
-            for qualname, doc in _docstrings(Path(path), module, source) if len(doc) >= MIN_CHARS]
+            for qualname, doc in _docstrings(source, module) if len(doc) >= MIN_CHARS]
 
 
 def api_documents(dists: list[tuple[str, metadata.Distribution]], workers: int = 1) -> list[list[Document]]:
