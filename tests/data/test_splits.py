@@ -107,6 +107,18 @@ def test_near_duplicate_of_matches_all_pairs_reference(threshold, n, monkeypatch
     assert np.array_equal(found, best >= threshold)  # this seed misses nothing (p > 0.99)
 
 
+def test_near_duplicate_of_in_worker_processes_gives_the_same_answer():
+    rng = np.random.default_rng(11)
+    corpus = [rng.integers(0, 400, rng.integers(1, 90)) for _ in range(200)]
+    queries = [mutate(corpus[i], rate, rng, 400) for i, rate in zip(rng.choice(200, 60, replace=False),
+                                                                    np.linspace(0.0, 0.6, 60))]
+    one = dedup.near_duplicate_of(queries, corpus, threshold=0.5, ngram=3, seed=4)
+    assert one.any() and not one.all()
+    for workers in (2, 3):  # slices of 100 / 66-67 items, each read by a spawned process
+        assert np.array_equal(dedup.near_duplicate_of(queries, corpus, threshold=0.5, ngram=3, seed=4,
+                                                      workers=workers), one)
+
+
 def test_ignored_shingles_are_left_out_unless_nothing_is_left():
     boiler = np.arange(1000, 1012)
     a, b = np.concatenate([boiler, [1, 2, 3, 4]]), np.concatenate([boiler, [7, 8, 9, 10]])
@@ -326,3 +338,21 @@ def test_eval_path_drops_rows_that_repeat_training_rows(prepared):
     assert data.report.dropped_prompt_duplicates == 3 and data.eval.indices.tolist() == [3]
     same = open_data(DataConfig(path=str(path), eval_path=str(path)), seed=0, vocab_size=300, tokenizer_identity=None)
     assert same.report.duplicates_kept and len(same.eval) == len(train)  # nothing held out: kept, with a warning
+
+
+def test_a_large_dataset_is_split_in_worker_processes_with_the_same_result(prepared, monkeypatch):
+    _, path = prepared
+    cfg = DataConfig(path=str(path), eval_fraction=0.2)
+    one = compute_split(cfg, 3, TokenDataset(path))
+    assert one.report.dropped_prompt_duplicates + one.report.dropped_answer_duplicates > 0  # the dedup works
+    monkeypatch.setattr(splits, "PARALLEL_MIN_ROWS", 100)  # 160 rows: large enough here
+    monkeypatch.setattr(splits, "cores_of_this_process", lambda: 2)
+    monkeypatch.setattr(splits, "CACHE_DIR", ".splits-workers")  # not the other tests' cache
+    two = held_out_split(cfg, 3, TokenDataset(path))
+    assert two.report.workers == 2 and " in 2 processes" in two.report.describe()
+    assert np.array_equal(two.eval_rows, one.eval_rows) and np.array_equal(two.train_rows, one.train_rows)
+    same = {k: v for k, v in vars(two.report).items() if k not in ("seconds", "workers", "cache")}
+    assert same == {k: v for k, v in vars(one.report).items() if k not in ("seconds", "workers", "cache")}
+    monkeypatch.setattr(splits, "PARALLEL_MIN_ROWS", 1_000)
+    monkeypatch.setattr(splits, "CACHE_DIR", ".splits-small")
+    assert held_out_split(cfg, 3, TokenDataset(path)).report.workers == 1  # below the size: in this process

@@ -197,7 +197,7 @@ def test_error_dataset_from_another_tokenizer(tiny_targets, tmp_path, refuse_mod
 
 
 def test_error_empty_dataset(tiny_targets, tmp_path, refuse_models):
-    from dflash_train.data.prepare import MANIFEST
+    from dflash_train.data.shards import MANIFEST
 
     data = prepare_dataset(tiny_targets["llama"], synthetic_conversations(3), tmp_path / "data")
     manifest = json.loads((data / MANIFEST).read_text())

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from dflash_train.data.prepare import FORMAT_VERSION, MANIFEST
+from dflash_train.data.shards import FORMAT_VERSION, MANIFEST
 from dflash_train.utils.errors import DataError, InputError
 from dflash_train.utils.fs import missing_reason
 

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflash_train.utils.parallel import ordered_map
+
 NUM_PERM = 128  # MinHash hash functions; LSH uses bands * rows <= NUM_PERM of them
 MIN_RECALL = 0.995  # lsh_shape: find a pair exactly at the threshold with at least this probability
 CHUNK_TOKENS = 1 << 17  # corpus tokens shingled and hashed at a time (a few MiB of temporaries)
@@ -167,11 +169,19 @@ def common_shingles(seqs: Sequence[np.ndarray], ngram: int, *, min_fraction: flo
 
 
 def near_duplicate_of(queries: Sequence[np.ndarray], corpus: Sequence[np.ndarray], *, threshold: float,
-                      ngram: int, seed: int, ignore: np.ndarray | None = None) -> np.ndarray:
+                      ngram: int, seed: int, ignore: np.ndarray | None = None, workers: int = 1) -> np.ndarray:
     """bool [len(queries)]: does query i have a corpus item with Jaccard >= `threshold` over
     `ngram`-gram shingles (`ignore`d shingles left out, see `shingle_sets`)? Exact on every
     reported pair; a pair is missed with probability <= `miss_probability(threshold, *lsh_shape(threshold))`.
-    `corpus` is any sequence (e.g. lazy views of a dataset): it is read once, in order."""
+    `corpus` is any sequence (e.g. lazy views of a dataset): it is read once, in order. With
+    `workers` > 1 it is read in that many contiguous slices (`corpus[a:b]`, which must pickle
+    cheaply) by fresh worker processes (`ordered_map`), and a query is found when any slice finds it: the same
+    answer, since every candidate pair is checked exactly."""
+    if workers > 1 and len(corpus) >= 2 * workers:
+        cuts = np.linspace(0, len(corpus), workers + 1).astype(int).tolist()
+        slices = [(queries, corpus[a:b], threshold, ngram, seed, ignore) for a, b in zip(cuts[:-1], cuts[1:])]
+        return np.logical_or.reduce(ordered_map(_near_duplicate_in_slice, slices, workers, per_worker=1,
+                                                fresh_processes=True))
     found = np.zeros(len(queries), bool)
     q_values, q_offsets = shingle_sets(queries, ngram, ignore)
     q_live = np.flatnonzero(np.diff(q_offsets) > 0)
@@ -204,3 +214,9 @@ def near_duplicate_of(queries: Sequence[np.ndarray], corpus: Sequence[np.ndarray
                                         c_values[c_offsets[c]:c_offsets[c + 1]]) >= threshold:
                 found[q] = True
     return found
+
+
+def _near_duplicate_in_slice(task: tuple) -> np.ndarray:
+    """One worker's part of `near_duplicate_of`: (queries, corpus slice, threshold, ngram, seed, ignore)."""
+    queries, corpus, threshold, ngram, seed, ignore = task
+    return near_duplicate_of(queries, corpus, threshold=threshold, ngram=ngram, seed=seed, ignore=ignore)

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from dflash_train import __version__
 from dflash_train.data.render import ChatRenderer
-from dflash_train.data.shards import ShardWriter
+from dflash_train.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter
 from dflash_train.data.sources import Record, expand_inputs, iter_records
 from dflash_train.target.loading import load_tokenizer, tokenizer_identity
 from dflash_train.utils.config import cli
@@ -53,8 +53,6 @@ from dflash_train.utils.errors import DataError
 from dflash_train.utils.fs import atomic_directory_write, check_output_dir
 from dflash_train.utils.signals import StopSignals
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 JOB = "prepare"  # named in the marker file of the directories it writes
 CHUNK_ROWS = 64  # rows per task sent to a worker process
 MAX_LISTED_BAD_ROWS = 1000  # bad rows listed in the manifest itself; bad_rows.jsonl has them all

@@ -9,6 +9,8 @@ import numpy as np
 import pyarrow as pa
 
 BATCH_ROWS = 1024  # rows per Arrow record batch: small enough to buffer, large enough to be cheap
+FORMAT_VERSION = 1  # of a prepared dataset (its manifest's format_version): bump when the layout changes
+MANIFEST = "manifest.json"
 
 
 class ShardWriter:

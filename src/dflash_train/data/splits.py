@@ -7,7 +7,9 @@ grouped by prompt (the tokens before the first loss-masked one); a group goes to
 its seeded prompt hash falls under `eval_fraction`, so the same prompt is never on both
 sides. Eval rows whose prompt or answer near-duplicates a training row's (`dedup.py`) are
 then dropped from eval. The result is cached in `<dataset>/.splits/<key>.npz`, keyed by the
-manifests and the settings, so starts and resumes after the first do not recompute it.
+manifests and the settings, so starts and resumes after the first do not recompute it. A dataset
+of `PARALLEL_MIN_ROWS` rows or more is hashed and compared in slices by this rank's share of the
+cores (fresh worker processes, `utils/parallel.py`: the same split, a fraction of the wait).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from dflash_train.data.batching import BatchPlanner
 from dflash_train.data.config import DataConfig
 from dflash_train.data.dataset import TokenDataset
 from dflash_train.data.dedup import common_shingles, mix64, near_duplicate_of
+from dflash_train.data.row_parts import RowParts, prompt_and_answer, prompt_hashes
 from dflash_train.data.synthetic import SyntheticDataset, is_synthetic
 from dflash_train.utils.errors import ConfigError, DataError
+from dflash_train.utils.parallel import cores_of_this_process
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ CACHE_DIR = ".splits"
 # template, system prompt, stock phrases): left out of the Jaccard, or every prompt that shares a
 # system prompt would look like a near-duplicate of every other
 BOILERPLATE_FRACTION, BOILERPLATE_MIN_COUNT = 0.05, 10
+# below this many rows the split runs in this process: starting the workers (a fork server and
+# their imports, ~1 s) costs more than their slices save (~10K rows a second a core)
+PARALLEL_MIN_ROWS = 100_000
 
 
 class IndexSubset:
@@ -70,6 +77,7 @@ class SplitReport:
     dedup_ngram: int = 0
     duplicates_kept: bool = False  # every eval row was a duplicate: all were kept, eval is not held out
     seconds: float = 0.0  # to compute the split (a cache hit reports the original time)
+    workers: int = 1  # processes that computed it
     cache: str = ""  # "hit", "written", "not written (why)", "" when not cached
 
     def describe(self) -> str:
@@ -80,6 +88,7 @@ class SplitReport:
             text += (f", dropped {self.dropped_prompt_duplicates:,} by prompt and {self.dropped_answer_duplicates:,}"
                      f" by answer as duplicates of training rows ({check})")
         text += f"; {self.eval_rows_kept:,} eval rows kept, {self.train_rows:,} training rows; {self.seconds:.1f} s"
+        text += f" in {self.workers} processes" if self.workers > 1 else ""
         text += f" (cache: {self.cache})" if self.cache else ""
         if self.duplicates_kept:
             fix = "data.eval_path repeats data.path" if self.rule == "eval_path" else \
@@ -112,29 +121,6 @@ class DataSplits:
         return [prompt_and_answer(self.eval[int(i)])[0].copy() for i in self._prompt_rows[:limit]]
 
 
-def prompt_and_answer(sample) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt ids [P], answer ids [A]) of an (input_ids, loss_mask) sample: the tokens before the
-    first loss-masked token (what the model answers), and the loss-masked tokens."""
-    ids, mask = sample
-    ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
-    first = int(np.argmax(mask)) if mask.any() else len(ids)
-    return ids[:first], ids[mask]
-
-
-def prompt_hashes(dataset, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(uint64 [R] prompt hash, bool [R] has a prompt) of `rows`. A row with no prompt (a `text`
-    row: loss on every token) is its own group: hashed on all its tokens."""
-    hashes, has_prompt = np.zeros(len(rows), np.uint64), np.zeros(len(rows), bool)
-    for k, i in enumerate(rows.tolist()):
-        sample = dataset[i]
-        prompt, _ = prompt_and_answer(sample)
-        has_prompt[k] = len(prompt) > 0
-        data = b"p" + prompt.astype(np.int32).tobytes() if len(prompt) else b"r" + np.asarray(
-            sample[0]).astype(np.int32).tobytes()
-        hashes[k] = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    return hashes, has_prompt
-
-
 def _seeded(hashes: np.ndarray, seed: int) -> np.ndarray:
     """uint64: a uniform pseudo-random value per hash, fixed by (seed, hash)."""
     return mix64(hashes ^ mix64(np.array([seed % 2**64], np.uint64))[0])
@@ -146,19 +132,6 @@ def in_eval(hashes: np.ndarray, seed: int, fraction: float) -> np.ndarray:
     return _seeded(hashes, seed) < np.uint64(int(fraction * 2.0**64))
 
 
-class _Parts:
-    """Lazy sequence: the prompt (part 0) or answer (part 1) ids of `rows` of `dataset`."""
-
-    def __init__(self, dataset, rows: np.ndarray, part: int):
-        self.dataset, self.rows, self.part = dataset, rows, part
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return prompt_and_answer(self.dataset[int(self.rows[i])])[self.part]
-
-
 @dataclass
 class HeldOut:
     train_rows: np.ndarray | None  # int64 sorted; None: the whole dataset (with eval_path)
@@ -167,37 +140,39 @@ class HeldOut:
 
 
 def _drop_duplicates(cfg: DataConfig, seed: int, eval_ds, eval_rows: np.ndarray, eval_hashes: np.ndarray,
-                     train_ds, train_rows: np.ndarray, train_hashes: np.ndarray) -> tuple[np.ndarray, int, int]:
+                     train_ds, train_rows: np.ndarray, train_hashes: np.ndarray, workers: int = 1
+                     ) -> tuple[np.ndarray, int, int]:
     """(kept eval rows, dropped by prompt, dropped by answer): an eval row goes when its prompt
     equals or near-duplicates a training prompt, or else its answer near-duplicates a training answer."""
     by_prompt = np.isin(eval_hashes, train_hashes)  # exact: only possible with a separate eval dataset
     by_answer = np.zeros(len(eval_rows), bool)
     if cfg.dedup_threshold > 0:
-        dedup = {"threshold": cfg.dedup_threshold, "ngram": cfg.dedup_ngram, "seed": seed}
+        dedup = {"threshold": cfg.dedup_threshold, "ngram": cfg.dedup_ngram, "seed": seed, "workers": workers}
         common = {"min_fraction": BOILERPLATE_FRACTION, "min_count": BOILERPLATE_MIN_COUNT, "seed": seed}
         # prompts: one per distinct prompt on each side
         _, eval_first, eval_group = np.unique(eval_hashes, return_index=True, return_inverse=True)
         _, train_first = np.unique(train_hashes, return_index=True)
-        train_prompts = _Parts(train_ds, train_rows[np.sort(train_first)], 0)
-        queries = _Parts(eval_ds, eval_rows[eval_first], 0)
+        train_prompts = RowParts(train_ds, train_rows[np.sort(train_first)], 0)
+        queries = RowParts(eval_ds, eval_rows[eval_first], 0)
         near = near_duplicate_of([queries[g] for g in range(len(queries))], train_prompts,
                                  ignore=common_shingles(train_prompts, cfg.dedup_ngram, **common), **dedup)
         by_prompt |= near[eval_group.ravel()]
         # answers: of every training row, for the eval rows still in
         rest = np.flatnonzero(~by_prompt)
-        train_answers = _Parts(train_ds, train_rows, 1)
-        queries = _Parts(eval_ds, eval_rows[rest], 1)
+        train_answers = RowParts(train_ds, train_rows, 1)
+        queries = RowParts(eval_ds, eval_rows[rest], 1)
         by_answer[rest] = near_duplicate_of([queries[k] for k in range(len(queries))], train_answers,
                                             ignore=common_shingles(train_answers, cfg.dedup_ngram, **common), **dedup)
     keep = ~(by_prompt | by_answer)
     return eval_rows[keep], int(by_prompt.sum()), int(by_answer.sum())
 
 
-def compute_split(cfg: DataConfig, seed: int, dataset, eval_dataset=None) -> HeldOut:
-    """The prompt-level split of `dataset` (or, with `eval_dataset`, which of its rows to keep)."""
+def compute_split(cfg: DataConfig, seed: int, dataset, eval_dataset=None, workers: int = 1) -> HeldOut:
+    """The prompt-level split of `dataset` (or, with `eval_dataset`, which of its rows to keep);
+    `workers` > 1 reads the training rows in that many worker processes (the same result)."""
     t0 = time.perf_counter()
     all_rows = np.arange(len(dataset), dtype=np.int64)
-    hashes, _ = prompt_hashes(dataset, all_rows)
+    hashes, _ = prompt_hashes(dataset, all_rows, workers)
     if eval_dataset is not None:
         train_rows, eval_rows = all_rows, np.arange(len(eval_dataset), dtype=np.int64)
         train_hashes, (eval_hashes, _) = hashes, prompt_hashes(eval_dataset, eval_rows)
@@ -214,11 +189,11 @@ def compute_split(cfg: DataConfig, seed: int, dataset, eval_dataset=None) -> Hel
         train_hashes, eval_hashes = hashes[~row_in_eval], hashes[row_in_eval]
         rule, eval_ds = "prompt", dataset
     kept, by_prompt, by_answer = _drop_duplicates(cfg, seed, eval_ds, eval_rows, eval_hashes,
-                                                  dataset, train_rows, train_hashes)
+                                                  dataset, train_rows, train_hashes, workers)
     report = SplitReport(rule, len(train_rows), len(eval_rows), len(kept), eval_groups=len(np.unique(eval_hashes)),
                          dropped_prompt_duplicates=by_prompt, dropped_answer_duplicates=by_answer,
                          dedup_threshold=cfg.dedup_threshold, dedup_ngram=cfg.dedup_ngram,
-                         seconds=round(time.perf_counter() - t0, 3))
+                         seconds=round(time.perf_counter() - t0, 3), workers=workers)
     if not len(kept):  # a tiny or templated dataset: an eval set that is not held out beats none
         kept, report.eval_rows_kept, report.duplicates_kept = eval_rows, len(eval_rows), True
     return HeldOut(None if eval_dataset is not None else train_rows, kept, report)
@@ -232,9 +207,10 @@ def _cache_path(cfg: DataConfig, seed: int, dataset: TokenDataset, eval_dataset:
     return dataset.path / CACHE_DIR / f"{key}.npz"
 
 
-def held_out_split(cfg: DataConfig, seed: int, dataset: TokenDataset, eval_dataset: TokenDataset | None = None
-                   ) -> HeldOut:
-    """`compute_split`, read from its cache file when there is one, else computed and written there."""
+def held_out_split(cfg: DataConfig, seed: int, dataset: TokenDataset, eval_dataset: TokenDataset | None = None,
+                   workers: int | None = None) -> HeldOut:
+    """`compute_split`, read from its cache file when there is one, else computed and written there
+    (`workers`: None = this rank's share of the cores for a dataset of `PARALLEL_MIN_ROWS` or more)."""
     path = _cache_path(cfg, seed, dataset, eval_dataset)
     try:
         with np.load(path, allow_pickle=False) as saved:
@@ -246,7 +222,9 @@ def held_out_split(cfg: DataConfig, seed: int, dataset: TokenDataset, eval_datas
         pass
     except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:  # damaged: redo
         log.warning("ignoring the unreadable split cache %s (%s)", path, exc)
-    split = compute_split(cfg, seed, dataset, eval_dataset)
+    if workers is None:
+        workers = cores_of_this_process() if len(dataset) >= PARALLEL_MIN_ROWS else 1
+    split = compute_split(cfg, seed, dataset, eval_dataset, workers)
     arrays = {"eval_rows": split.eval_rows, "report": np.array(json.dumps(dataclasses.asdict(split.report)))}
     if split.train_rows is not None:
         arrays["train_rows"] = split.train_rows
