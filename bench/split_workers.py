@@ -20,10 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_train.data.config import DataConfig
 from dflash_train.data.dataset import TokenDataset
 from dflash_train.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter
-from dflash_train.data.splits import compute_split
 
 SYSTEM = np.arange(1, 25, dtype=np.int32)
 
@@ -54,6 +52,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
+    # imported here, not above: the worker processes import this file as their main module, and
+    # these bring torch (a training rank's workers import the light CLI module instead)
+    from dflash_train.data.config import DataConfig
+    from dflash_train.data.splits import compute_split
     cfg = DataConfig(path="bench", eval_fraction=0.003, dedup_threshold=0.5, dedup_ngram=3)  # the recipe's check
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

@@ -7,8 +7,6 @@ from pathlib import Path
 sys.path.insert(0, "bench")
 import split_workers  # noqa: E402
 
-from dflash_train.data import splits  # noqa: E402
-from dflash_train.data.config import DataConfig  # noqa: E402
 from dflash_train.data.dataset import TokenDataset  # noqa: E402
 
 
@@ -21,7 +19,9 @@ def timed(name, fn):
     return wrapper
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # torch-bringing imports here: the workers import this file as their main
+    from dflash_train.data import splits
+    from dflash_train.data.config import DataConfig
     for name in ("prompt_hashes", "common_shingles", "near_duplicate_of", "_drop_duplicates"):
         setattr(splits, name, timed(name, getattr(splits, name)))
     with tempfile.TemporaryDirectory() as tmp:
