@@ -266,6 +266,15 @@ def test_demo_summary_explains_a_cpu_run_and_quotes_the_registry(tmp_path):
         "on a GPU, a drafter for the same target trained by the recipe (docs/recipe-smollm2.md) measured tau 1.70 on "
         "held-out chat prompts, tau 2.22 on HumanEval, 1.80x the speed of plain greedy decoding at batch 1 (HumanEval) "
         "(GPU X, 2026-01-02; bench/results/summary.json)"]
+    # a drafter kept since, its speed not yet measured: each number with its own machine and day
+    later = {"device": "GPU Y", "date": "2026-02-03", "command": "c"}
+    registry.write_text(json.dumps({"quality.smollm2.tau_chat_heldout": {**later, "value": 2.83},
+                                    "quality.smollm2.tau_humaneval": {**later, "value": 3.575},
+                                    "quality.smollm2.speedup_batch1": {**entry, "value": 2.596}}))
+    assert gpu_reference_lines(registry) == [
+        "on a GPU, drafters for the same target trained by the recipe (docs/recipe-smollm2.md) measured tau 2.83 on "
+        "held-out chat prompts, tau 3.58 on HumanEval (GPU Y, 2026-02-03), and 2.60x the speed of plain greedy "
+        "decoding at batch 1 (HumanEval) (GPU X, 2026-01-02; bench/results/summary.json)"]
     assert gpu_reference_lines(tmp_path / "none.json")[0].startswith("on a GPU: see bench/results/summary.json")
     assert "measured tau" in gpu_reference_lines(REGISTRY)[0]  # the checkout's registry has the keys
     # 10 rounds: 2 s verifying and 0.5 s drafting; plain greedy 10 tok/s (0.1 s a token)
