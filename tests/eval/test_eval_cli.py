@@ -258,23 +258,21 @@ def test_demo_summary_explains_a_cpu_run_and_quotes_the_registry(tmp_path):
     from dflash_train.eval.demo import REGISTRY, cpu_lines, gpu_reference_lines
 
     registry = tmp_path / "summary.json"
-    entry = {"device": "GPU X", "date": "2026-01-02", "command": "c"}
-    registry.write_text(json.dumps({"quality.smollm2.tau_chat_heldout": {**entry, "value": 1.7},
-                                    "quality.smollm2.tau_humaneval": {**entry, "value": 2.216},
-                                    "quality.smollm2.speedup_batch1": {**entry, "value": 1.801}}))
-    assert gpu_reference_lines(registry) == [
-        "on a GPU, a drafter for the same target trained by the recipe (docs/recipe-smollm2.md) measured tau 1.70 on "
-        "held-out chat prompts, tau 2.22 on HumanEval, 1.80x the speed of plain greedy decoding at batch 1 (HumanEval) "
-        "(GPU X, 2026-01-02; bench/results/summary.json)"]
-    # a drafter kept since, its speed not yet measured: each number with its own machine and day
-    later = {"device": "GPU Y", "date": "2026-02-03", "command": "c"}
-    registry.write_text(json.dumps({"quality.smollm2.tau_chat_heldout": {**later, "value": 2.83},
-                                    "quality.smollm2.tau_humaneval": {**later, "value": 3.575},
-                                    "quality.smollm2.speedup_batch1": {**entry, "value": 2.596}}))
-    assert gpu_reference_lines(registry) == [
-        "on a GPU, drafters for the same target trained by the recipe (docs/recipe-smollm2.md) measured tau 2.83 on "
-        "held-out chat prompts, tau 3.58 on HumanEval (GPU Y, 2026-02-03), and 2.60x the speed of plain greedy "
-        "decoding at batch 1 (HumanEval) (GPU X, 2026-01-02; bench/results/summary.json)"]
+    x, y = ("GPU X", "2026-01-02"), ("GPU Y", "2026-02-03")
+    recipe = "on a GPU, {} for the same target trained by the recipe (docs/recipe-smollm2.md) measured "
+    cases = [  # (chat tau, HumanEval tau, speedup), each (value, device, date), and the line it gives
+        (((1.7, *x), (2.216, *x), (1.801, *x)), recipe.format("a drafter") + "tau 1.70 on held-out chat prompts, "
+         "tau 2.22 on HumanEval, 1.80x the speed of plain greedy decoding at batch 1 (HumanEval) (GPU X, 2026-01-02; "
+         "bench/results/summary.json)"),
+        # a drafter kept since, its speed not yet measured: each number with its own machine and day
+        (((2.83, *y), (3.575, *y), (2.596, *x)), recipe.format("drafters") + "tau 2.83 on held-out chat prompts, "
+         "tau 3.58 on HumanEval (GPU Y, 2026-02-03), and 2.60x the speed of plain greedy decoding at batch 1 "
+         "(HumanEval) (GPU X, 2026-01-02; bench/results/summary.json)")]
+    for measured, line in cases:
+        keys = ("tau_chat_heldout", "tau_humaneval", "speedup_batch1")
+        registry.write_text(json.dumps({f"quality.smollm2.{key}": {"value": v, "device": d, "date": t, "command": "c"}
+                                        for key, (v, d, t) in zip(keys, measured)}))
+        assert gpu_reference_lines(registry) == [line]
     assert gpu_reference_lines(tmp_path / "none.json")[0].startswith("on a GPU: see bench/results/summary.json")
     assert "measured tau" in gpu_reference_lines(REGISTRY)[0]  # the checkout's registry has the keys
     # 10 rounds: 2 s verifying and 0.5 s drafting; plain greedy 10 tok/s (0.1 s a token)
