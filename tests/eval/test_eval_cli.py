@@ -264,7 +264,7 @@ def test_demo_summary_explains_a_cpu_run_and_quotes_the_registry(tmp_path):
         (((1.7, *x), (2.216, *x), (1.801, *x)), recipe.format("a drafter") + "tau 1.70 on held-out chat prompts, "
          "tau 2.22 on HumanEval, 1.80x the speed of plain greedy decoding at batch 1 (HumanEval) (GPU X, 2026-01-02; "
          "bench/results/summary.json)"),
-        # a drafter kept since, its speed not yet measured: each number with its own machine and day
+        # a drafter kept since, its speed not yet measured: each number with its own device and date
         (((2.83, *y), (3.575, *y), (2.596, *x)), recipe.format("drafters") + "tau 2.83 on held-out chat prompts, "
          "tau 3.58 on HumanEval (GPU Y, 2026-02-03), and 2.60x the speed of plain greedy decoding at batch 1 "
          "(HumanEval) (GPU X, 2026-01-02; bench/results/summary.json)")]
