@@ -309,7 +309,7 @@ after_training() {
   [ "${SHIP_DRAFTER:-0}" = 1 ] && ship_drafter $1
   [ "${EVAL:-1}" = 1 ] || exit 0
   bg_generate_start; eval_sets $1 $W/$1/final; bg_generate_stop
-  [ "${SHIP_DRAFTER:-0}" = 1 ] && pack_reports $1
+  if [ "${SHIP_DRAFTER:-0}" = 1 ]; then pack_reports $1; fi  # (not `&&`: its false test would be the exit status)
 }
 
 # ours_train_seconds METRICS: the training seconds of one of our runs (its log windows)
