@@ -43,7 +43,7 @@ MARK="recipe data:"
 DRAFTER_MARK="recipe drafter:"
 RESTORED=.recipe-drafter  # in a folder restore-drafter made: the drafter's name and commit
 NAME_RE='^[A-Za-z0-9_][A-Za-z0-9._-]*$'
-CURRENT_DRAFTER=${RECIPE_CURRENT_DRAFTER-2026-12-06-smollm2-third-stage-full-data}
+CURRENT_DRAFTER=${RECIPE_CURRENT_DRAFTER-2026-12-06-smollm2-fourth-stage-full-data}
 
 valid_name() { [[ $1 =~ $NAME_RE ]]; }
 check_name() {  # WHAT NAME: one line naming what is wrong with a name
